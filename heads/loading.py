@@ -1,0 +1,140 @@
+"""Build fresh heads for a target (`create_heads`) and load saved ones safely (`load_heads`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+from safetensors import SafetensorError, safe_open
+from transformers import PreTrainedModel
+
+from specheads.heads import HEAD_CLASSES, HEAD_TYPES
+from specheads.heads.base import DraftHeads
+from specheads.heads.config import FIELD_HELP, HeadsConfig
+from specheads.heads.eagle import draft_layer_config_from_target
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def create_heads(target: PreTrainedModel, head_type: str = "eagle", **options: Any) -> DraftHeads:
+    """Fresh, untrained heads sized for `target` and attached to it.
+
+    Args:
+        target: the frozen target, any `AutoModelForCausalLM` (Llama-like families for EAGLE).
+        head_type: one of `HEAD_TYPES`.
+        **options: any `HeadsConfig` field (e.g. `num_heads=4` for Medusa, `tree_depth=6` for EAGLE).
+
+    Returns:
+        Heads on the target's device and dtype, initialised as their architecture prescribes.
+    """
+    if head_type not in HEAD_CLASSES:
+        raise ValueError(f"unknown head_type {head_type!r}; expected one of {HEAD_TYPES}")
+    text_config = target.config.get_text_config()
+    fields = dict(
+        head_type=head_type,
+        target_name_or_path=str(text_config.name_or_path or ""),
+        target_architectures=list(getattr(target.config, "architectures", None) or [type(target).__name__]),
+        target_model_type=text_config.model_type,
+        hidden_size=text_config.hidden_size,
+        vocab_size=text_config.vocab_size,
+        feature_layers=[text_config.num_hidden_layers],  # the final, post-norm hidden state
+    )
+    if head_type == "eagle":
+        fields["draft_layer_config"] = draft_layer_config_from_target(text_config)
+    unknown = set(options) - set(FIELD_HELP)
+    if unknown:
+        raise ValueError(f"create_heads: unknown options {sorted(unknown)}; expected HeadsConfig fields")
+    fields.update(options)
+    heads = HEAD_CLASSES[head_type](HeadsConfig(**fields))
+    heads.to(device=target.device, dtype=target.dtype)
+    heads.init_from_target(target)
+    heads.attach_target(target)
+    return heads
+
+
+def check_safetensors(path: Path) -> None:
+    """Raise a ValueError naming the file if it is not a complete, readable safetensors file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                f.get_slice(name)[:]  # touches the bytes: a truncated file fails here
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"{path} is corrupt or truncated (not a valid safetensors file): {err}") from err
+
+
+def _resolve_folder(path_or_hub_id: str | os.PathLike, revision: str | None) -> Path:
+    """A local folder, or the snapshot folder of a Hub id (downloaded, or from the offline HF cache)."""
+    local = Path(path_or_hub_id).expanduser()
+    if local.is_dir():
+        return local
+    text = str(path_or_hub_id)
+    if local.exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
+        raise FileNotFoundError(f"heads checkpoint folder {text!r} does not exist (expected a folder with {CONFIG_NAME})")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.md"]))
+    except Exception as err:  # hub errors are many types; name what was asked
+        raise FileNotFoundError(
+            f"heads {text!r} is neither a local folder nor a Hub repo that could be loaded "
+            f"(offline mode: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {err}"
+        ) from err
+
+
+def load_heads(
+    path_or_hub_id: str | os.PathLike,
+    target: PreTrainedModel | None = None,
+    revision: str | None = None,
+    allow_pickle: bool = False,
+) -> DraftHeads:
+    """Load heads saved with `save_pretrained`, from a folder or a Hub id (the offline cache works).
+
+    Args:
+        path_or_hub_id: a checkpoint folder or a Hub repo id.
+        target: if given, the heads are checked against it, moved to its device/dtype and attached.
+        revision: Hub revision.
+        allow_pickle: reserved for foreign formats; specheads checkpoints are safetensors only.
+
+    Raises:
+        FileNotFoundError: no such folder / repo, or it lacks config.json or model.safetensors.
+        ValueError: invalid config values, corrupt weights, missing or unexpected tensors, or a target mismatch.
+    """
+    folder = _resolve_folder(path_or_hub_id, revision)
+    config_file, weights_file = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; is it a specheads checkpoint?")
+    if not weights_file.is_file():
+        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = f" (found pickled {pickled}: specheads loads safetensors only)" if pickled else ""
+        raise FileNotFoundError(f"{folder} has no {WEIGHTS_NAME}{hint}")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file} is not valid JSON: {err}") from err
+    head_type = raw.get("head_type")
+    if head_type not in HEAD_CLASSES:
+        raise ValueError(f"{config_file}: head_type={head_type!r} is unknown; expected one of {HEAD_TYPES}")
+    config = HeadsConfig.from_pretrained(folder)
+    check_safetensors(weights_file)
+    heads, info = HEAD_CLASSES[head_type].from_pretrained(
+        folder, config=config, output_loading_info=True, use_safetensors=True
+    )
+    missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights_file} does not match a {head_type} head of this config: "
+            f"missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}"
+        )
+    if info.get("mismatched_keys"):
+        raise ValueError(f"{weights_file}: tensors with the wrong shape: {info['mismatched_keys']}")
+    heads.eval()
+    if target is not None:
+        heads.to(device=target.device, dtype=target.dtype)
+        heads.attach_target(target)
+    return heads
+
+

@@ -1,0 +1,20 @@
+"""specheads: speculative decoding with trained draft heads (Medusa, EAGLE).
+
+    from specheads import load_target, create_heads, load_heads, SpeculativeLM
+"""
+
+__version__ = "0.1.0"
+
+from specheads.heads import HEAD_TYPES, HeadsConfig, create_heads, load_heads  # noqa: E402
+from specheads.targets import load_target  # noqa: E402
+
+__all__ = ["HEAD_TYPES", "HeadsConfig", "SpeculativeLM", "__version__", "create_heads", "load_heads", "load_target"]
+
+
+def __getattr__(name: str):
+    # SpeculativeLM pulls in the inference engine; import it on first use to keep `import specheads` light.
+    if name == "SpeculativeLM":
+        from specheads.inference.generate import SpeculativeLM
+
+        return SpeculativeLM
+    raise AttributeError(f"module 'specheads' has no attribute {name!r}")
