@@ -68,7 +68,7 @@ class HeadsConfig(PretrainedConfig):
         hidden_size: int = 64,
         vocab_size: int = 512,
         feature_layers: list[int] | None = None,
-        num_heads: int = 4,
+        num_heads: int = 5,
         num_layers: int = 1,
         draft_layer_config: dict[str, Any] | None = None,
         tree_depth: int = 6,

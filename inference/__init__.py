@@ -1,4 +1,4 @@
-"""specheads.inference"""
+"""specheads.inference: token trees, verification, acceptance, KV cache, generate, benchmark."""
 
 if __name__ != "specheads.inference":
     raise ImportError(

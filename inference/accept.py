@@ -1,0 +1,102 @@
+"""Acceptance: which drafted path of a verified tree the target keeps, and the bonus token it adds.
+
+All rules return `(path, bonus)`: `path` is a (L+1,) long tensor of node indices from the root (node 0)
+to the deepest accepted node, and `bonus` the target's own next token after it (a 0-d long tensor).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specheads.inference.sampling import sample_token
+from specheads.inference.tree import TreeBuffers
+
+
+def accept_greedy(tokens: torch.Tensor, tree: TreeBuffers, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest path whose tokens equal the target's argmax at their parent, plus the target's bonus token.
+
+    Args:
+        tokens: (N,) drafted tokens (tokens[0] is the root, already the target's choice).
+        tree: the tree's buffers.
+        target_argmax: (N,) the target's argmax next token at each node.
+
+    Returns:
+        (path, bonus).
+    """
+    # correct[i]: node i's token is what the target predicts after its parent (the root is always correct).
+    correct = tokens == target_argmax[tree.parents.clamp(min=0)]
+    correct[0] = True
+    # A node is accepted when it and all its ancestors are correct.
+    accepted = ~(tree.ancestors & ~correct[None, :]).any(dim=-1)
+    best = torch.argmax(torch.where(accepted, tree.depth, -1))  # deepest accepted node (siblings differ)
+    path = torch.nonzero(tree.ancestors[best]).squeeze(-1)  # ancestors in index (= depth) order
+    return path, target_argmax[best]
+
+
+def accept_sampling(
+    tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact recursive rejection sampling over sibling candidates (lossless).
+
+    At the current node with target distribution p (already temperature/top-k/top-p processed), the
+    children are deterministic candidates t_1, t_2, ... (drafted tokens, in draft order). For each in turn:
+    accept t_i with probability p(t_i); otherwise set p(t_i) = 0 and renormalise (the residual). If every
+    child is rejected, the bonus token is sampled from the residual. The emitted token is therefore
+    distributed exactly as p: P(t_1) = p(t_1), P(t_2) = (1 - p(t_1)) * p(t_2) / (1 - p(t_1)) = p(t_2), ...
+
+    Args:
+        tokens: (N,) drafted tokens.
+        tree: the tree's buffers.
+        probs: (N, V) target probabilities at each node.
+
+    Returns:
+        (path, bonus).
+    """
+    parents = tree.parents.tolist()  # sampling walks the tree: a few Python steps per depth
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents[1:], start=1):
+        children.setdefault(parent, []).append(node)
+    token_list = tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        p = probs[node]  # q: the draft is a point mass on each candidate; p: the target's distribution
+        accepted_child = None
+        for child in children.get(node, []):
+            token = token_list[child]
+            p_token = float(p[token])
+            if p_token > 0 and torch.rand(()).item() < p_token:
+                accepted_child = child
+                break
+            if p_token > 0:
+                p = p.clone()
+                p[token] = 0.0  # the residual max(p - q, 0) with q = one-hot(token)
+                p = p / p.sum()
+        if accepted_child is None:
+            return torch.tensor(path, device=tokens.device), sample_token(p)
+        node = accepted_child
+        path.append(node)
+
+
+def accept_typical(
+    tokens: torch.Tensor,
+    tree: TreeBuffers,
+    probs: torch.Tensor,
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Medusa's typical acceptance. LOSSY: outputs do not follow the target's distribution exactly.
+
+    A drafted token is accepted when the target gives it probability above
+    min(posterior_threshold, posterior_alpha * exp(-entropy(p))); the longest such path wins and the bonus
+    token is sampled from the target at its end. Faster for high temperatures, but opt-in only.
+    """
+    entropy = -(probs * torch.log(probs.clamp_min(1e-10))).sum(-1)  # (N,)
+    threshold = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy))
+    parent = tree.parents.clamp(min=0)
+    p_of_token = probs[parent, tokens]  # (N,) target prob of each node's token at its parent
+    correct = p_of_token > threshold[parent]
+    correct[0] = True
+    accepted = ~(tree.ancestors & ~correct[None, :]).any(dim=-1)
+    best = torch.argmax(torch.where(accepted, tree.depth, -1))
+    path = torch.nonzero(tree.ancestors[best]).squeeze(-1)
+    return path, sample_token(probs[best])

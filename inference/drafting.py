@@ -1,0 +1,150 @@
+"""Drafting: heads propose a token tree from the target's features.
+
+A drafter has two methods (the proposer interface of transformers' candidate generators):
+`reset()` before a new sequence, and `propose(features, next_tokens)`, which receives the target's
+features at the positions committed since the last call and the token that followed each (the last one
+is the new root, already chosen by the target), and returns the tree's tokens and buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from specheads.heads.eagle import EagleHeads
+from specheads.heads.medusa import MedusaHeads
+from specheads.inference.kv_cache import crop_cache
+from specheads.inference.tree import StaticTree, TreeBuffers, build_tree_buffers
+
+
+class Drafter(Protocol):
+    def reset(self) -> None: ...
+
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]: ...
+
+
+class MedusaDrafter:
+    """Medusa heads fill a static tree in one shot from the last committed feature."""
+
+    def __init__(self, heads: MedusaHeads, tree: StaticTree, dtype: torch.dtype) -> None:
+        if tree.max_depth > heads.config.num_heads:
+            raise ValueError(
+                f"static tree {tree.name!r} has depth {tree.max_depth} but the Medusa checkpoint has only "
+                f"{heads.config.num_heads} heads"
+            )
+        if tree.max_choice > heads.config.vocab_size:
+            raise ValueError(f"static tree {tree.name!r} asks for top-{tree.max_choice} of a {heads.config.vocab_size} vocabulary")
+        self.heads = heads
+        self.tree = tree
+        device = next(heads.parameters()).device
+        self.buffers = build_tree_buffers(tree.parents.to(device), dtype=dtype)  # built once: the shape is fixed
+        self.head_index = (tree.depth[1:] - 1).to(device)  # (N-1,) head drafting each non-root node
+        self.choice = tree.choices[1:].to(device)  # (N-1,) rank of its token in that head's distribution
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        logits = self.heads(features[-1:][None])[:, 0, 0]  # (K, V): head k's logits for depth k+1
+        top = torch.topk(logits, self.tree.max_choice, dim=-1).indices  # (K, C)
+        tokens = torch.cat([next_tokens[-1:], top[self.head_index, self.choice]])
+        return tokens, self.buffers
+
+
+class EagleDrafter:
+    """EAGLE-2 dynamic trees: expand the best nodes depth by depth, then keep the globally best N.
+
+    The head keeps its own KV cache across rounds. Each `propose` first crops the cache back to the
+    committed positions (dropping last round's draft nodes), feeds the newly committed positions with the
+    target's true features, then drafts `depth` levels: at each level the `top_k` frontier nodes (best by
+    cumulative log-probability) are fed in one head forward under a tree mask, each proposing `top_k`
+    children. Finally the best `num_nodes` nodes of the whole pool are kept (a node's score never exceeds
+    its parent's, so the kept set is a tree).
+    """
+
+    def __init__(self, heads: EagleHeads, depth: int, top_k: int, num_nodes: int, dtype: torch.dtype) -> None:
+        for name, value in (("tree_depth", depth), ("tree_top_k", top_k), ("tree_num_nodes", num_nodes)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        self.heads = heads
+        self.depth, self.top_k, self.num_nodes = depth, top_k, num_nodes
+        self.dtype = dtype
+        self.neg = torch.finfo(dtype).min
+        self.cache = DynamicCache()
+        self.committed = 0  # head positions with true target features in the cache
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.committed = 0
+
+    @torch.no_grad()
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        heads, k, device = self.heads, self.top_k, features.device
+        crop_cache(self.cache, self.committed)
+        start, length = self.committed, features.shape[0]
+
+        # 1. Commit the new positions: position p reads (f_p, x_{p+1}); causal over the cache and the chain.
+        mask = torch.zeros(1, 1, length, start + length, dtype=self.dtype, device=device)
+        mask[0, 0, :, start:] = torch.full((length, length), self.neg, dtype=self.dtype, device=device).triu(1)
+        positions = torch.arange(start, start + length, device=device)[None]
+        predicted = heads(features[None], next_tokens[None], positions, mask, self.cache)[0]  # (L, h)
+        self.committed = start + length
+        last = predicted[-1]  # f^ at the root's position: its logits rank the depth-1 tokens
+
+        # 2. Depth 1: the top-k children of the root.
+        log_probs = torch.log_softmax(heads.logits(last).float(), dim=-1)  # (V,)
+        scores, tokens = torch.topk(log_probs, k)  # (k,)
+        pool_tokens, pool_scores = [tokens], [scores]
+        pool_parents = [torch.full((k,), -1, device=device)]  # pool index of each node's parent; -1 = root
+        frontier = torch.arange(k, device=device)  # pool indices of the nodes fed next
+        frontier_features = last.expand(k, -1)  # (k, h) predicted feature each frontier node reads
+        fed_ancestors = torch.zeros(0, 0, dtype=torch.bool, device=device)  # over fed draft entries
+        parent_fed = torch.full((k,), -1, device=device)  # fed-entry index of each frontier node's parent
+        pool_size = k
+
+        # 3. Deeper levels: feed the frontier (k nodes) at position committed + d - 2, expand, rerank.
+        for level in range(2, self.depth + 1):
+            fed = fed_ancestors.shape[0]
+            rows = torch.zeros(k, fed + k, dtype=torch.bool, device=device)
+            if fed:
+                rows[:, :fed] = torch.where(parent_fed[:, None] >= 0, fed_ancestors[parent_fed.clamp(min=0)], False)
+            rows[:, fed:] = torch.eye(k, dtype=torch.bool, device=device)
+            fed_ancestors = torch.cat(
+                [torch.cat([fed_ancestors, torch.zeros(fed, k, dtype=torch.bool, device=device)], 1), rows], 0
+            )
+            mask = torch.zeros(1, 1, k, self.committed + fed + k, dtype=self.dtype, device=device)
+            mask[0, 0, :, self.committed :].masked_fill_(~rows, self.neg)
+            positions = torch.full((1, k), self.committed + level - 2, device=device)
+            out = heads(frontier_features[None], pool_tokens_at(pool_tokens, frontier, k)[None], positions, mask, self.cache)[0]
+            log_probs = torch.log_softmax(heads.logits(out).float(), dim=-1)  # (k, V)
+            child_scores, child_tokens = torch.topk(log_probs, k, dim=-1)  # (k, k)
+            child_scores = child_scores + torch.cat(pool_scores)[frontier][:, None]
+            pool_tokens.append(child_tokens.flatten())
+            pool_scores.append(child_scores.flatten())
+            pool_parents.append(frontier.repeat_interleave(k))
+            best = torch.topk(child_scores.flatten(), k).indices  # (k,) next frontier among the k*k children
+            frontier = pool_size + best
+            frontier_features = out[best // k]
+            parent_fed = fed + best // k
+            pool_size += k * k
+
+        # 4. Keep the best num_nodes of the pool; a stable sort keeps parents (lower index) first on ties.
+        all_scores, all_tokens, all_parents = torch.cat(pool_scores), torch.cat(pool_tokens), torch.cat(pool_parents)
+        order = torch.sort(all_scores, descending=True, stable=True).indices[: self.num_nodes]
+        keep = torch.sort(order).values  # pool order = topological order
+        remap = torch.full((pool_size,), -1, dtype=torch.long, device=device)
+        remap[keep] = torch.arange(1, keep.shape[0] + 1, device=device)
+        kept_parents = all_parents[keep]
+        tree_parents = torch.where(kept_parents < 0, 0, remap[kept_parents.clamp(min=0)])
+        if bool((tree_parents < 0).any()):  # a parent lost to a tie: cannot happen with the stable sort
+            raise RuntimeError("internal error: dynamic tree selection dropped a parent")
+        tree_tokens = torch.cat([next_tokens[-1:], all_tokens[keep]])
+        parents = torch.cat([torch.tensor([-1], device=device), tree_parents])
+        return tree_tokens, build_tree_buffers(parents, dtype=self.dtype)
+
+
+def pool_tokens_at(pool_tokens: list[torch.Tensor], indices: torch.Tensor, k: int) -> torch.Tensor:
+    """Tokens of the pool nodes at `indices` (the pool is stored as a list of per-level tensors)."""
+    return torch.cat(pool_tokens)[indices]

@@ -1,0 +1,293 @@
+"""`SpeculativeLM`: a frozen target plus draft heads, with a `generate` shaped like transformers'.
+
+Each round reads as four phases: draft (heads propose a tree), verify (one target forward over the
+tree), accept (longest valid path + the target's bonus token), update (compact caches, emit tokens).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from specheads.heads.base import DraftHeads
+from specheads.heads.eagle import EagleHeads
+from specheads.heads.loading import load_heads
+from specheads.heads.medusa import MedusaHeads
+from specheads.inference.accept import accept_greedy, accept_sampling, accept_typical
+from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
+from specheads.inference.kv_cache import compact_cache
+from specheads.inference.sampling import SamplingParams, sample_token, target_probs
+from specheads.inference.tree import StaticTree, load_static_tree
+from specheads.inference.verify import verify_tree
+from specheads.targets import load_target
+
+ACCEPTANCE_RULES = ("exact", "typical")
+
+
+class SpeculativeLM:
+    """Speculative generation with a frozen target and trained draft heads.
+
+    Greedy outputs are token-identical to `target.generate(do_sample=False)`; sampling follows the
+    target's exact distribution (temperature / top-k / top-p applied as transformers does).
+
+    Args:
+        target: the frozen target (any `AutoModelForCausalLM` of a supported family).
+        heads: heads built for this target (`create_heads` / `load_heads`).
+        tokenizer: optional; used by the CLI and streamers.
+        tree: Medusa only: a `StaticTree` or the name/path of one (default: the checkpoint's `static_tree`).
+        tree_depth, tree_top_k, tree_num_nodes: EAGLE only: dynamic tree shape (default: the checkpoint's).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        heads: DraftHeads,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        tree: StaticTree | str | None = None,
+        tree_depth: int | None = None,
+        tree_top_k: int | None = None,
+        tree_num_nodes: int | None = None,
+    ) -> None:
+        if not isinstance(heads, DraftHeads):
+            raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
+        heads.attach_target(target)  # raises when heads and target do not match
+        self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
+        config = heads.config
+        if isinstance(heads, MedusaHeads):
+            static = tree if isinstance(tree, StaticTree) else load_static_tree(tree or config.static_tree)
+            self.drafter: Drafter = MedusaDrafter(heads, static, dtype=target.dtype)
+        elif isinstance(heads, EagleHeads):
+            if tree is not None:
+                raise ValueError("EAGLE heads draft dynamic trees: use tree_depth / tree_top_k / tree_num_nodes, not tree")
+            self.drafter = EagleDrafter(
+                heads,
+                depth=tree_depth or config.tree_depth,
+                top_k=tree_top_k or config.tree_top_k,
+                num_nodes=tree_num_nodes or config.tree_num_nodes,
+                dtype=target.dtype,
+            )
+        else:
+            raise TypeError(f"no drafter for head type {config.head_type!r}")
+        self.last_stats: dict[str, Any] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | os.PathLike,
+        heads: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        **kwargs: Any,
+    ) -> SpeculativeLM:
+        """Load a target (path, Hub id or alias) and heads (folder or Hub id), then build the model."""
+        target_model, tokenizer = load_target(target, dtype=dtype, device=device)
+        return cls(target_model, load_heads(heads, target=target_model), tokenizer=tokenizer, **kwargs)
+
+    # ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 128,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        streamer: Any | None = None,
+        acceptance: str = "exact",
+    ) -> torch.Tensor:
+        """Generate like `transformers.generate`: returns prompt + new tokens, (B, n + new).
+
+        Args:
+            input_ids: (B, n) or (n,) prompt ids; left padding with `attention_mask` for B > 1.
+            attention_mask: (B, n), 1 for real tokens.
+            max_new_tokens: new tokens at most (0 returns the prompt).
+            do_sample, temperature, top_p, top_k: as in transformers.
+            eos_token_id: int or list; default from the target's generation config. Generation stops right
+                after it (the EOS token is included, as transformers does).
+            pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
+            streamer: a transformers `TextStreamer` / `TextIteratorStreamer` (batch size 1).
+            acceptance: "exact" (lossless) or "typical" (Medusa's, lossy, sampling only).
+
+        After the call, `self.last_stats` holds new_tokens, target_forwards, mean_accepted (tau: new tokens
+        per target forward, the bonus token counted, the prefill counted as one forward), rounds,
+        accepted_per_depth (fraction of rounds accepting at least d drafted tokens), seconds, tokens_per_second.
+        """
+        params = SamplingParams(do_sample, temperature, top_p, top_k)
+        params.validate()
+        if acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
+        if acceptance == "typical" and not do_sample:
+            raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
+        prompts = self._split_prompts(input_ids, attention_mask, max_new_tokens)
+        if streamer is not None and len(prompts) > 1:
+            raise ValueError("streamers support batch size 1 only (as in transformers)")
+        eos = self._eos_ids(eos_token_id)
+        stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": []}
+        start = time.perf_counter()
+        rows = []
+        for prompt in prompts:
+            if streamer is not None:
+                streamer.put(prompt.cpu())
+            rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats))
+        if streamer is not None:
+            streamer.end()
+        seconds = time.perf_counter() - start
+        self.last_stats = self._finish_stats(stats, seconds)
+        return self._assemble(input_ids, rows, pad_token_id, eos)
+
+    # --- the loop ---------------------------------------------------------------------------------------
+    def _generate_row(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: set[int],
+        streamer: Any | None,
+        acceptance: str,
+        stats: dict[str, Any],
+    ) -> list[int]:
+        """Speculative decoding of one prompt (n,); returns the new token ids."""
+        if max_new_tokens == 0:
+            return []
+        target, heads = self.target, self.heads
+        cache = DynamicCache()
+        out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True, output_hidden_states=True)
+        stats["target_forwards"] += 1
+        features = heads.select_features(out.hidden_states)[0]  # (n, h)
+        last_logits = out.logits[0, -1:]
+        root = self._choose(last_logits, params)[0]
+        new_tokens: list[int] = []
+        done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)
+        next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
+        prefix_length = prompt.shape[0]
+        self.drafter.reset()
+        while not done:
+            # draft
+            tokens, tree = self.drafter.propose(features, next_tokens)
+            # verify
+            logits, hidden_states = verify_tree(target, cache, tokens, tree, prefix_length)
+            stats["target_forwards"] += 1
+            # accept
+            if not params.do_sample:
+                path, bonus = accept_greedy(tokens, tree, logits.argmax(dim=-1))
+            elif acceptance == "typical":
+                path, bonus = accept_typical(tokens, tree, target_probs(logits, params))
+            else:
+                path, bonus = accept_sampling(tokens, tree, target_probs(logits, params))
+            # update
+            compact_cache(cache, prefix_length, path)
+            prefix_length += path.shape[0]
+            accepted = torch.cat([tokens[path[1:]], bonus[None]])
+            stats["rounds"] += 1
+            stats["accepted_counts"].append(path.shape[0] - 1)
+            features = heads.select_features(hidden_states)[path]  # (L+1, h) true features of the path
+            next_tokens = accepted
+            done = self._emit(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer)
+        stats["new_tokens"] += len(new_tokens)
+        return new_tokens
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The target's own next token from (1, V) logits: argmax, or a sample of the processed distribution."""
+        if not params.do_sample:
+            return logits.argmax(dim=-1)
+        return sample_token(target_probs(logits, params)[0])[None]
+
+    @staticmethod
+    def _emit(tokens: list[int], out: list[int], max_new_tokens: int, eos: set[int], streamer: Any | None) -> bool:
+        """Append accepted tokens, stopping right after EOS or at max_new_tokens. Returns True when done."""
+        room = max_new_tokens - len(out)
+        taken = tokens[:room]
+        for i, token in enumerate(taken):
+            if token in eos:
+                taken = taken[: i + 1]
+                break
+        out.extend(taken)
+        if streamer is not None and taken:
+            streamer.put(torch.tensor(taken))
+        return len(out) >= max_new_tokens or (bool(taken) and taken[-1] in eos)
+
+    # --- input checks and output assembly ---------------------------------------------------------------
+    def _split_prompts(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int
+    ) -> list[torch.Tensor]:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.LongTensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        elif attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        vocab = self.heads.config.vocab_size
+        context = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
+        device = self.target.device
+        prompts = []
+        for row, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
+            keep = mask.bool()
+            n = int(keep.sum())
+            if n == 0:
+                raise ValueError(f"prompt {row} is empty: generation needs at least one token")
+            if not bool(keep[-n:].all()):
+                raise ValueError(f"prompt {row} is not left-padded: padding must come before the tokens")
+            prompt = ids[-n:].long()
+            bad = prompt[(prompt < 0) | (prompt >= vocab)]
+            if bad.numel():
+                raise ValueError(f"prompt {row} has token ids {bad.tolist()[:5]} outside the vocabulary [0, {vocab})")
+            if context is not None and n + max_new_tokens > context:
+                raise ValueError(
+                    f"prompt {row} length {n} + max_new_tokens {max_new_tokens} = {n + max_new_tokens} exceeds the "
+                    f"target's context of {context} positions"
+                )
+            prompts.append(prompt.to(device))
+        return prompts
+
+    def _eos_ids(self, eos_token_id: int | list[int] | None) -> set[int]:
+        if eos_token_id is None:
+            eos_token_id = getattr(self.target.generation_config, "eos_token_id", None)
+        if eos_token_id is None:
+            return set()
+        return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
+
+    def _assemble(
+        self, input_ids: torch.Tensor, rows: list[list[int]], pad_token_id: int | None, eos: set[int]
+    ) -> torch.Tensor:
+        """Prompt (with its padding) + new tokens; rows that stopped early are right-padded."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if pad_token_id is None:
+            pad_token_id = getattr(self.target.generation_config, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = min(eos) if eos else 0
+        width = max(len(r) for r in rows)
+        new = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            new[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return torch.cat([input_ids.long().cpu(), new], dim=1).to(input_ids.device)
+
+    @staticmethod
+    def _finish_stats(stats: dict[str, Any], seconds: float) -> dict[str, Any]:
+        counts = stats.pop("accepted_counts")
+        rounds = max(len(counts), 1)
+        max_depth = max(counts, default=0)
+        return {
+            **stats,
+            "mean_accepted": stats["new_tokens"] / max(stats["target_forwards"], 1),
+            "accepted_per_depth": [sum(c >= d for c in counts) / rounds for d in range(1, max_depth + 1)],
+            "seconds": seconds,
+            "tokens_per_second": stats["new_tokens"] / seconds if seconds > 0 else 0.0,
+        }

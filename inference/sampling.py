@@ -1,0 +1,53 @@
+"""The target's sampling distribution, processed exactly as `transformers.generate` processes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding options; `do_sample=False` means greedy."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def validate(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 when do_sample=True (use do_sample=False)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+
+    def warpers(self) -> LogitsProcessorList:
+        """The same warpers, in the same order, that `generate(do_sample=True, ...)` builds."""
+        warpers = LogitsProcessorList()
+        if self.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k > 0:
+            warpers.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
+        if self.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=self.top_p, min_tokens_to_keep=1))
+        return warpers
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Target probabilities after temperature / top-k / top-p. (N, V) logits -> (N, V) float32 probs."""
+    scores = params.warpers()(None, logits.float())
+    return torch.softmax(scores, dim=-1)
+
+
+def sample_token(probs: torch.Tensor) -> torch.Tensor:
+    """One token id from (V,) probabilities (a 0-d long tensor)."""
+    return torch.multinomial(probs, 1)[0]

@@ -1,0 +1,161 @@
+"""Draft trees as data: tokens + parent indices -> attention mask, positions and root-to-leaf paths.
+
+A draft tree of N nodes is stored as two (N,) tensors: `tokens` and `parents`. Node 0 is the root (the
+token the target itself chose last round, parent -1); every other node's parent has a smaller index
+(topological order), so ancestors always precede descendants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+import yaml
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """Everything verification and acceptance need about a tree's shape (not its tokens).
+
+    Attributes:
+        parents: (N,) parent index of each node, -1 for the root.
+        depth: (N,) distance from the root (root = 0).
+        ancestors: (N, N) bool, ancestors[i, j] = node j is node i or one of its ancestors.
+        attention_bias: (N, N) additive float mask: 0 where `ancestors`, a large negative value elsewhere.
+        retrieve_indices: (P, D+1) node indices of each root-to-leaf path, padded with -1.
+    """
+
+    parents: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+    attention_bias: torch.Tensor
+    retrieve_indices: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[0]
+
+
+def build_tree_buffers(parents: torch.Tensor, dtype: torch.dtype = torch.float32) -> TreeBuffers:
+    """Turn parent indices into the buffers that verify a tree in one forward pass.
+
+    Each node attends to the cached prefix (handled by the caller) and to exactly its ancestors and itself;
+    its position id is prefix length + depth. Vectorised over nodes: the only loop runs once per tree level.
+
+    Args:
+        parents: (N,) long tensor, parents[0] == -1 and 0 <= parents[i] < i for i > 0.
+        dtype: dtype of `attention_bias` (the target's dtype).
+
+    Returns:
+        The `TreeBuffers` of this tree.
+
+    Raises:
+        ValueError: if `parents` is not a valid topologically ordered tree rooted at node 0.
+    """
+    parents = parents.long()
+    n = parents.shape[0]
+    if parents.dim() != 1 or n == 0 or parents[0].item() != -1:
+        raise ValueError(f"parents must be a non-empty 1-D tensor with parents[0] == -1, got {parents.tolist()}")
+    index = torch.arange(n, device=parents.device)
+    if n > 1 and not bool(((parents[1:] >= 0) & (parents[1:] < index[1:])).all()):
+        raise ValueError(f"parents must satisfy 0 <= parents[i] < i for i > 0, got {parents.tolist()}")
+
+    # ancestors[i] = {i} | ancestors[parent[i]]; each pass fixes one more level (at most depth passes).
+    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
+    safe_parents = parents.clamp(min=0)
+    has_parent = parents >= 0
+    while True:
+        new_ancestors = torch.eye(n, dtype=torch.bool, device=parents.device) | (
+            ancestors[safe_parents] & has_parent[:, None]
+        )
+        if torch.equal(new_ancestors, ancestors):
+            break
+        ancestors = new_ancestors
+    depth = ancestors.sum(-1) - 1
+
+    attention_bias = torch.zeros(n, n, dtype=dtype, device=parents.device)
+    attention_bias.masked_fill_(~ancestors, torch.finfo(dtype).min)
+    return TreeBuffers(parents, depth, ancestors, attention_bias, retrieve_paths(ancestors, depth))
+
+
+def retrieve_paths(ancestors: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """(P, D+1) node indices of every root-to-leaf path, ordered by depth and padded with -1."""
+    is_parent = (ancestors.sum(0) - 1) > 0  # a node is someone's ancestor other than itself
+    leaves = torch.nonzero(~is_parent).squeeze(-1)
+    paths = torch.full((leaves.shape[0], int(depth.max()) + 1), -1, dtype=torch.long, device=ancestors.device)
+    rows, nodes = torch.nonzero(ancestors[leaves], as_tuple=True)
+    paths[rows, depth[nodes]] = nodes
+    return paths
+
+
+# --- static (Medusa-style) trees ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A tree fixed in advance as paths of top-k choices (Medusa's `medusa_choices`).
+
+    `choices[i]` is the rank (0 = most likely) of node i's token in its depth's head distribution; node 0
+    is the root, whose token comes from the target.
+    """
+
+    name: str
+    paths: tuple[tuple[int, ...], ...]
+    parents: torch.Tensor  # (N,)
+    depth: torch.Tensor  # (N,)
+    choices: torch.Tensor  # (N,) rank of each node's token among its head's top-k (root: 0)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    @property
+    def max_choice(self) -> int:
+        return int(self.choices.max()) + 1
+
+
+def static_tree_from_paths(paths: list[list[int]] | list[tuple[int, ...]], name: str = "custom") -> StaticTree:
+    """Build a static tree from Medusa-style paths, e.g. [[0], [1], [0, 0], [0, 1]].
+
+    Every prefix of a path must itself be a path (so every node has its parent). Nodes are ordered by
+    depth, then lexicographically, which keeps parents before children.
+    """
+    unique = sorted({tuple(int(c) for c in p) for p in paths}, key=lambda p: (len(p), p))
+    if not unique or any(len(p) == 0 for p in unique):
+        raise ValueError(f"static tree {name!r}: paths must be non-empty lists of ranks, got {paths!r}")
+    if any(c < 0 for p in unique for c in p):
+        raise ValueError(f"static tree {name!r}: ranks must be >= 0, got {paths!r}")
+    index = {(): 0}
+    parents, depth, choices = [-1], [0], [0]
+    for p in unique:
+        if p[:-1] not in index:
+            raise ValueError(f"static tree {name!r}: path {list(p)} has no parent path {list(p[:-1])}")
+        index[p] = len(parents)
+        parents.append(index[p[:-1]])
+        depth.append(len(p))
+        choices.append(p[-1])
+    return StaticTree(name, tuple(unique), torch.tensor(parents), torch.tensor(depth), torch.tensor(choices))
+
+
+def chain_tree(depth: int) -> StaticTree:
+    """A chain of `depth` draft tokens (classic speculative decoding)."""
+    return static_tree_from_paths([[0] * d for d in range(1, depth + 1)], name=f"chain{depth}")
+
+
+def load_static_tree(name_or_path: str) -> StaticTree:
+    """Load a static tree from a YAML file (`paths: [[0], [1], [0, 0], ...]`) or a name under configs/trees/."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        text, name = path.read_text(), path.stem
+    else:
+        trees = resources.files("specheads.configs") / "trees"
+        candidate = trees / f"{name_or_path}.yaml"
+        if not candidate.is_file():
+            known = sorted(p.name.removesuffix(".yaml") for p in trees.iterdir() if p.name.endswith(".yaml"))
+            raise ValueError(f"static tree {name_or_path!r} not found; expected a YAML path or one of {known}")
+        text, name = candidate.read_text(), name_or_path
+    data = yaml.safe_load(text)
+    if not isinstance(data, dict) or "paths" not in data:
+        raise ValueError(f"static tree {name_or_path!r}: expected a mapping with a 'paths' list")
+    return static_tree_from_paths(data["paths"], name=name)
