@@ -27,6 +27,7 @@ FIELD_HELP: dict[str, str] = {
     "num_heads": "Medusa: number of heads, i.e. tokens drafted ahead in one shot (t+2 .. t+K+1).",
     "num_layers": "Medusa: residual SiLU blocks per head.",
     "draft_layer_config": "EAGLE: the target family's config (as a dict) for the one decoder layer the head owns.",
+    "eagle_input_norm": "EAGLE: keep the decoder layer's input RMSNorm (original EAGLE-1/2 drops it on its one layer).",
     "tree_depth": "Default draft tree depth (EAGLE dynamic trees).",
     "tree_top_k": "Default children expanded per node (EAGLE dynamic trees).",
     "tree_num_nodes": "Default number of draft nodes kept after global reranking (EAGLE dynamic trees).",
@@ -71,6 +72,7 @@ class HeadsConfig(PretrainedConfig):
         num_heads: int = 5,
         num_layers: int = 1,
         draft_layer_config: dict[str, Any] | None = None,
+        eagle_input_norm: bool = False,
         tree_depth: int = 6,
         tree_top_k: int = 8,
         tree_num_nodes: int = 32,
@@ -99,6 +101,7 @@ class HeadsConfig(PretrainedConfig):
         self.num_heads = num_heads
         self.num_layers = num_layers
         self.draft_layer_config = dict(draft_layer_config or {})
+        self.eagle_input_norm = eagle_input_norm
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_num_nodes = tree_num_nodes

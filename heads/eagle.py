@@ -70,6 +70,9 @@ class EagleHeads(DraftHeads):
         layer_class, rotary_class = decoder_classes(layer_config)
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layer = layer_class(layer_config, layer_idx=0)
+        if not config.eagle_input_norm:
+            # EAGLE-1/2: fc's output enters attention un-normalised (its checkpoints have no such weight).
+            self.layer.input_layernorm = nn.Identity()
         self.rotary_emb = rotary_class(config=layer_config)
         self.post_init()
 

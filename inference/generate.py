@@ -56,10 +56,21 @@ class SpeculativeLM:
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
-        config = heads.config
+        self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes)
+        self.last_stats: dict[str, Any] = {}
+
+    def configure_tree(
+        self,
+        tree: StaticTree | str | None = None,
+        tree_depth: int | None = None,
+        tree_top_k: int | None = None,
+        tree_num_nodes: int | None = None,
+    ) -> None:
+        """Choose the draft tree: a static tree for Medusa, a dynamic tree shape for EAGLE (None = checkpoint default)."""
+        heads, config = self.heads, self.heads.config
         if isinstance(heads, MedusaHeads):
             static = tree if isinstance(tree, StaticTree) else load_static_tree(tree or config.static_tree)
-            self.drafter: Drafter = MedusaDrafter(heads, static, dtype=target.dtype)
+            self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
         elif isinstance(heads, EagleHeads):
             if tree is not None:
                 raise ValueError("EAGLE heads draft dynamic trees: use tree_depth / tree_top_k / tree_num_nodes, not tree")
@@ -68,11 +79,18 @@ class SpeculativeLM:
                 depth=tree_depth or config.tree_depth,
                 top_k=tree_top_k or config.tree_top_k,
                 num_nodes=tree_num_nodes or config.tree_num_nodes,
-                dtype=target.dtype,
+                dtype=self.target.dtype,
             )
         else:
             raise TypeError(f"no drafter for head type {config.head_type!r}")
-        self.last_stats: dict[str, Any] = {}
+
+    def tree_description(self) -> dict[str, Any]:
+        """The current tree, for logs and benchmark JSON."""
+        drafter = self.drafter
+        if isinstance(drafter, MedusaDrafter):
+            return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
+                    "depth": drafter.tree.max_depth}
+        return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes}
 
     @classmethod
     def from_pretrained(

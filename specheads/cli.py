@@ -67,15 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config", help="run config YAML (see configs/train/)")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=100")
 
-    data = sub.add_parser("data", help="data tools: regenerate responses, dump target features")
-    data.add_argument("data_args", nargs=argparse.REMAINDER, help="see `specheads data --help`")
+    # These subcommands parse their own arguments (their modules own the options).
+    sub.add_parser("data", help="data tools: regenerate responses, dump target features", add_help=False)
 
     _add_generate(sub)
 
-    bench = sub.add_parser("bench", help="benchmark speculative vs plain decoding (JSON out)")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="see `specheads bench --help`")
+    sub.add_parser("bench", help="benchmark speculative vs plain decoding (JSON out)", add_help=False)
 
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command not in ("data", "bench"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         from specheads.training.demo import run_demo
 
@@ -90,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "data":
         from specheads.training.data_cli import data_main
 
-        return data_main(args.data_args)
+        return data_main(rest)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "bench":
         from specheads.inference.bench import bench_main
 
-        return bench_main(args.bench_args)
+        return bench_main(rest)
     parser.error(f"unknown command {args.command}")
     return 2

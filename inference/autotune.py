@@ -1,0 +1,84 @@
+"""`--tree auto`: pick the draft tree that gives the most tokens per second on THIS device.
+
+Two measurements, both on the device at hand: the target's verification cost against the number of tree
+nodes (reported), and, for a few candidate trees, the tokens/s the heads actually reach on calibration
+prompts (which folds in their measured acceptance and the drafting cost). The best candidate wins.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from specheads.heads.medusa import MedusaHeads
+from specheads.inference.generate import SpeculativeLM
+from specheads.inference.kv_cache import crop_cache
+from specheads.inference.tree import build_tree_buffers, chain_tree
+from specheads.inference.verify import verify_tree
+
+EAGLE_CANDIDATES = [
+    {"tree_depth": 4, "tree_top_k": 4, "tree_num_nodes": 8},
+    {"tree_depth": 5, "tree_top_k": 6, "tree_num_nodes": 16},
+    {"tree_depth": 6, "tree_top_k": 8, "tree_num_nodes": 24},
+    {"tree_depth": 7, "tree_top_k": 8, "tree_num_nodes": 32},
+    {"tree_depth": 8, "tree_top_k": 10, "tree_num_nodes": 60},
+]
+MEDUSA_CANDIDATES = ["medusa_small", "medusa_default"]
+
+
+@torch.no_grad()
+def verification_cost_ms(lm: SpeculativeLM, input_ids: torch.Tensor, node_counts: list[int], repeats: int = 5) -> dict[int, float]:
+    """Median milliseconds of one verification forward over N tree nodes, after the given prompt."""
+    target = lm.target
+    cache = DynamicCache()
+    target(input_ids=input_ids.to(target.device), past_key_values=cache, use_cache=True)
+    prefix = input_ids.shape[1]
+    costs = {}
+    for n in node_counts:
+        tree = build_tree_buffers(chain_tree(n - 1).parents.to(target.device), dtype=target.dtype)
+        tokens = input_ids[0, -1:].repeat(n).to(target.device)
+        times = []
+        for _ in range(repeats + 1):  # the first run is a warm-up
+            start = time.perf_counter()
+            verify_tree(target, cache, tokens, tree, prefix)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            crop_cache(cache, prefix)
+        costs[n] = sorted(times[1:])[len(times[1:]) // 2] * 1000
+    return costs
+
+
+def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_tokens: int = 64) -> dict[str, Any]:
+    """Try candidate trees on calibration prompts, keep the fastest, and return what was measured."""
+    candidates: list[Any] = MEDUSA_CANDIDATES if isinstance(lm.heads, MedusaHeads) else EAGLE_CANDIDATES
+    trials = []
+    for candidate in candidates:
+        if isinstance(candidate, str):
+            lm.configure_tree(tree=candidate)
+        else:
+            lm.configure_tree(**candidate)
+        lm.generate(calibration[0], max_new_tokens=8)  # warm-up
+        tokens = forwards = 0
+        seconds = 0.0
+        for ids in calibration:
+            lm.generate(ids, max_new_tokens=max_new_tokens)
+            tokens += lm.last_stats["new_tokens"]
+            forwards += lm.last_stats["target_forwards"]
+            seconds += lm.last_stats["seconds"]
+        trials.append({"tree": lm.tree_description(), "candidate": candidate, "tau": tokens / forwards,
+                       "tokens_per_second": tokens / seconds})
+    best = max(trials, key=lambda t: t["tokens_per_second"])
+    if isinstance(best["candidate"], str):
+        lm.configure_tree(tree=best["candidate"])
+    else:
+        lm.configure_tree(**best["candidate"])
+    node_counts = sorted({4, 8, 16, 32, 48, 64} | {t["tree"]["nodes"] + 1 for t in trials})
+    return {
+        "chosen": best["tree"],
+        "trials": trials,
+        "verification_ms_by_nodes": verification_cost_ms(lm, calibration[0], node_counts),
+    }

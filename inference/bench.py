@@ -1,0 +1,205 @@
+"""`specheads bench`: speculative decoding against plain decoding (and peers), side by side, JSON out.
+
+For every prompt the plain `target.generate` baseline and the speculative run alternate in the same
+process, so their ratio survives machine noise. Greedy outputs must be identical: the run stops loudly
+if they are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from specheads.inference.autotune import autotune_tree
+from specheads.inference.generate import SpeculativeLM
+from specheads.inference.prompts import Prompt, read_prompts, tokenize_prompts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specheads bench", description=__doc__)
+    p.add_argument("--target", default="stories260K", help="target path, Hub id or alias")
+    p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
+    p.add_argument("--prompts", required=True, help="MT-bench style JSONL (first turn) or a text file, one prompt a line")
+    p.add_argument("--category", action="append", help="only these categories (repeatable)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--modes", default="greedy", help="comma list of greedy,sample")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--tree", default=None, help="'auto', a static tree name/path (Medusa), or depth,top_k,nodes (EAGLE)")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--prompt-lookup", type=int, default=10, help="peer: transformers prompt-lookup tokens (0: skip)")
+    p.add_argument("--assistant", default=None, help="peer: a draft model for transformers assisted generation")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out/results.json", help="JSON results; .md table and PNG plots go beside it")
+    return p
+
+
+def _timed(fn) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start
+
+
+def _configure_tree(lm: SpeculativeLM, tree: str | None, calibration: list[torch.Tensor]) -> dict[str, Any] | None:
+    if tree is None:
+        return None
+    if tree == "auto":
+        report = autotune_tree(lm, calibration)
+        print(f"[specheads bench] --tree auto chose {report['chosen']}")
+        return report
+    if "," in tree:
+        depth, top_k, nodes = (int(x) for x in tree.split(","))
+        lm.configure_tree(tree_depth=depth, tree_top_k=top_k, tree_num_nodes=nodes)
+    else:
+        lm.configure_tree(tree=tree)
+    return None
+
+
+def run_prompt(lm: SpeculativeLM, prompt: Prompt, mode: str, args: argparse.Namespace, assistant: Any) -> dict[str, Any]:
+    """Baseline, speculative and peer runs of one prompt, alternating in this process."""
+    target, ids = lm.target, prompt.input_ids.to(lm.target.device)
+    sample = mode == "sample"
+    gen_kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, do_sample=sample,
+                                      pad_token_id=target.generation_config.pad_token_id or target.generation_config.eos_token_id)
+    if sample:
+        gen_kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs))
+    spec, spec_s = _timed(lambda: lm.generate(ids, **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
+    stats = lm.last_stats
+    base_new, spec_new = baseline.shape[1] - ids.shape[1], spec.shape[1] - ids.shape[1]
+    row = {
+        "prompt_id": prompt.prompt_id, "category": prompt.category, "mode": mode,
+        "baseline_tokens": base_new, "baseline_seconds": base_s,
+        "tokens": spec_new, "seconds": spec_s, "target_forwards": stats["target_forwards"],
+        "rounds": stats["rounds"], "tau": stats["mean_accepted"], "accepted_per_depth": stats["accepted_per_depth"],
+        "tokens_per_second": spec_new / spec_s, "baseline_tokens_per_second": base_new / base_s,
+    }
+    row["speedup"] = row["tokens_per_second"] / row["baseline_tokens_per_second"]
+    if not sample:
+        identical = torch.equal(spec.cpu(), baseline.cpu())
+        row["greedy_identical"] = identical
+        if not identical:
+            n = min(spec.shape[1], baseline.shape[1])
+            diff = (spec[0, :n] != baseline[0, :n]).nonzero()
+            first = int(diff[0]) - ids.shape[1] if diff.numel() else n - ids.shape[1]
+            raise RuntimeError(
+                f"greedy output differs from target.generate on prompt {prompt.prompt_id} at new token {first}: "
+                "speculative decoding must be lossless; please report this bug"
+            )
+    if args.prompt_lookup and not sample:
+        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids),
+                                                prompt_lookup_num_tokens=args.prompt_lookup, **gen_kwargs))
+        row["prompt_lookup_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
+    if assistant is not None:
+        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant, **gen_kwargs))
+        row["assisted_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
+    return row
+
+
+def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Totals over rows: tokens/s from summed tokens and seconds, tau from summed tokens and forwards."""
+    tokens, seconds = sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows)
+    base_tokens, base_seconds = sum(r["baseline_tokens"] for r in rows), sum(r["baseline_seconds"] for r in rows)
+    depth = max((len(r["accepted_per_depth"]) for r in rows), default=0)
+    rounds = sum(r["rounds"] for r in rows) or 1
+    per_depth = [sum(r["accepted_per_depth"][d] * r["rounds"] for r in rows if d < len(r["accepted_per_depth"])) / rounds
+                 for d in range(depth)]
+    result = {
+        "prompts": len(rows), "tokens": tokens,
+        "tau": tokens / max(sum(r["target_forwards"] for r in rows), 1),
+        "tokens_per_second": tokens / seconds, "baseline_tokens_per_second": base_tokens / base_seconds,
+        "accepted_per_depth": per_depth,
+    }
+    result["speedup"] = result["tokens_per_second"] / result["baseline_tokens_per_second"]
+    for peer in ("prompt_lookup", "assisted"):
+        key = f"{peer}_tokens_per_second"
+        if all(key in r for r in rows) and rows:
+            # Each peer's time over the same prompts: its tokens are the baseline's (greedy), timed by its runs.
+            peer_seconds = sum(r["baseline_tokens"] / r[key] for r in rows)
+            result[key] = base_tokens / peer_seconds
+            result[f"{peer}_speedup"] = result[key] / result["baseline_tokens_per_second"]
+    if rows and "greedy_identical" in rows[0]:
+        result["greedy_identical"] = all(r["greedy_identical"] for r in rows)
+    return result
+
+
+def environment(lm: SpeculativeLM) -> dict[str, Any]:
+    device = lm.target.device
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "dtype": str(lm.target.dtype).replace("torch.", ""),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "python": platform.python_version(),
+    }
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads)
+    prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit), lm.tokenizer,
+                               chat=False if args.no_chat else None)
+    if not prompts:
+        raise ValueError(f"no prompts selected from {args.prompts}")
+    assistant = None
+    if args.assistant:
+        from specheads.targets import load_target
+
+        assistant, _ = load_target(args.assistant, dtype=lm.target.dtype, device=lm.target.device)
+    torch.manual_seed(args.seed)
+    tree_report = _configure_tree(lm, args.tree, [p.input_ids for p in prompts[:2]])
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = set(modes) - {"greedy", "sample"}
+    if bad:
+        raise ValueError(f"--modes {sorted(bad)} unknown; expected greedy and/or sample")
+    run_prompt(lm, prompts[0], "greedy", args, None)  # warm-up, not recorded
+    rows = []
+    for mode in modes:
+        for prompt in tqdm(prompts, desc=f"bench {mode}", unit="prompt"):
+            rows.append(run_prompt(lm, prompt, mode, args, assistant))
+    results: dict[str, Any] = {
+        "target": args.target, "heads": str(args.heads), "head_type": lm.heads.config.head_type,
+        "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens,
+        "tree": lm.tree_description(), "environment": environment(lm),
+        "command": "specheads bench " + " ".join(getattr(args, "argv", [])),
+    }
+    if tree_report:
+        results["tree_autotune"] = tree_report
+    for mode in modes:
+        mode_rows = [r for r in rows if r["mode"] == mode]
+        by_category = defaultdict(list)
+        for r in mode_rows:
+            by_category[r["category"]].append(r)
+        results[mode] = {"overall": aggregate(mode_rows),
+                         "by_category": {c: aggregate(rs) for c, rs in sorted(by_category.items())}}
+    results["per_prompt"] = rows
+    return results
+
+
+def bench_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    results = run_benchmark(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    from specheads.inference.bench_report import write_report
+
+    table = write_report(results, out)
+    print(table)
+    print(f"[specheads bench] results: {out}")
+    return 0

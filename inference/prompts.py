@@ -1,0 +1,74 @@
+"""Benchmark prompts: MT-bench-style JSONL (first turn, chat template applied) or plain text lines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark prompt, tokenised for the target."""
+
+    prompt_id: str
+    category: str
+    text: str
+    input_ids: torch.Tensor  # (1, n)
+
+
+def read_prompts(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[dict]:
+    """Raw prompts as dicts {prompt_id, category, text}.
+
+    JSONL lines with `turns` (MT-bench: the first turn is used), `prompt` or `text`; any other file is read
+    as one prompt per non-empty line (category "text").
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number} is not valid JSON: {err}") from err
+            text = record["turns"][0] if "turns" in record else record.get("prompt") or record.get("text")
+            if not text:
+                raise ValueError(f"{path}:{number} has no 'turns', 'prompt' or 'text' field")
+            rows.append(
+                {
+                    "prompt_id": str(record.get("question_id", number)),
+                    "category": str(record.get("category", "default")),
+                    "text": text,
+                }
+            )
+        else:
+            rows.append({"prompt_id": str(number), "category": "text", "text": line.strip()})
+    if categories:
+        known = sorted({r["category"] for r in rows})
+        unknown = set(categories) - set(known)
+        if unknown:
+            raise ValueError(f"categories {sorted(unknown)} not in {path}; known: {known}")
+        rows = [r for r in rows if r["category"] in categories]
+    return rows[:limit] if limit else rows
+
+
+def tokenize_prompts(rows: list[dict], tokenizer: PreTrainedTokenizerBase, chat: bool | None = None) -> list[Prompt]:
+    """Tokenise; the chat template is applied when the tokenizer has one (unless chat=False)."""
+    use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+    prompts = []
+    for row in rows:
+        if use_chat:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": row["text"]}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
+        else:
+            ids = tokenizer(row["text"], return_tensors="pt").input_ids
+        prompts.append(Prompt(row["prompt_id"], row["category"], row["text"], ids))
+    return prompts
