@@ -95,6 +95,12 @@ class DraftHeads(PreTrainedModel):
         write_model_card(Path(save_directory), self.config, self.model_card_metrics)
         return result
 
+    def _upload_modified_files(self, working_dir: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        # `push_to_hub` saves with save_pretrained, then replaces README.md with transformers' generic card
+        # just before this upload step: put the specheads card (target, usage, metrics) back.
+        write_model_card(Path(working_dir), self.config, self.model_card_metrics)
+        return super()._upload_modified_files(working_dir, *args, **kwargs)
+
 
 def write_model_card(folder: Path, config: HeadsConfig, metrics: dict[str, Any]) -> None:
     """Write README.md: what target the heads draft for, how to load them, and metrics when known."""

@@ -31,6 +31,7 @@ FIELD_HELP: dict[str, str] = {
     "tree_depth": "Default draft tree depth (EAGLE dynamic trees).",
     "tree_top_k": "Default children expanded per node (EAGLE dynamic trees).",
     "tree_num_nodes": "Default number of draft nodes kept after global reranking (EAGLE dynamic trees).",
+    "tree_stop_prob": "Default early stop of EAGLE drafting: no deeper level once the best path's draft probability is below it.",
     "static_tree": "Default static tree (a name under configs/trees/ or a path) for Medusa heads.",
     "initializer_range": "Std of the normal init of fresh weights.",
 }
@@ -76,6 +77,7 @@ class HeadsConfig(PretrainedConfig):
         tree_depth: int = 6,
         tree_top_k: int = 8,
         tree_num_nodes: int = 32,
+        tree_stop_prob: float = 0.0,
         static_tree: str = "medusa_default",
         initializer_range: float = 0.02,
         **kwargs: Any,
@@ -105,6 +107,7 @@ class HeadsConfig(PretrainedConfig):
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_num_nodes = tree_num_nodes
+        self.tree_stop_prob = tree_stop_prob
         self.static_tree = static_tree
         self.initializer_range = initializer_range
         super().__init__(**kwargs)
@@ -126,6 +129,8 @@ class HeadsConfig(PretrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"HeadsConfig.{name}={value!r} is invalid; expected a positive integer ({FIELD_HELP[name]})")
+        if not isinstance(self.tree_stop_prob, (int, float)) or not 0 <= self.tree_stop_prob < 1:
+            raise ValueError(f"HeadsConfig.tree_stop_prob={self.tree_stop_prob!r}; expected a probability in [0, 1)")
         if not all(isinstance(i, int) and i >= 0 for i in self.feature_layers):
             raise ValueError(f"HeadsConfig.feature_layers={self.feature_layers!r}; expected non-negative layer indices")
         if self.head_type == "eagle" and not self.draft_layer_config:

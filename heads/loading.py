@@ -66,7 +66,9 @@ def check_safetensors(path: Path) -> None:
         raise ValueError(f"{path} is corrupt or truncated (not a valid safetensors file): {err}") from err
 
 
-def _resolve_folder(path_or_hub_id: str | os.PathLike, revision: str | None) -> Path:
+def _resolve_folder(
+    path_or_hub_id: str | os.PathLike, revision: str | None, cache_dir: str | os.PathLike | None, local_files_only: bool
+) -> Path:
     """A local folder, or the snapshot folder of a Hub id (downloaded, or from the offline HF cache)."""
     local = Path(path_or_hub_id).expanduser()
     if local.is_dir():
@@ -77,7 +79,15 @@ def _resolve_folder(path_or_hub_id: str | os.PathLike, revision: str | None) -> 
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(text, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.md"]))
+        return Path(
+            snapshot_download(
+                text,
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                allow_patterns=["*.json", "*.safetensors", "*.md"],
+            )
+        )
     except Exception as err:  # hub errors are many types; name what was asked
         raise FileNotFoundError(
             f"heads {text!r} is neither a local folder nor a Hub repo that could be loaded "
@@ -89,7 +99,8 @@ def load_heads(
     path_or_hub_id: str | os.PathLike,
     target: PreTrainedModel | None = None,
     revision: str | None = None,
-    allow_pickle: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
 ) -> DraftHeads:
     """Load heads saved with `save_pretrained`, from a folder or a Hub id (the offline cache works).
 
@@ -97,13 +108,17 @@ def load_heads(
         path_or_hub_id: a checkpoint folder or a Hub repo id.
         target: if given, the heads are checked against it, moved to its device/dtype and attached.
         revision: Hub revision.
-        allow_pickle: reserved for foreign formats; specheads checkpoints are safetensors only.
+        cache_dir: HF cache folder for Hub ids (default: the HF_HUB_CACHE of this process).
+        local_files_only: never contact the Hub; use the cache only.
+
+    specheads checkpoints are safetensors only (nothing is ever unpickled); foreign formats go through
+    `specheads.heads.interop.import_heads`.
 
     Raises:
         FileNotFoundError: no such folder / repo, or it lacks config.json or model.safetensors.
         ValueError: invalid config values, corrupt weights, missing or unexpected tensors, or a target mismatch.
     """
-    folder = _resolve_folder(path_or_hub_id, revision)
+    folder = _resolve_folder(path_or_hub_id, revision, cache_dir, local_files_only)
     config_file, weights_file = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; is it a specheads checkpoint?")
@@ -121,7 +136,7 @@ def load_heads(
     config = HeadsConfig.from_pretrained(folder)
     check_safetensors(weights_file)
     heads, info = HEAD_CLASSES[head_type].from_pretrained(
-        folder, config=config, output_loading_info=True, use_safetensors=True
+        folder, config=config, output_loading_info=True, use_safetensors=True, ignore_mismatched_sizes=True
     )
     missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
     if missing or unexpected:

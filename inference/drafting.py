@@ -8,6 +8,7 @@ is the new root, already chosen by the target), and returns the tree's tokens an
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -64,12 +65,18 @@ class EagleDrafter:
     its parent's, so the kept set is a tree).
     """
 
-    def __init__(self, heads: EagleHeads, depth: int, top_k: int, num_nodes: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, heads: EagleHeads, depth: int, top_k: int, num_nodes: int, dtype: torch.dtype, stop_prob: float = 0.0
+    ) -> None:
         for name, value in (("tree_depth", depth), ("tree_top_k", top_k), ("tree_num_nodes", num_nodes)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
+        if not 0 <= stop_prob < 1:
+            raise ValueError(f"tree_stop_prob={stop_prob} must be in [0, 1)")
         self.heads = heads
         self.depth, self.top_k, self.num_nodes = depth, top_k, num_nodes
+        self.stop_prob = stop_prob
+        self.log_stop = math.log(stop_prob) if stop_prob > 0 else -math.inf
         self.dtype = dtype
         self.neg = torch.finfo(dtype).min
         self.cache = DynamicCache()
@@ -105,7 +112,11 @@ class EagleDrafter:
         pool_size = k
 
         # 3. Deeper levels: feed the frontier (k nodes) at position committed + d - 2, expand, rerank.
+        #    Stop early when even the best frontier path is unlikely: deeper drafts would be wasted work.
+        best_score = scores[0]
         for level in range(2, self.depth + 1):
+            if self.stop_prob > 0 and float(best_score) < self.log_stop:
+                break
             fed = fed_ancestors.shape[0]
             rows = torch.zeros(k, fed + k, dtype=torch.bool, device=device)
             if fed:
@@ -117,14 +128,16 @@ class EagleDrafter:
             mask = torch.zeros(1, 1, k, self.committed + fed + k, dtype=self.dtype, device=device)
             mask[0, 0, :, self.committed :].masked_fill_(~rows, self.neg)
             positions = torch.full((1, k), self.committed + level - 2, device=device)
-            out = heads(frontier_features[None], pool_tokens_at(pool_tokens, frontier, k)[None], positions, mask, self.cache)[0]
+            frontier_tokens = torch.cat(pool_tokens)[frontier]
+            out = heads(frontier_features[None], frontier_tokens[None], positions, mask, self.cache)[0]
             log_probs = torch.log_softmax(heads.logits(out).float(), dim=-1)  # (k, V)
             child_scores, child_tokens = torch.topk(log_probs, k, dim=-1)  # (k, k)
             child_scores = child_scores + torch.cat(pool_scores)[frontier][:, None]
             pool_tokens.append(child_tokens.flatten())
             pool_scores.append(child_scores.flatten())
             pool_parents.append(frontier.repeat_interleave(k))
-            best = torch.topk(child_scores.flatten(), k).indices  # (k,) next frontier among the k*k children
+            top_scores, best = torch.topk(child_scores.flatten(), k)  # (k,) next frontier among the k*k children
+            best_score = top_scores[0]
             frontier = pool_size + best
             frontier_features = out[best // k]
             parent_fed = fed + best // k
@@ -144,7 +157,3 @@ class EagleDrafter:
         parents = torch.cat([torch.tensor([-1], device=device), tree_parents])
         return tree_tokens, build_tree_buffers(parents, dtype=self.dtype)
 
-
-def pool_tokens_at(pool_tokens: list[torch.Tensor], indices: torch.Tensor, k: int) -> torch.Tensor:
-    """Tokens of the pool nodes at `indices` (the pool is stored as a list of per-level tensors)."""
-    return torch.cat(pool_tokens)[indices]

@@ -21,7 +21,7 @@ from specheads.inference.accept import accept_greedy, accept_sampling, accept_ty
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.kv_cache import compact_cache
 from specheads.inference.sampling import SamplingParams, sample_token, target_probs
-from specheads.inference.tree import StaticTree, load_static_tree
+from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import verify_tree
 from specheads.targets import load_target
 
@@ -40,6 +40,8 @@ class SpeculativeLM:
         tokenizer: optional; used by the CLI and streamers.
         tree: Medusa only: a `StaticTree` or the name/path of one (default: the checkpoint's `static_tree`).
         tree_depth, tree_top_k, tree_num_nodes: EAGLE only: dynamic tree shape (default: the checkpoint's).
+        tree_stop_prob: EAGLE only: stop drafting deeper once the best path's probability under the head
+            falls below this (0 = always draft `tree_depth` levels).
     """
 
     def __init__(
@@ -51,12 +53,13 @@ class SpeculativeLM:
         tree_depth: int | None = None,
         tree_top_k: int | None = None,
         tree_num_nodes: int | None = None,
+        tree_stop_prob: float | None = None,
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
-        self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes)
+        self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob)
         self.last_stats: dict[str, Any] = {}
 
     def configure_tree(
@@ -65,11 +68,14 @@ class SpeculativeLM:
         tree_depth: int | None = None,
         tree_top_k: int | None = None,
         tree_num_nodes: int | None = None,
+        tree_stop_prob: float | None = None,
     ) -> None:
         """Choose the draft tree: a static tree for Medusa, a dynamic tree shape for EAGLE (None = checkpoint default)."""
         heads, config = self.heads, self.heads.config
         if isinstance(heads, MedusaHeads):
             static = tree if isinstance(tree, StaticTree) else load_static_tree(tree or config.static_tree)
+            if tree is None and static.max_depth > config.num_heads:
+                static = truncate_static_tree(static, config.num_heads)  # the default tree, cut to the heads we have
             self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
         elif isinstance(heads, EagleHeads):
             if tree is not None:
@@ -79,6 +85,7 @@ class SpeculativeLM:
                 depth=tree_depth or config.tree_depth,
                 top_k=tree_top_k or config.tree_top_k,
                 num_nodes=tree_num_nodes or config.tree_num_nodes,
+                stop_prob=config.tree_stop_prob if tree_stop_prob is None else tree_stop_prob,
                 dtype=self.target.dtype,
             )
         else:
@@ -90,7 +97,8 @@ class SpeculativeLM:
         if isinstance(drafter, MedusaDrafter):
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
                     "depth": drafter.tree.max_depth}
-        return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes}
+        return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes,
+                "stop_prob": drafter.stop_prob}
 
     @classmethod
     def from_pretrained(

@@ -138,6 +138,11 @@ def static_tree_from_paths(paths: list[list[int]] | list[tuple[int, ...]], name:
     return StaticTree(name, tuple(unique), torch.tensor(parents), torch.tensor(depth), torch.tensor(choices))
 
 
+def truncate_static_tree(tree: StaticTree, max_depth: int) -> StaticTree:
+    """The same tree without the paths deeper than `max_depth` (for Medusa checkpoints with fewer heads)."""
+    return static_tree_from_paths([p for p in tree.paths if len(p) <= max_depth], name=f"{tree.name}@depth{max_depth}")
+
+
 def chain_tree(depth: int) -> StaticTree:
     """A chain of `depth` draft tokens (classic speculative decoding)."""
     return static_tree_from_paths([[0] * d for d in range(1, depth + 1)], name=f"chain{depth}")

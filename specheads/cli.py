@@ -36,7 +36,7 @@ def run_generate(args: argparse.Namespace) -> int:
         )["input_ids"]
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    streamer = TextStreamer(tokenizer, skip_prompt=False)
+    streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
     lm.generate(
         input_ids,
         max_new_tokens=args.max_new_tokens,
@@ -74,6 +74,20 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("bench", help="benchmark speculative vs plain decoding (JSON out)", add_help=False)
 
+    from specheads.heads.interop import FORMATS
+
+    export = sub.add_parser("export", help="write heads in another project's format (vLLM speculators, EAGLE, Medusa)")
+    export.add_argument("--heads", required=True, help="specheads checkpoint folder or Hub id")
+    export.add_argument("--format", required=True, choices=FORMATS)
+    export.add_argument("--out", required=True, help="output folder")
+
+    imp = sub.add_parser("import", help="convert EAGLE / Medusa / speculators heads into a specheads checkpoint")
+    imp.add_argument("src", help="folder of the foreign checkpoint")
+    imp.add_argument("--format", choices=FORMATS, default=None, help="default: detected from the folder")
+    imp.add_argument("--target", default=None, help="target path/alias (default: the one the folder records)")
+    imp.add_argument("--out", required=True, help="output folder (a specheads checkpoint)")
+    imp.add_argument("--allow-pickle", action="store_true", help="read .bin/.pt weights (torch.load weights_only=True)")
+
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("data", "bench"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -98,5 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         from specheads.inference.bench import bench_main
 
         return bench_main(rest)
+    if args.command == "export":
+        from specheads.heads.interop import export_heads
+
+        print(f"[specheads] wrote {export_heads(args.heads, args.format, args.out)}")
+        return 0
+    if args.command == "import":
+        from specheads.heads.interop import import_heads
+
+        heads = import_heads(args.src, format=args.format, target=args.target, out_dir=args.out, allow_pickle=args.allow_pickle)
+        print(f"[specheads] imported {heads.config.head_type} heads into {args.out}")
+        return 0
     parser.error(f"unknown command {args.command}")
     return 2

@@ -28,6 +28,8 @@ def load_target(
     name_or_path: str | os.PathLike = "stories260K",
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a frozen target model (eval mode, no gradients) and its tokenizer.
 
@@ -36,6 +38,8 @@ def load_target(
             alias: "stories260K" (embedded, 1 MB) or "smollm2-135m-instruct" (needs the `smollm2` extra).
         dtype: e.g. torch.float32 (default: float32 on CPU).
         device: where to put the model (default: CPU).
+        cache_dir: HF cache folder for Hub ids.
+        local_files_only: never contact the Hub; use the cache only.
 
     Returns:
         (model, tokenizer)
@@ -44,11 +48,12 @@ def load_target(
     if Path(path).expanduser().is_absolute() or str(path).startswith("."):
         if not Path(path).expanduser().is_dir():
             raise FileNotFoundError(f"target folder {path!r} does not exist")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    hub = {"cache_dir": cache_dir, "local_files_only": local_files_only}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **hub)
     if device is not None:
         model.to(device)
     model.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     if str(name_or_path).lower() in ALIASES:
         model.config.name_or_path = str(name_or_path)  # portable: an alias, not this machine's path
     return model, tokenizer

@@ -1,0 +1,145 @@
+"""`HeadsConfig`: defaults, validation errors that name the field, help for every field, round trips."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import specheads
+from specheads.heads import FIELD_HELP, HEAD_TYPES, HeadsConfig
+from specheads.heads.config import FORMAT_VERSION
+
+POSITIVE_INT_FIELDS = (
+    "hidden_size",
+    "vocab_size",
+    "num_heads",
+    "num_layers",
+    "tree_depth",
+    "tree_top_k",
+    "tree_num_nodes",
+)
+EAGLE_LAYER = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}
+
+
+def test_defaults_are_valid():
+    """`HeadsConfig()` is valid and records the current format and specheads versions."""
+    config = HeadsConfig()
+    assert config.head_type in HEAD_TYPES
+    assert config.format_version == FORMAT_VERSION
+    assert config.specheads_version == specheads.__version__
+    assert config.model_type == "specheads"
+
+
+def test_every_field_has_one_line_of_help():
+    """Every constructor field has exactly one line of help in FIELD_HELP (and nothing else does)."""
+    fields = {
+        name
+        for name, p in inspect.signature(HeadsConfig.__init__).parameters.items()
+        if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    assert set(FIELD_HELP) == fields
+    assert all(text.strip() and "\n" not in text for text in FIELD_HELP.values())
+
+
+@pytest.mark.parametrize("field", POSITIVE_INT_FIELDS)
+@pytest.mark.parametrize("value", [0, -1, 2.5, "8", True])
+def test_positive_int_fields_reject_bad_values(field, value):
+    """0, -1, floats, strings and bools are rejected with a ValueError naming the field and the value."""
+    with pytest.raises(ValueError, match=rf"HeadsConfig\.{field}={value!r}") as err:
+        HeadsConfig(**{field: value})
+    assert "positive integer" in str(err.value)
+
+
+@settings(max_examples=25, deadline=None)
+@given(field=st.sampled_from(POSITIVE_INT_FIELDS), value=st.integers(min_value=1, max_value=10**6))
+def test_positive_int_fields_accept_positive_ints(field, value):
+    """Any positive integer is accepted and stored as given."""
+    assert getattr(HeadsConfig(**{field: value}), field) == value
+
+
+def test_unknown_head_type_names_the_field_and_known_types():
+    """An unknown head type names `head_type` and lists the registered types."""
+    with pytest.raises(ValueError, match="head_type") as err:
+        HeadsConfig(head_type="nope")
+    for name in HEAD_TYPES:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("version", [FORMAT_VERSION + 1, "1", None])
+def test_format_version_must_be_readable(version):
+    """A format version from a newer specheads (or not an int) is rejected, naming `format_version`."""
+    with pytest.raises(ValueError, match="format_version"):
+        HeadsConfig(format_version=version)
+
+
+@pytest.mark.parametrize("layers", [[-1], [0, -3], ["1"]])
+def test_feature_layers_must_be_non_negative_indices(layers):
+    """Negative or non-integer feature layers are rejected, naming `feature_layers`."""
+    with pytest.raises(ValueError, match="feature_layers"):
+        HeadsConfig(feature_layers=layers)
+
+
+def test_eagle_needs_a_draft_layer_config():
+    """EAGLE heads cannot be built without the target family's layer config."""
+    with pytest.raises(ValueError, match="draft_layer_config"):
+        HeadsConfig(head_type="eagle")
+    assert HeadsConfig(head_type="eagle", draft_layer_config=EAGLE_LAYER).draft_layer_config == EAGLE_LAYER
+
+
+def test_unknown_keys_are_dropped_with_a_warning(caplog):
+    """Keys from a newer specheads are dropped (forward compatible) and the warning names them."""
+    with caplog.at_level(logging.WARNING):
+        config = HeadsConfig(future_option=3, hidden_size=32)
+    assert "future_option" in caplog.text
+    assert not hasattr(config, "future_option")
+    assert "future_option" not in config.to_dict()
+    assert config.hidden_size == 32
+
+
+def _round_trip_dict(config: HeadsConfig) -> dict:
+    """to_dict without the fields that legitimately differ between writers."""
+    data = config.to_dict()
+    data.pop("transformers_version", None)
+    return data
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"head_type": "medusa", "num_heads": 3, "num_layers": 2, "static_tree": "medusa_small"},
+        {
+            "head_type": "eagle",
+            "draft_layer_config": EAGLE_LAYER,
+            "target_name_or_path": "org/target",
+            "target_architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "vocab_size": 97,
+            "feature_layers": [2],
+            "tree_depth": 4,
+            "tree_top_k": 3,
+            "tree_num_nodes": 12,
+        },
+    ],
+)
+def test_to_dict_from_dict_round_trip(fields, tmp_path):
+    """to_dict -> from_dict and save_pretrained -> from_pretrained reproduce the config exactly."""
+    config = HeadsConfig(**fields)
+    for key, value in fields.items():
+        assert getattr(config, key) == value
+    again = HeadsConfig.from_dict(config.to_dict())
+    assert _round_trip_dict(again) == _round_trip_dict(config)
+    config.save_pretrained(tmp_path)
+    assert _round_trip_dict(HeadsConfig.from_pretrained(tmp_path)) == _round_trip_dict(config)
+
+
+def test_from_dict_validates():
+    """Loading a dict goes through the same validation as the constructor."""
+    data = HeadsConfig().to_dict()
+    data["num_heads"] = -2
+    with pytest.raises(ValueError, match="num_heads"):
+        HeadsConfig.from_dict(data)

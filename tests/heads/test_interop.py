@@ -1,0 +1,424 @@
+"""Interoperability: export to / import from the original Medusa, original EAGLE-1/2 and vLLM speculators formats.
+
+Round trips (specheads -> format -> specheads) must give identical weights and identical head outputs; synthetic
+folders written here with each project's exact key names and config fields must import into heads whose outputs
+equal a reference computed directly from those tensors; broken folders fail with errors naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from specheads import create_heads, load_heads
+from specheads.heads import DraftHeads
+from specheads.heads.interop import FORMATS, detect_format, export_heads, import_heads
+
+HEAD_TYPE_OF = {"medusa": "medusa", "eagle": "eagle", "speculators": "eagle"}
+OPTIONS = {"medusa": {"num_heads": 3, "num_layers": 2}, "eagle": {}}
+
+
+@pytest.fixture(scope="module")
+def stories(stories260k):
+    return stories260k[0]
+
+
+def _randomized(heads: DraftHeads, seed: int = 0) -> DraftHeads:
+    """Give every weight a random value so a round trip must carry real numbers (fresh Medusa blocks are zeros)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    return heads.eval()
+
+
+def _outputs(heads: DraftHeads, target, eagle_inputs) -> torch.Tensor:
+    """Medusa logits, or EAGLE predicted features, on fixed random inputs."""
+    inputs = eagle_inputs(target, batch=2, length=6, seed=3)
+    with torch.no_grad():
+        if heads.config.head_type == "medusa":
+            return heads(inputs["features"])
+        return heads(**inputs)
+
+
+# --- round trips ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["medusa", "eagle", "speculators"])
+@pytest.mark.parametrize("target_name", ["stories260K", "tiny_llama", "tiny_qwen2"])
+def test_round_trip_gives_identical_weights_and_drafts(fmt, target_name, request, tmp_path, eagle_inputs):
+    target = request.getfixturevalue("stories" if target_name == "stories260K" else target_name)
+    head_type = HEAD_TYPE_OF[fmt]
+    torch.manual_seed(0)
+    heads = _randomized(create_heads(target, head_type, **OPTIONS[head_type]))
+    export_heads(heads, fmt, tmp_path / "foreign")
+    assert detect_format(tmp_path / "foreign") == fmt
+    # stories260K: the folder records its target, so none is passed; tiny targets are not loadable by name.
+    imported = import_heads(
+        tmp_path / "foreign", target=None if target_name == "stories260K" else target, out_dir=tmp_path / "back"
+    )
+    if target_name == "stories260K":
+        imported.attach_target(target)
+    assert detect_format(tmp_path / "back") == "specheads"
+    original, back = heads.state_dict(), imported.state_dict()
+    assert sorted(original) == sorted(back)
+    for name in original:
+        assert torch.equal(original[name], back[name]), name
+    for field in ("hidden_size", "vocab_size", "feature_layers", "num_heads", "num_layers", "target_model_type"):
+        assert getattr(imported.config, field) == getattr(heads.config, field), field
+    assert imported.config.target_name_or_path == heads.config.target_name_or_path
+    torch.testing.assert_close(_outputs(imported, target, eagle_inputs), _outputs(heads, target, eagle_inputs), rtol=0, atol=0)
+    reloaded = load_heads(tmp_path / "back", target=target)  # the written checkpoint is a normal one
+    torch.testing.assert_close(_outputs(reloaded, target, eagle_inputs), _outputs(heads, target, eagle_inputs), rtol=0, atol=0)
+
+
+def test_exports_hold_no_target_weights_and_use_the_public_names(stories, tmp_path):
+    torch.manual_seed(0)
+    eagle = create_heads(stories, "eagle")
+    export_heads(eagle, "eagle", tmp_path / "eagle")
+    names = set(load_file(tmp_path / "eagle" / "model.safetensors"))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any(n.startswith(("embed_tokens", "lm_head", "layers.0.input_layernorm")) for n in names)
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["bias"] is True
+    assert config["num_hidden_layers"] == 1 and config["rope_theta"] == 10000.0
+
+    export_heads(eagle, "speculators", tmp_path / "spec")
+    names = set(load_file(tmp_path / "spec" / "model.safetensors"))
+    assert {"fusion_fc.weight", "fusion_fc.bias", "transformer.mlp.down_proj.weight"} <= names
+    assert not any(n.startswith(("embed_tokens", "lm_head", "verifier")) for n in names)
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle" and config["architectures"][0] == "EagleSpeculator"
+    assert config["speculators_config"]["verifier"] == {"name_or_path": "stories260K", "architectures": ["LlamaForCausalLM"]}
+    assert config["speculators_config"]["algorithm"] == "eagle" and config["draft_vocab_size"] == 512
+
+    medusa = create_heads(stories, "medusa", num_heads=2)
+    export_heads(medusa, "medusa", tmp_path / "medusa")
+    assert set(load_file(tmp_path / "medusa" / "medusa_lm_head.safetensors")) == {
+        "0.0.linear.weight", "0.0.linear.bias", "0.1.weight", "1.0.linear.weight", "1.0.linear.bias", "1.1.weight"
+    }
+    config = json.loads((tmp_path / "medusa" / "config.json").read_text())
+    assert (config["medusa_num_heads"], config["medusa_num_layers"], config["base_model_name_or_path"]) == (2, 1, "stories260K")
+
+
+def test_export_accepts_a_checkpoint_path_and_refuses_the_wrong_head_type(stories, tmp_path):
+    torch.manual_seed(0)
+    create_heads(stories, "medusa", num_heads=2).save_pretrained(tmp_path / "ours")
+    export_heads(str(tmp_path / "ours"), "medusa", tmp_path / "out")
+    assert detect_format(tmp_path / "out") == "medusa"
+    with pytest.raises(ValueError, match="holds eagle heads but these heads are head_type='medusa'"):
+        export_heads(tmp_path / "ours", "speculators", tmp_path / "bad")
+    with pytest.raises(ValueError, match="unknown checkpoint format 'gguf'"):
+        export_heads(tmp_path / "ours", "gguf", tmp_path / "bad")
+
+
+def test_eagle_input_norm_heads_cannot_be_exported_to_eagle1_formats(stories, tmp_path):
+    heads = create_heads(stories, "eagle", eagle_input_norm=True)
+    for fmt in ("eagle", "speculators"):
+        with pytest.raises(ValueError, match="eagle_input_norm=True"):
+            export_heads(heads, fmt, tmp_path / fmt)
+
+
+# --- synthetic public folders ---------------------------------------------------------------------------------------
+def _random_tensors(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: 0.1 * torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+def _write(folder: Path, config: dict, tensors: dict[str, torch.Tensor], weights: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if weights.endswith(".safetensors"):
+        save_file(tensors, str(folder / weights))
+    else:
+        torch.save(tensors, folder / weights)
+    return folder
+
+
+def _medusa_folder(folder: Path, target, prefix: str = "", weights: str = "medusa_lm_head.safetensors"):
+    """An original Medusa folder: 3 heads x 2 residual blocks, keys `{i}.{j}.linear.*` and `{i}.{L}.weight`."""
+    h, v = target.config.hidden_size, target.config.vocab_size
+    shapes = {}
+    for i in range(3):
+        for j in range(2):
+            shapes[f"{prefix}{i}.{j}.linear.weight"] = (h, h)
+            shapes[f"{prefix}{i}.{j}.linear.bias"] = (h,)
+        shapes[f"{prefix}{i}.2.weight"] = (v, h)
+    config = {"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": "stories260K"}
+    tensors = _random_tensors(shapes)
+    return _write(folder, config, tensors, weights), {k.removeprefix(prefix): t for k, t in tensors.items()}
+
+
+def _medusa_reference(tensors: dict[str, torch.Tensor], features: torch.Tensor) -> torch.Tensor:
+    """Medusa's forward written out: x <- x + SiLU(W x + b) per block, then the head's vocab projection."""
+    logits = []
+    for i in range(3):
+        x = features
+        for j in range(2):
+            x = x + F.silu(F.linear(x, tensors[f"{i}.{j}.linear.weight"], tensors[f"{i}.{j}.linear.bias"]))
+        logits.append(F.linear(x, tensors[f"{i}.2.weight"]))
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("prefix", ["", "medusa_head."])
+def test_original_medusa_folder_imports_and_drafts_as_its_tensors_say(prefix, stories, tmp_path, eagle_inputs):
+    folder, tensors = _medusa_folder(tmp_path / "medusa", stories, prefix)
+    assert detect_format(folder) == "medusa"
+    heads = import_heads(folder, target=stories, out_dir=tmp_path / "ours")
+    assert (heads.config.num_heads, heads.config.num_layers, heads.config.hidden_size) == (3, 2, 64)
+    features = eagle_inputs(stories, seed=5)["features"]
+    with torch.no_grad():
+        torch.testing.assert_close(heads(features), _medusa_reference(tensors, features))
+
+
+def _eagle_layer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    return {
+        "self_attn.q_proj.weight": (h, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, h),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "post_attention_layernorm.weight": (h,),
+    }
+
+
+def _llama_style_config(target) -> dict:
+    """The config.json of an original EAGLE-1 checkpoint for `target` (LlamaConfig fields, "bias": true)."""
+    c = target.config
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "bias": True,
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "model_type": "llama",
+        "num_attention_heads": c.num_attention_heads,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": c.num_key_value_heads,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+        "vocab_size": c.vocab_size,
+    }
+
+
+def _eagle_folder(folder: Path, target, weights: str = "model.safetensors", drop: str | None = None):
+    config = _llama_style_config(target)
+    h = config["hidden_size"]
+    shapes = {"fc.weight": (h, 2 * h), "fc.bias": (h,)}
+    shapes.update({f"layers.0.{k}": s for k, s in _eagle_layer_shapes(config).items()})
+    tensors = _random_tensors(shapes, seed=1)
+    tensors["layers.0.post_attention_layernorm.weight"] += 1.0
+    written = dict(tensors, **{"embed_tokens.weight": target.get_input_embeddings().weight.clone()})
+    if drop:
+        written.pop(drop)
+    return _write(folder, config, written, weights), config, tensors
+
+
+def _eagle_reference(config: dict, fc: tuple[torch.Tensor, torch.Tensor], layer_tensors: dict, target, inputs) -> torch.Tensor:
+    """EAGLE-1's forward from the raw tensors: fc(cat(embed(x), f)) -> LlamaDecoderLayer without input norm."""
+    from transformers import LlamaConfig
+
+    layer_config = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "bias", "torch_dtype")})
+    layer = LlamaDecoderLayer(layer_config, layer_idx=0).eval()
+    layer.input_layernorm = nn.Identity()
+    layer.load_state_dict(layer_tensors, strict=True)
+    rotary = LlamaRotaryEmbedding(config=layer_config)
+    with torch.no_grad():
+        embeds = target.get_input_embeddings()(inputs["input_ids"])
+        hidden = F.linear(torch.cat([embeds, inputs["features"]], dim=-1), *fc)
+        out = layer(
+            hidden,
+            attention_mask=inputs["attention_mask"],
+            position_ids=inputs["position_ids"],
+            position_embeddings=rotary(hidden, inputs["position_ids"]),
+        )
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("target_name", ["stories", "tiny_llama"])
+def test_original_eagle_folder_imports_and_drafts_as_its_tensors_say(target_name, request, tmp_path, eagle_inputs):
+    target = request.getfixturevalue(target_name)
+    folder, config, tensors = _eagle_folder(tmp_path / "eagle", target)
+    assert detect_format(folder) == "eagle"
+    heads = import_heads(folder, target=target, out_dir=tmp_path / "ours")
+    assert heads.config.eagle_input_norm is False and heads.config.head_type == "eagle"
+    inputs = eagle_inputs(target, seed=7)
+    layer_tensors = {k.removeprefix("layers.0."): t for k, t in tensors.items() if k.startswith("layers.0.")}
+    expected = _eagle_reference(config, (tensors["fc.weight"], tensors["fc.bias"]), layer_tensors, target, inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(heads(**inputs), expected)
+
+
+def test_eagle_folder_without_fc_bias_imports_with_a_zero_bias(stories, tmp_path):
+    folder, config, tensors = _eagle_folder(tmp_path / "eagle", stories, drop="fc.bias")
+    (folder / "config.json").write_text(json.dumps(dict(config, bias=False)))
+    heads = import_heads(folder, target=stories)
+    assert torch.equal(heads.fc.bias, torch.zeros(64)) and torch.equal(heads.fc.weight, tensors["fc.weight"])
+
+
+def _speculators_folder(folder: Path, target, fusion_bias: bool = False) -> tuple[Path, dict, dict]:
+    """A speculators `eagle` folder as EagleSpeculator saves it: fusion_fc.*, transformer.*, no verifier parts."""
+    layer_config = _llama_style_config(target)
+    for key in ("architectures", "bias", "torch_dtype"):
+        layer_config.pop(key)
+    h = layer_config["hidden_size"]
+    shapes = {"fusion_fc.weight": (h, 2 * h)} | ({"fusion_fc.bias": (h,)} if fusion_bias else {})
+    shapes.update({f"transformer.{k}": s for k, s in _eagle_layer_shapes(layer_config).items()})
+    tensors = _random_tensors(shapes, seed=2)
+    config = {
+        "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
+        "speculators_model_type": "eagle",
+        "speculators_version": "0.1.0.dev0",
+        "transformer_layer_architecture": "LlamaDecoderLayer",
+        "transformer_layer_config": layer_config,
+        "layernorms": False,
+        "fusion_bias": fusion_bias,
+        "draft_vocab_size": layer_config["vocab_size"],
+        "speculators_config": {
+            "algorithm": "eagle",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": "stories260K", "architectures": ["LlamaForCausalLM"]},
+        },
+    }
+    return _write(folder, config, tensors, "model.safetensors"), layer_config, tensors
+
+
+@pytest.mark.parametrize("fusion_bias", [False, True])
+def test_speculators_folder_imports_and_drafts_as_its_tensors_say(fusion_bias, stories, tmp_path, eagle_inputs):
+    folder, layer_config, tensors = _speculators_folder(tmp_path / "spec", stories, fusion_bias)
+    assert detect_format(folder) == "speculators"
+    heads = import_heads(folder, out_dir=tmp_path / "ours")  # the verifier recorded in the folder is the target
+    heads.attach_target(stories)
+    assert heads.config.target_name_or_path == "stories260K" and heads.config.tree_depth == 5
+    inputs = eagle_inputs(stories, seed=9)
+    bias = tensors.get("fusion_fc.bias", torch.zeros(64))
+    layer_tensors = {k.removeprefix("transformer."): t for k, t in tensors.items() if k.startswith("transformer.")}
+    expected = _eagle_reference(layer_config, (tensors["fusion_fc.weight"], bias), layer_tensors, stories, inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(heads(**inputs), expected)
+
+
+# --- broken folders --------------------------------------------------------------------------------------------------
+def test_a_folder_missing_one_tensor_fails_naming_it(stories, tmp_path):
+    folder, _, _ = _eagle_folder(tmp_path / "eagle", stories, drop="layers.0.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match=r"missing tensor 'layers\.0\.mlp\.up_proj\.weight'"):
+        import_heads(folder, target=stories)
+    folder, _ = _medusa_folder(tmp_path / "medusa", stories)
+    tensors = load_file(folder / "medusa_lm_head.safetensors")
+    del tensors["1.0.linear.bias"]
+    save_file(tensors, str(folder / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor '1\.0\.linear\.bias'"):
+        import_heads(folder, target=stories)
+    folder, _, tensors = _speculators_folder(tmp_path / "spec", stories)
+    del tensors["transformer.self_attn.k_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor 'transformer\.self_attn\.k_proj\.weight'"):
+        import_heads(folder, target=stories)
+
+
+def test_unknown_tensor_wrong_shape_and_wrong_target_are_named(stories, tiny_llama, tmp_path):
+    folder, _, tensors = _eagle_folder(tmp_path / "eagle", stories)
+    save_file(dict(tensors, **{"layers.0.extra.weight": torch.zeros(2)}), str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"unknown tensor 'layers\.0\.extra\.weight'"):
+        import_heads(folder, target=stories)
+    save_file(dict(tensors, **{"fc.bias": torch.zeros(3)}), str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"tensor 'fc\.bias' has shape \(3,\), expected \(64,\)"):
+        import_heads(folder, target=stories)
+    folder, _, _ = _eagle_folder(tmp_path / "eagle_small", tiny_llama)
+    with pytest.raises(ValueError, match="vocab_size"):
+        import_heads(folder, target=stories)
+    folder, _ = _medusa_folder(tmp_path / "medusa", stories)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, hidden_size=128)))
+    with pytest.raises(ValueError, match=r"hidden_size=128 but tensor '0\.2\.weight'"):
+        import_heads(folder, target=stories)
+    del config["medusa_num_layers"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="missing field 'medusa_num_layers'"):
+        import_heads(folder, target=stories)
+
+
+def test_hidden_size_mismatch_with_the_target_names_the_field(stories, make_tiny_target, tmp_path):
+    wide = make_tiny_target("llama", hidden_size=32, vocab_size=512)
+    folder, _, _ = _eagle_folder(tmp_path / "eagle", stories)
+    with pytest.raises(ValueError, match="hidden_size=64 but target"):
+        import_heads(folder, target=wide)
+
+
+def test_pickled_weights_are_refused_unless_allowed(stories, tmp_path, eagle_inputs):
+    folder, tensors = _medusa_folder(tmp_path / "medusa", stories, weights="medusa_lm_head.pt")
+    assert detect_format(folder) == "medusa"
+    with pytest.raises(ValueError, match="--allow-pickle"):
+        import_heads(folder, target=stories)
+    heads = import_heads(folder, target=stories, allow_pickle=True, out_dir=tmp_path / "ours")
+    features = eagle_inputs(stories, seed=5)["features"]
+    with torch.no_grad():
+        torch.testing.assert_close(heads(features), _medusa_reference(tensors, features))
+    assert not list((tmp_path / "ours").glob("*.pt")) and (tmp_path / "ours" / "model.safetensors").is_file()
+
+    folder, _, eagle_tensors = _eagle_folder(tmp_path / "eagle", stories, weights="pytorch_model.bin")
+    assert detect_format(folder) == "eagle"
+    with pytest.raises(ValueError, match="pickled checkpoint.*--allow-pickle"):
+        import_heads(folder, target=stories)
+    heads = import_heads(folder, target=stories, allow_pickle=True)
+    assert torch.equal(heads.fc.weight, eagle_tensors["fc.weight"])
+
+
+# --- detection and reserved formats ----------------------------------------------------------------------------------
+def test_detection_and_eagle3_formats_are_reserved(stories, tmp_path):
+    torch.manual_seed(0)
+    heads = create_heads(stories, "eagle")
+    heads.save_pretrained(tmp_path / "ours")
+    assert detect_format(tmp_path / "ours") == "specheads"
+    copy = import_heads(tmp_path / "ours", target=stories, out_dir=tmp_path / "copy")
+    assert torch.equal(copy.fc.weight, heads.fc.weight)
+
+    h = 64
+    eagle3 = {"fc.weight": torch.zeros(h, 3 * h), "midlayer.hidden_norm.weight": torch.ones(h), "d2t": torch.zeros(32, dtype=torch.long)}
+    _write(tmp_path / "e3", dict(_llama_style_config(stories), draft_vocab_size=32), eagle3, "model.safetensors")
+    assert detect_format(tmp_path / "e3") == "eagle3"
+    sglang = dict(_llama_style_config(stories), architectures=["LlamaForCausalLMEagle3"])
+    _write(tmp_path / "sglang", sglang, eagle3, "model.safetensors")
+    assert detect_format(tmp_path / "sglang") == "eagle3-sglang"
+    spec3 = {"speculators_model_type": "eagle3", "speculators_config": {"algorithm": "eagle3"}}
+    _write(tmp_path / "spec3", spec3, eagle3, "model.safetensors")
+    assert detect_format(tmp_path / "spec3") == "speculators"
+    for folder in ("e3", "sglang", "spec3"):
+        with pytest.raises(ValueError, match="eagle3 heads are not available yet"):
+            import_heads(tmp_path / folder, target=stories)
+    with pytest.raises(ValueError, match="eagle3 heads are not available yet"):
+        import_heads(tmp_path / "e3", format="eagle", target=stories)
+    for fmt in ("eagle3", "eagle3-sglang"):
+        assert fmt in FORMATS
+        with pytest.raises(ValueError, match="eagle3 heads are not available yet"):
+            export_heads(heads, fmt, tmp_path / "out")
+
+    _write(tmp_path / "other", {"model_type": "bert", "num_hidden_layers": 12}, {"x": torch.zeros(1)}, "model.safetensors")
+    with pytest.raises(ValueError, match="cannot tell the checkpoint format"):
+        detect_format(tmp_path / "other")
+    with pytest.raises(FileNotFoundError):
+        detect_format(tmp_path / "nowhere")
+
+
+def test_a_folder_that_does_not_record_its_target_asks_for_one(stories, tmp_path):
+    folder, config, _ = _eagle_folder(tmp_path / "eagle", stories)
+    with pytest.raises(ValueError, match="--target"):
+        import_heads(folder)
+    heads = import_heads(folder, target="stories260K")  # a name: only its config is read
+    assert heads.config.target_name_or_path == "stories260K" and heads.config.feature_layers == [5]

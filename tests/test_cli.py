@@ -1,0 +1,65 @@
+"""The `specheads` command line: help texts, and `generate` on the embedded target with saved heads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from specheads.cli import main
+
+
+def test_module_help():
+    """`python -m specheads --help` exits 0 and lists every subcommand."""
+    result = subprocess.run(
+        [sys.executable, "-m", "specheads", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage: specheads" in result.stdout
+    for command in ("demo", "train", "data", "generate", "bench"):
+        assert command in result.stdout
+
+
+def test_generate_help(capsys):
+    """`specheads generate --help` exits 0 and documents its options."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: specheads generate" in out
+    for option in ("--target", "--heads", "--prompt", "--max-new-tokens", "--do-sample", "--temperature"):
+        assert option in out
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    """An unknown subcommand exits with argparse's usage error (code 2), not a traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["frobnicate"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def _generate(heads_dir, capfd) -> tuple[str, str]:
+    code = main(
+        ["generate", "--heads", str(heads_dir), "--prompt", "Once upon a time", "--max-new-tokens", "20"]
+    )
+    assert code == 0
+    return capfd.readouterr()
+
+
+def test_generate_streams_text_and_prints_tau(stories260k_eagle_dir, capfd):
+    """`specheads generate` with untrained EAGLE heads streams the target's own greedy text and prints tau."""
+    out, err = _generate(stories260k_eagle_dir, capfd)
+    # Lossless: whatever the heads draft, greedy output is the target's (the model README's story).
+    assert out.removeprefix("<s>").lstrip().startswith("Once upon a time, there was a little girl named Lily")
+    assert "20 tokens" in err
+    tau = float(err.split("tau=")[1].split(",")[0])
+    assert 1.0 <= tau <= 1 + 6  # at least the target's own token per forward, at most tree depth + 1
+    assert "tokens/s" in err
+
+
+def test_generate_streams_no_special_tokens(stories260k_eagle_dir, capfd):
+    """The streamed text is the prompt and its continuation, without special tokens such as <s>."""
+    out, _ = _generate(stories260k_eagle_dir, capfd)
+    assert out.startswith("Once upon a time,")
