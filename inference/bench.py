@@ -33,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", default="greedy", help="comma list of greedy,sample")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None, help="default: the target's generation config")
+    p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
+    p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
     p.add_argument("--tree", default=None, help="'auto', a static tree name/path (Medusa), or depth,top_k,nodes (EAGLE)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--prompt-lookup", type=int, default=10, help="peer: transformers prompt-lookup tokens (0: skip)")
@@ -76,7 +76,8 @@ def run_prompt(lm: SpeculativeLM, prompt: Prompt, mode: str, args: argparse.Name
     gen_kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, do_sample=sample,
                                       pad_token_id=target.generation_config.pad_token_id or target.generation_config.eos_token_id)
     if sample:
-        gen_kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        options = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        gen_kwargs.update({k: v for k, v in options.items() if v is not None})  # unset: the generation config
     baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs))
     spec, spec_s = _timed(lambda: lm.generate(ids, **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
     stats = lm.last_stats

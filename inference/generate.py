@@ -82,9 +82,9 @@ class SpeculativeLM:
                 raise ValueError("EAGLE heads draft dynamic trees: use tree_depth / tree_top_k / tree_num_nodes, not tree")
             self.drafter = EagleDrafter(
                 heads,
-                depth=tree_depth or config.tree_depth,
-                top_k=tree_top_k or config.tree_top_k,
-                num_nodes=tree_num_nodes or config.tree_num_nodes,
+                depth=config.tree_depth if tree_depth is None else tree_depth,
+                top_k=config.tree_top_k if tree_top_k is None else tree_top_k,
+                num_nodes=config.tree_num_nodes if tree_num_nodes is None else tree_num_nodes,
                 stop_prob=config.tree_stop_prob if tree_stop_prob is None else tree_stop_prob,
                 dtype=self.target.dtype,
             )
@@ -121,9 +121,9 @@ class SpeculativeLM:
         attention_mask: torch.Tensor | None = None,
         max_new_tokens: int = 128,
         do_sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         streamer: Any | None = None,
@@ -135,7 +135,8 @@ class SpeculativeLM:
             input_ids: (B, n) or (n,) prompt ids; left padding with `attention_mask` for B > 1.
             attention_mask: (B, n), 1 for real tokens.
             max_new_tokens: new tokens at most (0 returns the prompt).
-            do_sample, temperature, top_p, top_k: as in transformers.
+            do_sample, temperature, top_p, top_k: as in transformers; None takes the target's
+                generation config, then transformers' defaults (temperature 1.0, top_p 1.0, top_k 50).
             eos_token_id: int or list; default from the target's generation config. Generation stops right
                 after it (the EOS token is included, as transformers does).
             pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
@@ -146,7 +147,7 @@ class SpeculativeLM:
         per target forward, the bonus token counted, the prefill counted as one forward), rounds,
         accepted_per_depth (fraction of rounds accepting at least d drafted tokens), seconds, tokens_per_second.
         """
-        params = SamplingParams(do_sample, temperature, top_p, top_k)
+        params = SamplingParams.resolve(self.target.generation_config, do_sample, temperature, top_p, top_k)
         params.validate()
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
@@ -154,8 +155,9 @@ class SpeculativeLM:
             raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
         prompts = self._split_prompts(input_ids, attention_mask, max_new_tokens)
         if streamer is not None and len(prompts) > 1:
-            raise ValueError("streamers support batch size 1 only (as in transformers)")
-        eos = self._eos_ids(eos_token_id)
+            raise ValueError(f"streamers support batch size 1 only (as in transformers), got batch size {len(prompts)}")
+        eos_list = self._eos_ids(eos_token_id)
+        eos = set(eos_list)
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": []}
         start = time.perf_counter()
         rows = []
@@ -167,7 +169,7 @@ class SpeculativeLM:
             streamer.end()
         seconds = time.perf_counter() - start
         self.last_stats = self._finish_stats(stats, seconds)
-        return self._assemble(input_ids, rows, pad_token_id, eos)
+        return self._assemble(input_ids, rows, pad_token_id, eos_list)
 
     # --- the loop ---------------------------------------------------------------------------------------
     def _generate_row(
@@ -282,15 +284,16 @@ class SpeculativeLM:
             prompts.append(prompt.to(device))
         return prompts
 
-    def _eos_ids(self, eos_token_id: int | list[int] | None) -> set[int]:
+    def _eos_ids(self, eos_token_id: int | list[int] | None) -> list[int]:
+        """EOS ids in the caller's order (the first one pads, as in transformers)."""
         if eos_token_id is None:
             eos_token_id = getattr(self.target.generation_config, "eos_token_id", None)
         if eos_token_id is None:
-            return set()
-        return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
+            return []
+        return [int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)]
 
     def _assemble(
-        self, input_ids: torch.Tensor, rows: list[list[int]], pad_token_id: int | None, eos: set[int]
+        self, input_ids: torch.Tensor, rows: list[list[int]], pad_token_id: int | None, eos: list[int]
     ) -> torch.Tensor:
         """Prompt (with its padding) + new tokens; rows that stopped early are right-padded."""
         if input_ids.dim() == 1:
@@ -298,7 +301,7 @@ class SpeculativeLM:
         if pad_token_id is None:
             pad_token_id = getattr(self.target.generation_config, "pad_token_id", None)
         if pad_token_id is None:
-            pad_token_id = min(eos) if eos else 0
+            pad_token_id = eos[0] if eos else 0
         width = max(len(r) for r in rows)
         new = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
         for i, r in enumerate(rows):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.generation.logits_process import (
@@ -21,6 +22,30 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+
+    @classmethod
+    def resolve(
+        cls,
+        generation_config: Any,
+        do_sample: bool,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+    ) -> SamplingParams:
+        """Fill unset options as `generate` does: the model's generation config, then transformers' defaults."""
+
+        def pick(value: Any, name: str, default: Any) -> Any:
+            if value is not None:
+                return value
+            configured = getattr(generation_config, name, None)
+            return default if configured is None else configured
+
+        return cls(
+            do_sample=do_sample,
+            temperature=pick(temperature, "temperature", 1.0),
+            top_p=pick(top_p, "top_p", 1.0),
+            top_k=pick(top_k, "top_k", 50),
+        )
 
     def validate(self) -> None:
         if self.do_sample and not self.temperature > 0:

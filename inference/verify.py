@@ -16,6 +16,25 @@ def tree_attention_mask(tree: TreeBuffers, prefix_length: int) -> torch.Tensor:
     return mask
 
 
+def sliding_window_of(target: PreTrainedModel) -> tuple[int | None, bool]:
+    """(window, per_layer_types): the target's attention window if any layer uses one, and whether the model
+    takes a mask per layer type (Qwen2-style `layer_types`) rather than one mask for all layers (Mistral)."""
+    config = target.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None, False
+    return int(window), layer_types is not None
+
+
+def apply_sliding_window(mask: torch.Tensor, tree: TreeBuffers, prefix_length: int, window: int) -> torch.Tensor:
+    """Also hide keys at distance >= window from each node (HF keeps key k for query q when q - k < window)."""
+    query = prefix_length + tree.depth  # (N,) node positions
+    keys = torch.cat([torch.arange(prefix_length, device=query.device), query])  # (prefix + N,) key positions
+    too_far = (query[:, None] - keys[None, :]) >= window  # (N, prefix + N)
+    return mask.masked_fill(too_far[None, None], torch.finfo(mask.dtype).min)
+
+
 @torch.no_grad()
 def verify_tree(
     target: PreTrainedModel,
@@ -27,7 +46,8 @@ def verify_tree(
     """Run the target once over all tree nodes, appended to its cache.
 
     The tree enters as an explicit 4-D additive attention mask plus position ids (prefix length + depth);
-    the target's code is not modified. Afterwards the cache holds prefix_length + N positions; compact it
+    the target's code is not modified. Sliding-window targets (Mistral, Qwen2 with sliding layers) get the
+    window applied to the mask, as their own mask functions would. Afterwards the cache holds prefix_length + N positions; compact it
     with `kv_cache.compact_cache` once the accepted path is known.
 
     Args:
@@ -40,9 +60,14 @@ def verify_tree(
     Returns:
         logits (N, V) and the hidden states tuple, each (N, h).
     """
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] = tree_attention_mask(tree, prefix_length)
+    window, per_layer_types = sliding_window_of(target)
+    if window is not None and prefix_length + tree.num_nodes >= window:  # the window can bite: apply it
+        windowed = apply_sliding_window(attention_mask, tree, prefix_length, window)
+        attention_mask = {"full_attention": attention_mask, "sliding_attention": windowed} if per_layer_types else windowed
     out = target(
         input_ids=tokens[None],
-        attention_mask=tree_attention_mask(tree, prefix_length),
+        attention_mask=attention_mask,
         position_ids=(tree.depth + prefix_length)[None],
         past_key_values=cache,
         use_cache=True,

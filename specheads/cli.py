@@ -14,9 +14,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--do-sample", action="store_true")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None, help="default: the target's generation config")
+    p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
+    p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     p.add_argument("--seed", type=int, default=0)
 

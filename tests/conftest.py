@@ -1,0 +1,130 @@
+"""Shared fixtures: the embedded stories260K target and tiny random targets of several families.
+
+Nothing here downloads: stories260K ships inside the package and the tiny targets are built from
+configs in code with fixed seeds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
+
+# Tiny models gain nothing from intra-op threads, and two torch processes on this 2-core machine
+# oversubscribe it badly (docs/NOTES.md): one thread keeps the suite fast and its timings stable.
+torch.set_num_threads(1)
+
+TINY_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+TINY_FAMILIES = tuple(TINY_CONFIGS)
+
+
+def build_tiny_target(family: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
+    """A random 2-layer target of `family` (hidden 64, vocab 97, no EOS), in eval mode with gradients off."""
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=None,  # no EOS by default: tests that want one pass eos_token_id
+        pad_token_id=0,
+    )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[family](**fields))
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def stories260k():
+    """(target, tokenizer) of the embedded stories260K Llama (5 layers, vocab 512)."""
+    from specheads import load_target
+
+    return load_target("stories260K")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_factory():
+    """`make(family, seed=0, **config_overrides)` -> a cached tiny random target (treat it as read-only)."""
+    built: dict[tuple, PreTrainedModel] = {}
+
+    def make(family: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
+        key = (family, seed, tuple(sorted(overrides.items())))
+        if key not in built:
+            built[key] = build_tiny_target(family, seed, **overrides)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_target_factory):
+    return tiny_target_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_target_factory):
+    return tiny_target_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tiny_target_factory):
+    return tiny_target_factory("mistral")
+
+
+# --- foundation fixtures (heads checkpoints, Hub cache, CLI) --------------------------------------------
+@pytest.fixture(scope="session")
+def stories260k_eagle_dir(stories260k, tmp_path_factory):
+    """A folder holding untrained EAGLE heads for stories260K, written by `save_pretrained` (seeded)."""
+    from specheads import create_heads
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("stories260k_eagle")
+    create_heads(stories260k[0], "eagle").save_pretrained(folder)
+    return folder
+
+
+class OfflineHubCache:
+    """A Hugging Face Hub cache folder built by hand: `models--org--name/{refs/main, snapshots/<hash>/}`."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+
+    def publish(self, folder, repo_id: str, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+        """Copy `folder`'s files into the cache as `repo_id` at `commit` (refs/main points at it); return the snapshot."""
+        import shutil
+
+        repo = self.root / ("models--" + repo_id.replace("/", "--"))
+        snapshot = repo / "snapshots" / commit
+        shutil.copytree(folder, snapshot)
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(commit)
+        return snapshot
+
+
+@pytest.fixture
+def offline_hub_cache(tmp_path, monkeypatch) -> OfflineHubCache:
+    """An empty offline Hub cache that this process uses for the duration of the test.
+
+    Sets HF_HUB_OFFLINE=1, HF_HUB_CACHE and HF_HOME for child processes; huggingface_hub reads those at
+    import time, so the already-imported `huggingface_hub.constants` are patched too (that is what
+    `snapshot_download` and transformers' `cached_file` read at call time).
+    """
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf_home" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(cache.parent))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HOME", str(cache.parent))
+    return OfflineHubCache(cache)

@@ -1,0 +1,104 @@
+"""Drafters produce valid trees of the configured shape: EAGLE dynamic trees and Medusa static trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specheads import create_heads
+from specheads.inference.drafting import EagleDrafter, MedusaDrafter
+from specheads.inference.tree import build_tree_buffers, chain_tree, load_static_tree
+
+
+@pytest.mark.parametrize(("depth", "top_k", "num_nodes"), [(4, 3, 10), (3, 2, 20), (1, 4, 4), (5, 4, 7)])
+def test_eagle_dynamic_tree_shape(tiny_llama, depth, top_k, num_nodes):
+    """Root + min(num_nodes, pool) nodes, depth <= tree_depth, a valid topological tree, over several rounds."""
+    torch.manual_seed(0)
+    heads = create_heads(tiny_llama, "eagle")
+    drafter = EagleDrafter(heads, depth=depth, top_k=top_k, num_nodes=num_nodes, dtype=torch.float32)
+    drafter.reset()
+    hidden = tiny_llama.config.hidden_size
+    pool = top_k + (depth - 1) * top_k * top_k
+    generator = torch.Generator().manual_seed(0)
+    committed = 0
+    for length in (6, 1, 3, 2):  # the prefill, then rounds accepting 0, 2 and 1 drafted tokens
+        next_tokens = torch.randint(0, 97, (length,), generator=generator)
+        tokens, tree = drafter.propose(torch.randn(length, hidden, generator=generator), next_tokens)
+        committed += length
+        assert drafter.committed == committed
+        assert drafter.cache.get_seq_length() >= committed
+        assert tokens.shape == (1 + min(num_nodes, pool),) == (tree.num_nodes,)
+        assert int(tokens[0]) == int(next_tokens[-1])  # the root is the token the target chose
+        assert int(tree.depth.max()) <= depth
+        rebuilt = build_tree_buffers(tree.parents)  # raises unless topologically ordered and rooted at 0
+        assert torch.equal(rebuilt.ancestors, tree.ancestors)
+        assert bool(((tokens >= 0) & (tokens < 97)).all())
+        siblings = {}
+        for node in range(1, tree.num_nodes):
+            siblings.setdefault(int(tree.parents[node]), []).append(int(tokens[node]))
+        assert all(len(set(s)) == len(s) for s in siblings.values()), "siblings are distinct top-k tokens"
+
+
+def test_eagle_head_cache_across_rounds_equals_one_pass_over_the_committed_sequence(tiny_llama):
+    """After each round the head's cache (committed part) equals one causal pass over everything committed.
+
+    This checks that last round's draft entries are cropped and the new positions are fed at the right
+    positions; the root's children are then the head's top-k tokens at the last committed position.
+    """
+    torch.manual_seed(0)
+    heads = create_heads(tiny_llama, "eagle")
+    top_k = 3
+    drafter = EagleDrafter(heads, depth=3, top_k=top_k, num_nodes=8, dtype=torch.float32)
+    drafter.reset()
+    generator = torch.Generator().manual_seed(1)
+    features, next_tokens = [], []
+    for length in (5, 3, 1, 4):
+        features.append(torch.randn(length, tiny_llama.config.hidden_size, generator=generator))
+        next_tokens.append(torch.randint(0, 97, (length,), generator=generator))
+        tokens, tree = drafter.propose(features[-1], next_tokens[-1])
+        f, t = torch.cat(features), torch.cat(next_tokens)
+        n = f.shape[0]
+        causal = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
+        fresh = DynamicCache()
+        with torch.no_grad():
+            predicted = heads(f[None], t[None], torch.arange(n)[None], causal, fresh)[0]
+            top = set(heads.logits(predicted[-1]).topk(top_k).indices.tolist())
+        for drafted, reference in zip(drafter.cache.layers, fresh.layers):
+            torch.testing.assert_close(drafted.keys[:, :, :n], reference.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(drafted.values[:, :, :n], reference.values, atol=1e-5, rtol=0)
+        assert set(tokens[tree.parents == 0].tolist()) <= top
+
+
+def test_eagle_drafter_rejects_zero_sizes(tiny_llama):
+    heads = create_heads(tiny_llama, "eagle")
+    with pytest.raises(ValueError, match="tree_top_k=0"):
+        EagleDrafter(heads, depth=3, top_k=0, num_nodes=5, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tree_name", ["medusa_default", "medusa_small"])
+def test_medusa_fills_the_static_tree_with_each_heads_top_choices(tiny_llama, tree_name):
+    """Node at depth d with rank r holds head (d-1)'s r-th most likely token; the shape is the static tree's."""
+    torch.manual_seed(0)
+    heads = create_heads(tiny_llama, "medusa")
+    with torch.no_grad():  # distinct heads, so a mix-up of head indices would show
+        for head in heads.heads:
+            head[-1].weight.normal_()
+    static = load_static_tree(tree_name)
+    drafter = MedusaDrafter(heads, static, dtype=torch.float32)
+    features = torch.randn(4, tiny_llama.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    tokens, tree = drafter.propose(features, torch.tensor([5, 6, 7, 8]))
+    assert tokens.shape == static.parents.shape
+    assert torch.equal(tree.parents, static.parents)
+    assert int(tokens[0]) == 8
+    with torch.no_grad():
+        logits = heads(features[-1:][None])[:, 0, 0]  # (K, V)
+    ranked = logits.argsort(dim=-1, descending=True)
+    for node in range(1, tokens.shape[0]):
+        assert int(tokens[node]) == int(ranked[int(static.depth[node]) - 1, int(static.choices[node])])
+
+
+def test_medusa_drafter_refuses_a_tree_deeper_than_its_heads(tiny_llama):
+    heads = create_heads(tiny_llama, "medusa", num_heads=2)
+    with pytest.raises(ValueError, match="depth 3.*2 heads"):
+        MedusaDrafter(heads, chain_tree(3), dtype=torch.float32)

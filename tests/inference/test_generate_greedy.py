@@ -1,0 +1,263 @@
+"""Greedy speculative generation is token-identical to `target.generate(do_sample=False)`.
+
+With untrained heads of every type (drafts mostly rejected) and with an oracle drafter that proposes the
+target's own greedy continuation with corrupted positions, rescue siblings and decoys (long accepted paths,
+rejections at every depth, accepted paths that skip nodes, EOS inside an accepted path, KV compaction).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specheads import HEAD_TYPES, SpeculativeLM, create_heads
+from specheads.inference.tree import chain_tree
+
+EAGLE_SMALL_TREE = dict(tree_depth=4, tree_top_k=3, tree_num_nodes=10)
+TARGETS = ["stories260K", "llama", "qwen2", "mistral"]
+TINY_PROMPT = [1, 5, 9, 33, 7]
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def target_and_prompt(request, stories260k, tiny_target_factory):
+    """(target, prompt ids (1, n)) for the embedded stories260K and each tiny random family."""
+    if request.param == "stories260K":
+        target, tokenizer = stories260k
+        return target, tokenizer("Once upon a time", return_tensors="pt").input_ids
+    return tiny_target_factory(request.param), torch.tensor([TINY_PROMPT])
+
+
+def make_heads(target, head_type: str):
+    torch.manual_seed(0)
+    return create_heads(target, head_type, **(EAGLE_SMALL_TREE if head_type == "eagle" else {}))
+
+
+def hf_greedy(target, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    return target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+
+
+def check_stats(stats: dict, new_tokens: int) -> None:
+    """last_stats is self-consistent: one prefill + one verification per round; tau = new tokens per forward."""
+    assert stats["new_tokens"] == new_tokens
+    assert stats["target_forwards"] == stats["rounds"] + 1
+    assert stats["mean_accepted"] == pytest.approx(new_tokens / stats["target_forwards"])
+    accepted_total = round(sum(stats["accepted_per_depth"]) * stats["rounds"])
+    emitted_if_untruncated = (
+        1 + stats["rounds"] + accepted_total
+    )  # prefill token + (accepted + bonus) per round
+    # Only the last round may be cut short (by max_new_tokens or EOS), and it emits at least one token.
+    assert 0 <= emitted_if_untruncated - new_tokens <= max(accepted_total, 0)
+    fractions = stats["accepted_per_depth"]
+    assert all(1 >= a >= b >= 0 for a, b in zip(fractions, fractions[1:]))
+    assert stats["seconds"] > 0 and stats["tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_untrained_heads_give_the_target_greedy_output(target_and_prompt, head_type):
+    """Every head type, untrained: the output equals plain greedy generate token for token."""
+    target, ids = target_and_prompt
+    lm = SpeculativeLM(target, make_heads(target, head_type))
+    out = lm.generate(ids, max_new_tokens=40)
+    expected = hf_greedy(target, ids, 40)
+    assert torch.equal(out, expected)
+    check_stats(lm.last_stats, expected.shape[1] - ids.shape[1])
+
+
+@pytest.mark.parametrize("tree", ["medusa_small", chain_tree(3)])
+def test_medusa_with_other_static_trees(stories260k, tree):
+    """Medusa heads with a smaller shipped tree and with a plain chain also reproduce greedy output."""
+    target, tokenizer = stories260k
+    ids = tokenizer("The little dog", return_tensors="pt").input_ids
+    lm = SpeculativeLM(target, make_heads(target, "medusa"), tree=tree)
+    assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
+
+
+def test_medusa_with_fewer_heads_than_the_default_tree_is_deep(stories260k):
+    """3 Medusa heads: the default depth-5 tree is cut to depth 3, and the output is still the greedy one."""
+    target, tokenizer = stories260k
+    ids = tokenizer("The little dog", return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, "medusa", num_heads=3))
+    assert lm.drafter.tree.max_depth == 3
+    assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
+
+
+def test_eagle_with_early_stopping(stories260k):
+    """EAGLE drafting that stops early (tree_stop_prob) still reproduces greedy output."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Lily saw a bird", return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, "eagle"), tree_depth=5, tree_top_k=3, tree_stop_prob=0.3)
+    assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
+
+
+def test_eagle_with_its_default_tree(stories260k):
+    """EAGLE heads with the checkpoint's default (larger) dynamic tree."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Lily saw a bird", return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, "eagle"))
+    assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
+
+
+# --- the oracle drafter ---------------------------------------------------------------------------------------
+def oracle_lm(target, ids, greedy_reference, oracle_drafter, max_new_tokens: int, depth: int = 5, **options):
+    """A SpeculativeLM whose drafter knows the greedy continuation (untrained Medusa heads just satisfy the API)."""
+    prompt = ids[0].tolist()
+    reference = prompt + greedy_reference(target, prompt, max_new_tokens + depth + 2)
+    lm = SpeculativeLM(target, make_heads(target, "medusa"))
+    lm.drafter = oracle_drafter(reference, target.config.vocab_size, depth=depth, **options)
+    return lm, reference
+
+
+def test_oracle_drafts_exercise_every_acceptance_depth(target_and_prompt, greedy_reference, oracle_drafter):
+    """Mostly-right drafts: identical output, long accepted paths, a rejection at every depth, rescued paths.
+
+    The drafter also checks that each round accepted exactly the longest correct drafted prefix.
+    """
+    target, ids = target_and_prompt
+    depth, n = 5, 120
+    lm, reference = oracle_lm(
+        target,
+        ids,
+        greedy_reference,
+        oracle_drafter,
+        n,
+        depth,
+        corruption_rate=0.1,
+        cycle_rejections=True,
+        seed=1,
+    )
+    out = lm.generate(ids, max_new_tokens=n, eos_token_id=[])
+    assert out[0].tolist() == reference[: ids.shape[1] + n]
+    drafter = lm.drafter
+    drafter.check_accepted()
+    assert set(drafter.accepted) == set(range(depth + 1)), "every depth 0..5 should end a round"
+    assert drafter.rescued_rounds > 1, "some accepted paths should go through a later sibling"
+    stats = lm.last_stats
+    check_stats(stats, n)
+    assert stats["mean_accepted"] > 1.5
+    assert stats["rounds"] == len(drafter.roots)
+    assert stats["accepted_per_depth"][0] > 0.5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_oracle_output_equals_hf_generate(tiny_target_factory, greedy_reference, oracle_drafter, family):
+    """With the oracle drafter, the speculative output also equals transformers' own greedy generate."""
+    target = tiny_target_factory(family)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    lm, _ = oracle_lm(target, ids, greedy_reference, oracle_drafter, 60, corruption_rate=0.2, seed=2)
+    assert torch.equal(lm.generate(ids, max_new_tokens=60), hf_greedy(target, ids, 60))
+    lm.drafter.check_accepted()
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 6, 7, 8, 13, 20])
+def test_max_new_tokens_cuts_inside_an_accepted_path(
+    tiny_llama, greedy_reference, oracle_drafter, max_new_tokens
+):
+    """Perfect drafts (6 tokens per round): the output still stops at exactly max_new_tokens."""
+    ids = torch.tensor([TINY_PROMPT])
+    lm, reference = oracle_lm(
+        tiny_llama, ids, greedy_reference, oracle_drafter, max_new_tokens, corruption_rate=0.0
+    )
+    out = lm.generate(ids, max_new_tokens=max_new_tokens)
+    assert out[0].tolist() == reference[: len(TINY_PROMPT) + max_new_tokens]
+    assert torch.equal(out, hf_greedy(tiny_llama, ids, max_new_tokens))
+    check_stats(lm.last_stats, max_new_tokens)
+    assert lm.last_stats["target_forwards"] == 1 + -(-(max_new_tokens - 1) // 6)  # ceil((n - 1) / 6) rounds
+
+
+@pytest.mark.parametrize("target_name", ["stories260K", "llama"])
+def test_eos_inside_an_accepted_path(target_name, target_and_prompt_for, greedy_reference, oracle_drafter):
+    """EOS drafted (not the bonus) mid-path: generation stops right after it, exactly as transformers does."""
+    target, ids = target_and_prompt_for(target_name)
+    depth, n = 5, 60
+    lm, reference = oracle_lm(target, ids, greedy_reference, oracle_drafter, n, depth, corruption_rate=0.0)
+    prompt_length = ids.shape[1]
+    continuation = reference[prompt_length : prompt_length + n]
+    # Roots sit at continuation offsets 0, 6, 12, ...: pick a token first seen at a drafted offset.
+    eos_offset = next(
+        i for i, t in enumerate(continuation) if i >= 8 and i % (depth + 1) != 0 and t not in continuation[:i]
+    )
+    eos = continuation[eos_offset]
+    out = lm.generate(ids, max_new_tokens=n, eos_token_id=eos)
+    expected = hf_greedy(target, ids, n, eos_token_id=eos)
+    assert torch.equal(out, expected)
+    assert out[0].tolist() == reference[: prompt_length + eos_offset + 1]  # stops right after EOS
+    last_root = lm.drafter.roots[-1]
+    assert (
+        last_root < prompt_length + eos_offset <= last_root + depth
+    )  # EOS was a drafted node, not the bonus
+    check_stats(lm.last_stats, eos_offset + 1)
+
+
+def test_eos_list_and_default_eos(stories260k, greedy_reference, oracle_drafter):
+    """eos_token_id may be a list; without it the target's generation config's EOS applies."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    lm, reference = oracle_lm(target, ids, greedy_reference, oracle_drafter, 40, corruption_rate=0.3)
+    continuation = reference[ids.shape[1] :]
+    eos = [continuation[15], continuation[25]]
+    assert torch.equal(
+        lm.generate(ids, max_new_tokens=40, eos_token_id=eos), hf_greedy(target, ids, 40, eos_token_id=eos)
+    )
+    assert target.generation_config.eos_token_id == 2
+    assert torch.equal(lm.generate(ids, max_new_tokens=40), hf_greedy(target, ids, 40))
+
+
+def test_eos_as_the_first_new_token(tiny_llama, greedy_reference):
+    """When the prefill's own token is EOS, exactly one token is produced."""
+    ids = torch.tensor([TINY_PROMPT])
+    first = greedy_reference(tiny_llama, TINY_PROMPT, 1)[0]
+    lm = SpeculativeLM(tiny_llama, make_heads(tiny_llama, "eagle"))
+    out = lm.generate(ids, max_new_tokens=10, eos_token_id=first)
+    assert out[0].tolist() == TINY_PROMPT + [first]
+    assert lm.last_stats["target_forwards"] == 1
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_zero_and_one_new_tokens(stories260k, head_type):
+    """max_new_tokens=0 returns the prompt without running the target; 1 runs the prefill only."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    lm = SpeculativeLM(target, make_heads(target, head_type))
+    assert torch.equal(lm.generate(ids, max_new_tokens=0), ids)
+    assert lm.last_stats["new_tokens"] == 0 and lm.last_stats["target_forwards"] == 0
+    assert torch.equal(lm.generate(ids, max_new_tokens=1), hf_greedy(target, ids, 1))
+    assert lm.last_stats["new_tokens"] == 1 and lm.last_stats["target_forwards"] == 1
+
+
+def test_one_dimensional_prompt(stories260k):
+    """A (n,) prompt is treated as a batch of one, as in the API docstring."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    lm = SpeculativeLM(target, make_heads(target, "eagle"))
+    assert torch.equal(lm.generate(ids[0], max_new_tokens=12), hf_greedy(target, ids, 12))
+
+
+@pytest.fixture(scope="module")
+def target_and_prompt_for(stories260k, tiny_target_factory):
+    def get(name: str):
+        if name == "stories260K":
+            target, tokenizer = stories260k
+            return target, tokenizer("Once upon a time", return_tensors="pt").input_ids
+        return tiny_target_factory(name), torch.tensor([TINY_PROMPT])
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("family", "window_options"),
+    [
+        pytest.param("mistral", dict(sliding_window=8), id="mistral"),  # every layer windowed
+        pytest.param(
+            "qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), id="qwen2"
+        ),  # a full layer, then a sliding one
+    ],
+)
+def test_sliding_window_target_past_its_window(tiny_target_factory, family, window_options):
+    """A target whose sliding window (8) is shorter than the sequence must still match greedy generate."""
+    target = tiny_target_factory(family, **window_options)
+    ids = torch.tensor([TINY_PROMPT])
+    lm = SpeculativeLM(target, make_heads(target, "medusa"))
+    assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))

@@ -1,0 +1,251 @@
+"""Sampling is lossless: the joint law of the first 3 sampled tokens equals the target's exact law.
+
+A tiny random Llama with a 6-token vocabulary (lm_head scaled up so the law is far from flat) lets us
+enumerate all 6^3 continuations exactly. Thousands of `SpeculativeLM.generate(do_sample=True)` runs, with
+drafts that are often right, are compared with a Pearson chi-square test at p = 0.001. The same machinery
+rejects deliberately wrong acceptance rules, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import specheads.inference.generate as generate_module
+from specheads import SpeculativeLM, create_heads
+from specheads.inference.sampling import sample_token
+from specheads.inference.tree import TreeBuffers, build_tree_buffers
+
+V = 6
+PROMPT = [1, 3, 4, 5]
+NUM_SAMPLES = 2000
+SETTINGS = {
+    "T=1.0": dict(temperature=1.0),
+    "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9),
+}
+
+
+@pytest.fixture(scope="module")
+def six_token_target(tiny_target_factory):
+    """A random 1-layer Llama over 6 tokens, max next-token probabilities around 0.3-0.6 (one layer: fast)."""
+    target = copy.deepcopy(tiny_target_factory("llama", seed=1, vocab_size=V, num_hidden_layers=1))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    return target
+
+
+def warped_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """The target's sampling law as transformers' generate builds it (its own warpers, its order)."""
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return torch.softmax(warpers(None, logits.float()), dim=-1)
+
+
+class ExactLaw:
+    """p1[x1], p2[x1, x2] and p3[x1, x2, x3] of the 3 tokens after PROMPT, for one sampling setting."""
+
+    def __init__(self, target, **sampling) -> None:
+        n = len(PROMPT)
+        sequences = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])  # all 36 (x1, x2)
+        with torch.no_grad():
+            logits = target(input_ids=sequences).logits  # (36, n + 2, V)
+        self.p1 = warped_probs(logits[0, n - 1 : n], **sampling)[0]  # (V,)
+        self.p2 = warped_probs(logits[::V, n], **sampling)  # (V, V): row x1
+        self.p3 = warped_probs(logits[:, n + 1], **sampling).view(V, V, V)  # [x1, x2] -> (V,)
+
+    def joint(self) -> dict[tuple[int, int, int], float]:
+        return {
+            (a, b, c): float(self.p1[a] * self.p2[a, b] * self.p3[a, b, c])
+            for a, b, c in itertools.product(range(V), repeat=3)
+        }
+
+
+class ArgmaxTreeDrafter:
+    """Drafts from the exact law: the target's top tokens as siblings, their top tokens as children.
+
+    Around the chain of most likely tokens it adds a second-best sibling, a duplicate of the first child
+    and the least likely token (often impossible after top-p), so accepted paths, rejections, residuals
+    and zero-probability drafts all occur.
+    """
+
+    def __init__(self, law: ExactLaw) -> None:
+        self.law = law
+        self.trees: dict[tuple[int, ...], tuple[torch.Tensor, TreeBuffers]] = {}  # by generated tokens
+
+    def reset(self) -> None:
+        self.generated: list[int] = []
+        self.prompt_tokens_seen = 0
+
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        tokens = next_tokens.tolist()
+        if not self.generated:
+            tokens = tokens[len(PROMPT) - 1 :]  # the first call also carries prompt[1:]
+        self.generated += tokens
+        g = tuple(self.generated)
+        if g not in self.trees:
+            self.trees[g] = self.build(g)
+        return self.trees[g]
+
+    def build(self, g: tuple[int, ...]) -> tuple[torch.Tensor, TreeBuffers]:
+        if len(g) == 1:
+            nexts = [self.law.p2[g[0]]] + [self.law.p3[g[0], b] for b in range(V)]
+        else:
+            nexts = [self.law.p3[g[0], g[1]]] + [torch.ones(V) / V] * V  # deeper than 3 tokens: anything
+        first = nexts[0]
+        order = torch.argsort(first, descending=True, stable=True).tolist()
+        out, parents = [g[-1]], [-1]
+        for rank, token in enumerate([order[0], order[1], order[0], order[-1]]):
+            out.append(token)
+            parents.append(0)
+            if rank < 2:  # the two best get children: their own two best next tokens
+                child = len(out) - 1
+                below = torch.argsort(nexts[1 + token], descending=True, stable=True).tolist()
+                for grandchild in below[:2]:
+                    out.append(grandchild)
+                    parents.append(child)
+        return torch.tensor(out), build_tree_buffers(torch.tensor(parents))
+
+
+def sample_first_three(
+    lm: SpeculativeLM, num_samples: int, seed: int, **sampling
+) -> list[tuple[int, int, int]]:
+    """`num_samples` runs of generate(max_new_tokens=3); also counts kept drafts in `lm.accepted_drafts`."""
+    torch.manual_seed(seed)
+    ids = torch.tensor([PROMPT])
+    samples, lm.accepted_drafts = [], 0
+    for _ in range(num_samples):
+        out = lm.generate(ids, max_new_tokens=3, do_sample=True, **sampling)
+        samples.append(tuple(out[0, len(PROMPT) :].tolist()))
+        stats = lm.last_stats
+        lm.accepted_drafts += round(sum(stats["accepted_per_depth"]) * stats["rounds"])
+    return samples
+
+
+def oracle_lm(target, law: ExactLaw) -> SpeculativeLM:
+    lm = SpeculativeLM(target, create_heads(target, "medusa"))  # the heads only satisfy the API
+    lm.drafter = ArgmaxTreeDrafter(law)
+    return lm
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_oracle_drafts_sample_the_exact_joint_law(six_token_target, chi_square, setting):
+    """Often-right tree drafts (siblings, duplicates, impossible tokens): first 3 tokens ~ the exact law."""
+    sampling = SETTINGS[setting]
+    law = ExactLaw(six_token_target, **sampling)
+    lm = oracle_lm(six_token_target, law)
+    samples = sample_first_three(lm, NUM_SAMPLES, seed=0, **sampling)
+    result = chi_square(samples, law.joint())
+    assert result.passed, result
+    assert result.dof >= 10, result  # enough bins to see the joint law
+    # The drafts were exercised: on average more than half a drafted token is kept per run.
+    assert lm.accepted_drafts > 0.5 * NUM_SAMPLES
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_untrained_eagle_heads_sample_the_exact_joint_law(six_token_target, chi_square, setting):
+    """Untrained EAGLE heads (top-3 siblings cover half the vocabulary, so they often hit): same law."""
+    sampling = SETTINGS[setting]
+    law = ExactLaw(six_token_target, **sampling)
+    torch.manual_seed(0)
+    heads = create_heads(six_token_target, "eagle", tree_depth=3, tree_top_k=3, tree_num_nodes=8)
+    lm = SpeculativeLM(six_token_target, heads)
+    samples = sample_first_three(lm, 1200, seed=1, **sampling)  # EAGLE drafting is slower: fewer runs
+    result = chi_square(samples, law.joint())
+    assert result.passed, result
+    assert lm.accepted_drafts > 0.2 * len(samples)
+
+
+def test_top_k_sampling_follows_the_exact_law(six_token_target, chi_square):
+    """top_k (with a temperature above 1) is processed exactly as transformers does."""
+    sampling = dict(temperature=1.3, top_k=3)
+    law = ExactLaw(six_token_target, **sampling)
+    samples = sample_first_three(oracle_lm(six_token_target, law), 1200, seed=2, **sampling)
+    joint = law.joint()
+    assert sum(p > 0 for p in joint.values()) == 27  # 3 x 3 x 3 reachable sequences
+    assert chi_square(samples, joint).passed
+
+
+def test_exact_law_matches_the_engine_target_probs(six_token_target):
+    """The engine's `target_probs` equals the warpers used for the exact law above (same processing)."""
+    from specheads.inference.sampling import SamplingParams, target_probs
+
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0)) * 3
+    for kwargs in (
+        {"temperature": 1.0},
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 1.3, "top_k": 3},
+    ):
+        params = SamplingParams(do_sample=True, **kwargs)
+        torch.testing.assert_close(target_probs(logits, params), warped_probs(logits, **kwargs))
+
+
+# --- the test can fail ----------------------------------------------------------------------------------------
+def accept_first_children(tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor):
+    """WRONG on purpose: always accept the first child at every depth (the draft wins)."""
+    node, path = 0, [0]
+    while True:
+        children = [i for i in range(1, tree.num_nodes) if int(tree.parents[i]) == node]
+        if not children:
+            return torch.tensor(path), sample_token(probs[node])
+        node = children[0]
+        path.append(node)
+
+
+def accept_without_residual(tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor):
+    """WRONG on purpose: rejection sampling that forgets to remove rejected candidates (no residual)."""
+    node, path = 0, [0]
+    while True:
+        children = [i for i in range(1, tree.num_nodes) if int(tree.parents[i]) == node]
+        for child in children:
+            if torch.rand(()).item() < float(probs[node, tokens[child]]):
+                node = child
+                path.append(node)
+                break
+        else:
+            return torch.tensor(path), sample_token(probs[node])
+
+
+@pytest.mark.parametrize("wrong_rule", [accept_first_children, accept_without_residual])
+def test_the_chi_square_test_rejects_wrong_acceptance_rules(
+    six_token_target, chi_square, monkeypatch, wrong_rule
+):
+    """Swapping the engine's acceptance for a biased rule makes the same chi-square test fail clearly."""
+    law = ExactLaw(six_token_target)
+    monkeypatch.setattr(generate_module, "accept_sampling", wrong_rule)
+    samples = sample_first_three(oracle_lm(six_token_target, law), 800, seed=3)
+    result = chi_square(samples, law.joint())
+    assert result.statistic > 2 * result.critical, result
+
+
+def test_default_sampling_matches_transformers_defaults(tiny_llama):
+    """`generate(do_sample=True)` without top_k samples from the same law as `target.generate(do_sample=True)`.
+
+    transformers applies its global default top_k=50 (GenerationConfig._get_default_generation_params) when
+    neither the user nor the model's generation config sets it; on a near-flat 97-token law, tokens outside
+    the top 50 then never appear.
+    """
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    with torch.no_grad():
+        top50 = set(tiny_llama(input_ids=ids).logits[0, -1].topk(50).indices.tolist())
+    torch.manual_seed(0)
+    hf = {int(tiny_llama.generate(ids, max_new_tokens=1, do_sample=True)[0, -1]) for _ in range(60)}
+    assert hf <= top50  # transformers: top-50 only
+    lm = SpeculativeLM(tiny_llama, create_heads(tiny_llama, "medusa"))
+    ours = {int(lm.generate(ids, max_new_tokens=1, do_sample=True)[0, -1]) for _ in range(60)}
+    assert ours <= top50, f"sampled {sorted(ours - top50)} outside transformers' default top-50"

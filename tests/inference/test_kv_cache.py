@@ -1,0 +1,123 @@
+"""KV cache helpers on a real `DynamicCache` of the installed transformers: compaction equals sequential decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from specheads.inference.kv_cache import cache_length, compact_cache, crop_cache
+from specheads.inference.tree import build_tree_buffers
+from specheads.inference.verify import verify_tree
+
+VOCAB = 97
+
+
+@torch.no_grad()
+def sequential_cache(target, token_ids: list[int]) -> DynamicCache:
+    """The cache of running `token_ids` through the target as one ordinary causal sequence."""
+    cache = DynamicCache()
+    target(input_ids=torch.tensor([token_ids]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def assert_caches_equal(actual: DynamicCache, expected: DynamicCache, atol: float = 1e-5) -> None:
+    assert len(actual.layers) == len(expected.layers)
+    for i, (a, e) in enumerate(zip(actual.layers, expected.layers)):
+        assert a.keys.shape == e.keys.shape, f"layer {i} keys {tuple(a.keys.shape)} != {tuple(e.keys.shape)}"
+        torch.testing.assert_close(a.keys, e.keys, atol=atol, rtol=0, msg=f"layer {i} keys")
+        torch.testing.assert_close(a.values, e.values, atol=atol, rtol=0, msg=f"layer {i} values")
+
+
+def test_installed_transformers_is_5x():
+    """The helpers target the 5.x cache layout (`cache.layers[i].keys / .values`)."""
+    assert transformers.__version__.split(".")[0] == "5"
+    cache = DynamicCache()
+    assert hasattr(cache, "layers")
+
+
+@st.composite
+def tree_and_node(draw, max_nodes: int = 16):
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [draw(st.integers(0, VOCAB - 1)) for _ in range(n)]
+    prefix = [draw(st.integers(0, VOCAB - 1)) for _ in range(draw(st.integers(1, 8)))]
+    return prefix, parents, tokens, draw(st.integers(0, n - 1))
+
+
+@given(case=tree_and_node())
+@settings(max_examples=25, deadline=None)
+def test_compaction_after_tree_verification_equals_sequential_cache(tiny_llama, case):
+    """Verify a random tree, keep one root-to-node path: the cache equals running prefix + path sequentially."""
+    prefix, parents, tokens, node = case
+    cache = sequential_cache(tiny_llama, prefix)
+    tree = build_tree_buffers(torch.tensor(parents))
+    verify_tree(tiny_llama, cache, torch.tensor(tokens), tree, len(prefix))
+    assert cache_length(cache) == len(prefix) + len(parents)
+    path = torch.nonzero(tree.ancestors[node]).squeeze(-1)  # root .. node, ascending
+    compact_cache(cache, len(prefix), path)
+    assert cache_length(cache) == len(prefix) + path.shape[0]
+    assert_caches_equal(cache, sequential_cache(tiny_llama, prefix + [tokens[i] for i in path.tolist()]))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_compacted_cache_keeps_decoding_correctly(tiny_target_factory, family):
+    """After compacting to a path that skips nodes, the next forward's logits equal a full uncached forward."""
+    target = tiny_target_factory(family)
+    prefix = [1, 17, 5, 60, 33]
+    #   0 -> 1 -> 3 -> 6          the kept path skips nodes 2, 4, 5 (entries must move, with overlap)
+    #     \-> 2   \-> 4 \-> 5
+    parents = [-1, 0, 0, 1, 1, 4, 3]
+    tokens = [8, 9, 10, 11, 12, 13, 14]
+    cache = sequential_cache(target, prefix)
+    tree = build_tree_buffers(torch.tensor(parents))
+    verify_tree(target, cache, torch.tensor(tokens), tree, len(prefix))
+    path = torch.tensor([0, 1, 3, 6])
+    compact_cache(cache, len(prefix), path)
+    kept = prefix + [tokens[i] for i in path.tolist()]
+    assert_caches_equal(cache, sequential_cache(target, kept))
+    with torch.no_grad():
+        step = target(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        full = target(input_ids=torch.tensor([kept + [42]])).logits[0, -1]
+    torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
+
+
+def test_compacting_to_the_root_only_and_to_a_contiguous_prefix(tiny_llama):
+    """Keeping [0] drops the whole draft; keeping a contiguous prefix of nodes is a plain crop."""
+    prefix, tokens = [3, 4, 5], [6, 7, 8, 9]
+    tree = build_tree_buffers(torch.tensor([-1, 0, 1, 2]))  # a chain
+    for keep in ([0], [0, 1, 2], [0, 1, 2, 3]):
+        cache = sequential_cache(tiny_llama, prefix)
+        verify_tree(tiny_llama, cache, torch.tensor(tokens), tree, len(prefix))
+        compact_cache(cache, len(prefix), torch.tensor(keep))
+        assert_caches_equal(cache, sequential_cache(tiny_llama, prefix + [tokens[i] for i in keep]))
+
+
+def test_compact_cache_refuses_a_cache_shorter_than_the_tree(tiny_llama):
+    """Asking to keep nodes the cache does not hold is an error, not silent garbage."""
+    cache = sequential_cache(tiny_llama, [3, 4, 5])
+    with pytest.raises(RuntimeError, match="expected at least"):
+        compact_cache(cache, 2, torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("length", [0, 1, 6, 11, 50])
+def test_crop_cache_equals_the_cache_of_the_shorter_sequence(tiny_llama, length):
+    """crop_cache(n) keeps the first n positions of every layer (n >= current length: unchanged)."""
+    tokens = [1, 9, 8, 7, 6, 5, 4, 3, 2, 10, 11]
+    cache = sequential_cache(tiny_llama, tokens)
+    crop_cache(cache, length)
+    kept = min(length, len(tokens))
+    assert cache_length(cache) == kept
+    if kept:
+        assert_caches_equal(cache, sequential_cache(tiny_llama, tokens[:kept]))
+
+
+def test_helpers_skip_empty_layers():
+    """A fresh cache (no layer filled yet) is left alone by both helpers."""
+    cache = DynamicCache()
+    crop_cache(cache, 3)
+    compact_cache(cache, 0, torch.tensor([0]))
+    assert cache_length(cache) == 0
