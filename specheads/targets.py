@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 ASSETS = Path(__file__).parent / "assets"
 ALIASES = {"stories260k": ASSETS / "stories260K"}
+SMOLLM2_ALIASES = ("smollm2-135m-instruct", "smollm2")
 
 
 def resolve_target_path(name_or_path: str | os.PathLike) -> str:
@@ -17,7 +18,7 @@ def resolve_target_path(name_or_path: str | os.PathLike) -> str:
     text = str(name_or_path)
     if text.lower() in ALIASES:
         return str(ALIASES[text.lower()])
-    if text.lower() in ("smollm2-135m-instruct", "smollm2"):
+    if text.lower() in SMOLLM2_ALIASES:
         from specheads.smollm2 import smollm2_folder
 
         return str(smollm2_folder())
@@ -54,6 +55,6 @@ def load_target(
         model.to(device)
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, **hub)
-    if str(name_or_path).lower() in ALIASES:
+    if str(name_or_path).lower() in ALIASES or str(name_or_path).lower() in SMOLLM2_ALIASES:
         model.config.name_or_path = str(name_or_path)  # portable: an alias, not this machine's path
     return model, tokenizer
