@@ -106,6 +106,7 @@ class EagleDrafter:
         pool_tokens, pool_scores = [tokens], [scores]
         pool_parents = [torch.full((k,), -1, device=device)]  # pool index of each node's parent; -1 = root
         frontier = torch.arange(k, device=device)  # pool indices of the nodes fed next
+        frontier_tokens, frontier_scores = tokens, scores
         frontier_features = last.expand(k, -1)  # (k, h) predicted feature each frontier node reads
         fed_ancestors = torch.zeros(0, 0, dtype=torch.bool, device=device)  # over fed draft entries
         parent_fed = torch.full((k,), -1, device=device)  # fed-entry index of each frontier node's parent
@@ -128,16 +129,16 @@ class EagleDrafter:
             mask = torch.zeros(1, 1, k, self.committed + fed + k, dtype=self.dtype, device=device)
             mask[0, 0, :, self.committed :].masked_fill_(~rows, self.neg)
             positions = torch.full((1, k), self.committed + level - 2, device=device)
-            frontier_tokens = torch.cat(pool_tokens)[frontier]
             out = heads(frontier_features[None], frontier_tokens[None], positions, mask, self.cache)[0]
             log_probs = torch.log_softmax(heads.logits(out).float(), dim=-1)  # (k, V)
             child_scores, child_tokens = torch.topk(log_probs, k, dim=-1)  # (k, k)
-            child_scores = child_scores + torch.cat(pool_scores)[frontier][:, None]
+            child_scores = child_scores + frontier_scores[:, None]
             pool_tokens.append(child_tokens.flatten())
             pool_scores.append(child_scores.flatten())
             pool_parents.append(frontier.repeat_interleave(k))
-            top_scores, best = torch.topk(child_scores.flatten(), k)  # (k,) next frontier among the k*k children
-            best_score = top_scores[0]
+            frontier_scores, best = torch.topk(child_scores.flatten(), k)  # (k,) next frontier of the k*k children
+            best_score = frontier_scores[0]
+            frontier_tokens = child_tokens.flatten()[best]
             frontier = pool_size + best
             frontier_features = out[best // k]
             parent_fed = fed + best // k

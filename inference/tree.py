@@ -8,6 +8,7 @@ token the target itself chose last round, parent -1); every other node's parent 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
@@ -24,14 +25,18 @@ class TreeBuffers:
         depth: (N,) distance from the root (root = 0).
         ancestors: (N, N) bool, ancestors[i, j] = node j is node i or one of its ancestors.
         attention_bias: (N, N) additive float mask: 0 where `ancestors`, a large negative value elsewhere.
-        retrieve_indices: (P, D+1) node indices of each root-to-leaf path, padded with -1.
+        retrieve_indices: (P, D+1) node indices of each root-to-leaf path, padded with -1 (computed on
+            first use: greedy acceptance works from `ancestors` and never needs it).
     """
 
     parents: torch.Tensor
     depth: torch.Tensor
     ancestors: torch.Tensor
     attention_bias: torch.Tensor
-    retrieve_indices: torch.Tensor
+
+    @cached_property
+    def retrieve_indices(self) -> torch.Tensor:
+        return retrieve_paths(self.ancestors, self.depth)
 
     @property
     def num_nodes(self) -> int:
@@ -77,7 +82,7 @@ def build_tree_buffers(parents: torch.Tensor, dtype: torch.dtype = torch.float32
 
     attention_bias = torch.zeros(n, n, dtype=dtype, device=parents.device)
     attention_bias.masked_fill_(~ancestors, torch.finfo(dtype).min)
-    return TreeBuffers(parents, depth, ancestors, attention_bias, retrieve_paths(ancestors, depth))
+    return TreeBuffers(parents, depth, ancestors, attention_bias)
 
 
 def retrieve_paths(ancestors: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
