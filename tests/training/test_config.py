@@ -1,0 +1,57 @@
+"""Run configs: YAML + dotted overrides, unknown keys and wrong types are errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specheads.training.config import RunConfig, load_run_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "train"
+
+
+def test_shipped_configs_load():
+    for name in ("eagle_stories260k.yaml", "medusa_stories260k.yaml"):
+        config = load_run_config(CONFIGS / name)
+        assert isinstance(config, RunConfig)
+        assert config.global_batch_size % config.micro_batch_size == 0
+
+
+def test_overrides_are_yaml_scalars():
+    config = load_run_config(CONFIGS / "eagle_stories260k.yaml",
+                             ["max_steps=7", "optim.learning_rate=1e-4", "trackers=[]", "stop_after_steps=null",
+                              "head.options.tree_depth=4"])
+    assert config.max_steps == 7
+    assert config.optim.learning_rate == pytest.approx(1e-4)
+    assert config.trackers == []
+    assert config.stop_after_steps is None
+    assert config.head.options == {"tree_depth": 4}
+
+
+def test_unknown_key_names_key_and_valid_ones():
+    with pytest.raises(ValueError, match=r"'optim\.learning_rat'.*learning_rate"):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", ["optim.learning_rat=1e-3"])
+    with pytest.raises(ValueError, match="'max_step'.*max_steps"):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", ["max_step=3"])
+
+
+def test_wrong_type_names_key_value_and_type():
+    with pytest.raises(ValueError, match=r"'max_steps'.*'ten'.*int"):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", ["max_steps=ten"])
+    with pytest.raises(ValueError, match=r"'optim\.betas'"):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", ["optim.betas=0.9"])
+    with pytest.raises(ValueError, match="'data.bucket_by_length'"):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", ["data.bucket_by_length=3"])
+
+
+def test_bad_choices_and_sizes():
+    with pytest.raises(ValueError, match="feature_mode='sometimes'"):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", ["feature_mode=sometimes"])
+    config = load_run_config(CONFIGS / "eagle_stories260k.yaml", ["global_batch_size=32", "micro_batch_size=16"])
+    assert config.gradient_accumulation_steps(1) == 2
+    assert config.gradient_accumulation_steps(2) == 1
+    with pytest.raises(ValueError, match="not divisible"):
+        config.gradient_accumulation_steps(3)
+    with pytest.raises(ValueError, match="override 'max_steps'"):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", ["max_steps"])

@@ -1,0 +1,113 @@
+"""Data formats, the assistant-only loss mask, and the deterministic batch order."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from datasets import Dataset
+
+from specheads.training.data import (
+    BatchOrder,
+    build_dataset,
+    collate,
+    micro_batches_for_process,
+    read_records,
+    tokenize_record,
+)
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _trained_text(tokenizer, row) -> str:
+    return tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+
+
+def test_sharegpt_and_openai_mask_only_assistant(target_and_tokenizer):
+    _, tok = target_and_tokenizer
+    sharegpt = {"conversations": [{"from": "human", "value": "Tell me a story."},
+                                  {"from": "gpt", "value": "The cat sat."}]}
+    openai = {"messages": [{"role": "user", "content": "Tell me a story."},
+                           {"role": "assistant", "content": "The cat sat."}]}
+    a = tokenize_record(tok, sharegpt, "sharegpt", 512)
+    b = tokenize_record(tok, openai, "openai", 512)
+    assert a == b
+    assert len(a["input_ids"]) == len(a["loss_mask"])
+    trained = _trained_text(tok, a)
+    assert "The cat sat." in trained and "story" not in trained and "assistant" not in trained
+
+
+def test_chat_template_is_used_and_masked(target_and_tokenizer):
+    _, tok = target_and_tokenizer
+    tok = copy.deepcopy(tok)
+    tok.chat_template = CHAT_TEMPLATE
+    record = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello friend."},
+                           {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye bye."}]}
+    row = tokenize_record(tok, record, "openai", 512)
+    full = tok.decode(row["input_ids"])
+    assert "<|user|>" in full and "<|assistant|>" in full
+    trained = _trained_text(tok, row)
+    assert "Hello friend." in trained and "Bye bye." in trained
+    assert "Hi" not in trained.replace("Hello", "") and "<|user|>" not in trained
+
+
+def test_text_format_trains_every_token_but_bos(target_and_tokenizer):
+    _, tok = target_and_tokenizer
+    row = tokenize_record(tok, {"text": "Once upon a time"}, "text", 512)
+    assert row["input_ids"][0] == tok.bos_token_id
+    assert row["loss_mask"] == [0] + [1] * (len(row["input_ids"]) - 1)
+    assert len(tokenize_record(tok, {"text": "Once upon a time " * 50}, "text", 16)["input_ids"]) == 16
+
+
+def test_formats_from_files_and_dataset_folder(tmp_path, chat_file, target_and_tokenizer):
+    _, tok = target_and_tokenizer
+    ds = build_dataset(chat_file, tok)
+    assert len(ds) == 2 and set(ds.column_names) == {"input_ids", "loss_mask", "length"}
+    as_json = tmp_path / "chat.json"
+    as_json.write_text(json.dumps(read_records(chat_file)))
+    assert build_dataset(as_json, tok)["input_ids"] == ds["input_ids"]
+    folder = tmp_path / "saved"
+    Dataset.from_list(read_records(chat_file)).save_to_disk(str(folder))
+    assert build_dataset(folder, tok)["input_ids"] == ds["input_ids"]
+
+
+def test_no_assistant_turns_is_an_error(tmp_path, target_and_tokenizer):
+    _, tok = target_and_tokenizer
+    path = tmp_path / "users.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "only me talking here"}]}) + "\n")
+    with pytest.raises(ValueError, match="no assistant tokens"):
+        build_dataset(path, tok)
+    path.write_text(json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="cannot tell the data format"):
+        build_dataset(path, tok)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_dataset(tmp_path / "missing.jsonl", tok)
+
+
+def test_collate_pads_right_and_masks_padding():
+    rows = [{"input_ids": [1, 5, 6], "loss_mask": [0, 1, 1]}, {"input_ids": [1, 7], "loss_mask": [0, 1]}]
+    batch = collate(rows, pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[1, 5, 6], [1, 7, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+def test_batch_order_is_deterministic_and_world_size_free():
+    lengths = [(i * 37) % 100 + 3 for i in range(100)]
+    a, b = BatchOrder(lengths, 8, seed=3), BatchOrder(lengths, 8, seed=3)
+    assert [a.global_batch(s) for s in range(30)] == [b.global_batch(s) for s in range(30)]
+    assert b.global_batch(13) == a.global_batch(13)  # random access (resume) gives the same batch
+    epoch = [i for s in range(a.steps_per_epoch) for i in a.global_batch(s)]
+    assert len(set(epoch)) == len(epoch) == a.steps_per_epoch * 8
+    spread = max(lengths[i] for i in a.global_batch(0)) - min(lengths[i] for i in a.global_batch(0))
+    assert spread < 50  # bucketing keeps similar lengths together
+    batch = a.global_batch(0)
+    one = micro_batches_for_process(batch, 2, rank=0, world_size=1)
+    two = micro_batches_for_process(batch, 2, 0, 2) + micro_batches_for_process(batch, 2, 1, 2)
+    assert sorted(map(tuple, one)) == sorted(map(tuple, two))
+    with pytest.raises(ValueError, match="fewer than global_batch_size"):
+        BatchOrder([3, 4], 8, seed=0)

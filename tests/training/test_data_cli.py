@@ -1,0 +1,65 @@
+"""`specheads data regenerate` (batched, resumable) and `specheads data dump-features` (shards + index)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specheads.cli import main
+from specheads.training.data import build_dataset
+from specheads.training.data_cli import regenerate
+from specheads.training.features import OfflineFeatures, file_sha256, online_features
+
+
+def test_regenerate_stories_is_resumable(tmp_path, target_and_tokenizer):
+    target, tok = target_and_tokenizer
+    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
+    kwargs = dict(stories=6, max_new_tokens=12, batch_size=4, seed=1, show_progress=False)
+    assert regenerate(target, tok, full, **kwargs) == 6
+    lines = full.read_text().splitlines()
+    assert len({json.loads(x)["text"] for x in lines}) > 1  # sampled: the stories vary
+    part.write_text("\n".join(lines[:3]) + "\n" + lines[3][:10])  # killed mid-write of record 4
+    assert regenerate(target, tok, part, **kwargs) == 3
+    assert part.read_text() == full.read_text()
+    assert regenerate(target, tok, full, **kwargs) == 0  # all done: nothing written
+
+
+def test_regenerate_conversations_through_cli(tmp_path, chat_file, capsys):
+    out = tmp_path / "regen.jsonl"
+    assert main(["data", "regenerate", "--target", "stories260K", "--input", str(chat_file), "--output", str(out),
+                 "--max-new-tokens", "8", "--batch-size", "2"]) == 0
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "b"]
+    assert records[0]["messages"][0] == {"role": "user", "content": "Tell me a story."}
+    assert records[0]["messages"][-1]["role"] == "assistant"
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["written"] == 2
+
+
+def test_dump_features_shards_index_and_lazy_reads(tmp_path, stories_file, target_and_tokenizer, capsys):
+    target, tok = target_and_tokenizer
+    out = tmp_path / "features"
+    assert main(["data", "dump-features", "--target", "stories260K", "--data", str(stories_file), "--out", str(out),
+                 "--examples-per-shard", "24", "--batch-size", "16"]) == 0
+    assert "needs about" in capsys.readouterr().out
+    index = json.loads((out / "index.json").read_text())
+    assert index["num_examples"] == 64 and len(index["shards"]) == 3
+    for shard in index["shards"]:
+        assert file_sha256(out / shard["file"]) == shard["sha256"]
+    assert not list(out.glob("*.tmp"))
+    feats = OfflineFeatures(out)
+    ds = build_dataset(stories_file, tok, "text")
+    assert feats.lengths() == ds["length"]
+    row = feats[30]
+    ids = torch.tensor([ds[30]["input_ids"]])
+    expected, _ = online_features(target, ids, torch.ones_like(ids), lambda hs: hs[-1])
+    torch.testing.assert_close(row["features"], expected[0], atol=1e-5, rtol=1e-5)
+    assert row["input_ids"] == ds[30]["input_ids"]
+    # a changed shard is caught by its checksum
+    shard = out / index["shards"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256"):
+        OfflineFeatures(out)[0]

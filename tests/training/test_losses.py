@@ -1,0 +1,59 @@
+"""Loss alignment: perfect drafts score accuracy 1, untrained ones do not; masks are respected."""
+
+from __future__ import annotations
+
+import torch
+
+from specheads import create_heads
+from specheads.training.config import LossSection
+from specheads.training.features import online_features
+from specheads.training.losses import causal_mask, eagle_loss, medusa_loss, uniform_noise
+
+
+def _batch(target_and_tokenizer):
+    target, tok = target_and_tokenizer
+    ids = tok(["Once upon a time, there was a little girl named Lily. She liked to play outside."],
+              return_tensors="pt").input_ids
+    mask = torch.ones_like(ids)
+    loss_mask = mask.clone()
+    loss_mask[:, 0] = 0
+    return target, ids, mask, loss_mask
+
+
+def test_medusa_alignment_with_perfect_logits(target_and_tokenizer):
+    target, ids, mask, loss_mask = _batch(target_and_tokenizer)
+    heads = create_heads(target, "medusa", num_heads=3)
+    features, target_logits = online_features(target, ids, mask, heads.select_features)
+    # head k at t predicts x_{t+k+2}: the target's logits at t+k+1 are a perfect head
+    T = ids.shape[1]
+    perfect = torch.stack([torch.cat([target_logits[:, k + 1:], target_logits[:, : k + 1]], dim=1) for k in range(3)])
+    out = medusa_loss(perfect, target_logits, ids, loss_mask, LossSection())
+    assert out.metrics["acc_depth1"] == 1.0 and out.metrics["acc_depth3"] == 1.0
+    assert out.metrics["sim_tau"] > 3.5
+    fresh = medusa_loss(heads(features), target_logits, ids, loss_mask, LossSection())
+    assert fresh.metrics["acc_depth1"] < 0.6
+    assert fresh.loss.requires_grad and T > 5
+
+
+def test_eagle_loss_runs_and_masks(target_and_tokenizer):
+    target, ids, mask, loss_mask = _batch(target_and_tokenizer)
+    torch.manual_seed(0)
+    heads = create_heads(target, "eagle")
+    features, target_logits = online_features(target, ids, mask, heads.select_features)
+    out = eagle_loss(heads, features, target_logits, ids, mask, loss_mask, LossSection(eval_depth=3))
+    assert out.loss.requires_grad and torch.isfinite(out.loss)
+    assert {"acc_depth1", "acc_depth3", "sim_tau", "loss_feature", "loss_token"} <= set(out.metrics)
+    out.loss.backward()
+    assert heads.fc.weight.grad is not None and target.lm_head.weight.grad is None
+    empty = eagle_loss(heads, features, target_logits, ids, mask, torch.zeros_like(loss_mask), LossSection())
+    assert float(empty.loss.detach()) == 0.0
+
+
+def test_causal_mask_and_noise():
+    m = causal_mask(torch.tensor([[1, 1, 0]]), torch.float32)
+    assert m.shape == (1, 1, 3, 3)
+    assert m[0, 0, 0, 1] < -1e30 and m[0, 0, 1, 0] == 0 and m[0, 0, 2, 2] == 0 and m[0, 0, 2, 1] == 0
+    a = uniform_noise((2, 4, 3), 0.1, [5, 6])
+    assert torch.equal(a, uniform_noise((2, 4, 3), 0.1, [5, 6]))
+    assert torch.equal(a[1], uniform_noise((1, 4, 3), 0.1, [6])[0])
+    assert a.abs().max() <= 0.1

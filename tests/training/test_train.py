@@ -1,0 +1,163 @@
+"""Real training runs on stories260K through the CLI: loss falls, accuracy beats untrained heads, exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specheads import create_heads, load_heads
+from specheads.cli import main
+from specheads.training.config import LossSection, load_run_config
+from specheads.training.data import build_dataset, collate
+from specheads.training.features import online_features
+from specheads.training.losses import eagle_loss, medusa_loss
+from specheads.training.train import check_world_size, latest_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs" / "train"
+
+pytestmark = pytest.mark.slow
+
+
+def overrides(stories_file: Path, out: Path, **extra) -> list[str]:
+    values = {"output_dir": str(out), "data.source": str(stories_file), "data.max_length": 64, "trackers": "[]",
+              "global_batch_size": 8, "micro_batch_size": 4, "optim.warmup_steps": 2, "log_steps": 5}
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def mean_accuracy(heads, target, tok, stories_file: Path) -> float:
+    """Depth-1 top-1 agreement with the target over the first 16 stories (teacher-forced)."""
+    ds = build_dataset(stories_file, tok, "text", 64)
+    batch = collate([ds[i] for i in range(16)])
+    features, logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
+    with torch.no_grad():
+        if heads.config.head_type == "medusa":
+            out = medusa_loss(heads(features), logits, batch["input_ids"], batch["loss_mask"], LossSection())
+        else:
+            out = eagle_loss(heads, features, logits, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                             LossSection(eval_depth=1))
+    return out.metrics["acc_depth1"]
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "medusa"])
+def test_short_run_learns(head_type, tmp_path, stories_file, target_and_tokenizer):
+    target, tok = target_and_tokenizer
+    out = tmp_path / head_type
+    config = CONFIGS / f"{head_type}_stories260k.yaml"
+    extra = {"max_steps": 40, "save_steps": 20, "trackers": "[tensorboard]", "optim.learning_rate": 0.01}
+    assert main(["train", str(config), *overrides(stories_file, out, **extra)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 40 and metrics["world_size"] == 1
+    final = out / "final"
+    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in final.iterdir()}
+    assert "acc_depth1" in (final / "README.md").read_text()
+    assert list(out.rglob("events.out.tfevents*"))  # TensorBoard logs
+    trained = load_heads(final, target=target)
+    torch.manual_seed(0)
+    fresh = create_heads(target, head_type, **load_run_config(config).head.options)
+    acc_trained, acc_fresh = mean_accuracy(trained, target, tok, stories_file), mean_accuracy(fresh, target, tok, stories_file)
+    assert acc_trained > acc_fresh + 0.05, (acc_trained, acc_fresh)
+    # the loss fell: compare the first logged loss with the last (read from the TensorBoard scalars)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(out.rglob("events.out.tfevents*")).parent))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    assert len(list((out / "checkpoints").glob("step-*"))) == 2  # save_total_limit
+
+
+def _run_cli(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_kill_then_resume_equals_uninterrupted(tmp_path, stories_file):
+    config = str(CONFIGS / "eagle_stories260k.yaml")
+    steps = {"max_steps": 24, "save_steps": 6, "save_total_limit": 5}
+    # uninterrupted, in this process
+    assert main(["train", config, *overrides(stories_file, tmp_path / "ref", **steps)]) == 0
+    # killed with SIGKILL once a checkpoint exists, then the same command again
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "specheads", "train", config, *overrides(stories_file, out, **steps)]
+    proc = _run_cli(command)
+    deadline = time.time() + 240
+    while latest_checkpoint(out) is None and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    killed_at = latest_checkpoint(out)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert killed_at is not None, proc.stdout.read()
+    assert not (out / "final").exists() or json.loads((killed_at / "train_state.json").read_text())["step"] == 24
+    resumed = _run_cli(command)
+    log, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, log
+    if json.loads((killed_at / "train_state.json").read_text())["step"] < 24:
+        assert "resuming from" in log
+    ref, got = load_file(tmp_path / "ref" / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+
+
+def test_stop_after_steps_then_resume_is_exact(tmp_path, stories_file):
+    config = str(CONFIGS / "medusa_stories260k.yaml")
+    steps = {"max_steps": 12, "save_steps": 4}
+    assert main(["train", config, *overrides(stories_file, tmp_path / "ref", **steps)]) == 0
+    out = tmp_path / "stopped"
+    assert main(["train", config, *overrides(stories_file, out, stop_after_steps=8, **steps)]) == 0
+    assert not (out / "final").exists() and latest_checkpoint(out).name == "step-00000008"
+    assert main(["train", config, *overrides(stories_file, out, **steps)]) == 0
+    ref, got = load_file(tmp_path / "ref" / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+
+
+def test_two_processes_match_one(tmp_path, stories_file):
+    config = str(CONFIGS / "eagle_stories260k.yaml")
+    common = {"max_steps": 6, "save_steps": 6, "global_batch_size": 8, "micro_batch_size": 2}
+    assert main(["train", config, *overrides(stories_file, tmp_path / "one", **common)]) == 0
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    command = [accelerate, "launch", "--config_file", str(REPO / "configs" / "accelerate" / "multi_cpu.yaml"),
+               "--main_process_port", "29547", "-m", "specheads", "train", config,
+               *overrides(stories_file, tmp_path / "two", **common)]
+    proc = _run_cli(command)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log
+    assert json.loads((tmp_path / "two" / "metrics.json").read_text())["world_size"] == 2
+    one, two = load_file(tmp_path / "one" / "final" / "model.safetensors"), load_file(tmp_path / "two" / "final" / "model.safetensors")
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=1e-4, rtol=0, msg=name)
+
+
+def test_rank_zero_of_one_trap_is_detected(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2.*num_processes=1"):
+        check_world_size(SimpleNamespace(num_processes=1))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_world_size(SimpleNamespace(num_processes=1))
+
+
+def test_offline_features_train_like_online(tmp_path, stories_file):
+    features = tmp_path / "features"
+    assert main(["data", "dump-features", "--target", "stories260K", "--data", str(stories_file), "--out", str(features),
+                 "--max-length", "64"]) == 0
+    config = str(CONFIGS / "medusa_stories260k.yaml")
+    steps = {"max_steps": 4, "save_steps": 4}
+    assert main(["train", config, *overrides(stories_file, tmp_path / "online", **steps)]) == 0
+    assert main(["train", config, *overrides(stories_file, tmp_path / "offline", feature_mode="offline",
+                                             **{"data.features_dir": str(features)}, **steps)]) == 0
+    a, b = load_file(tmp_path / "online" / "final" / "model.safetensors"), load_file(tmp_path / "offline" / "final" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-4, rtol=1e-4, msg=name)

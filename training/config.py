@@ -1,0 +1,246 @@
+"""Run configs: a YAML file plus dotted `key=value` overrides, checked into a typed dataclass tree.
+
+    config = load_run_config("configs/train/eagle_stories260k.yaml", ["max_steps=100", "optim.learning_rate=1e-3"])
+
+Unknown keys raise a ValueError naming the key and the valid ones; values of the wrong type raise a
+ValueError naming the key, the value and the expected type. Override values are parsed as YAML scalars
+(`max_steps=100` is an int, `trackers=[tensorboard]` a list, `data.max_length=null` None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class HeadSection:
+    """Which heads to train: `type` is one of specheads.HEAD_TYPES; `options` are HeadsConfig fields."""
+
+    type: str = "eagle"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataSection:
+    """Where the training text comes from and how it is cut into batches."""
+
+    source: str = ""  # a JSON/JSONL file or a saved HF dataset folder (load_from_disk)
+    format: str = "auto"  # auto | sharegpt | openai | text
+    max_length: int = 512  # tokens per example (longer examples are truncated)
+    bucket_by_length: bool = True  # group examples of similar length into the same batches
+    features_dir: str | None = None  # offline features (`specheads data dump-features`); needs feature_mode=offline
+
+
+@dataclass
+class OptimSection:
+    """AdamW with warmup then a cosine or constant schedule."""
+
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    max_grad_norm: float = 0.5
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.0  # cosine decays to learning_rate * min_lr_ratio
+
+
+@dataclass
+class LossSection:
+    """Loss weights. Medusa: CE per head, weight decay**k. EAGLE: smooth-L1 on features + CE via the lm_head."""
+
+    medusa_decay: float = 0.8
+    feature_weight: float = 1.0
+    token_weight: float = 0.1
+    input_noise: float = 0.1  # EAGLE: U(-noise, noise) added to the input features
+    labels: str = "target"  # target (the target's own distribution) | tokens (the data's next tokens)
+    eval_depth: int = 4  # EAGLE: simulated acceptance logged for depths 1..eval_depth (unrolled drafts)
+    train_depth: int = 1  # EAGLE: depths 1..train_depth of the unrolled draft get gradients (1 = plain EAGLE)
+    depth_decay: float = 0.8  # EAGLE: loss weight of unrolled depth d is depth_decay**(d-1)
+
+
+@dataclass
+class RunConfig:
+    """One training run. Every key can be overridden as `key=value` or `section.key=value`."""
+
+    output_dir: str = "runs/heads"
+    target: str = "stories260K"
+    max_steps: int = 100
+    save_steps: int = 50
+    save_total_limit: int = 2
+    seed: int = 0
+    global_batch_size: int = 16  # sequences per optimizer step, whatever the number of processes
+    micro_batch_size: int = 8  # sequences per forward on one process; accumulation is derived
+    feature_mode: str = "online"  # online (target runs in the step) | offline (read dumped features)
+    log_steps: int = 10
+    trackers: list[str] = field(default_factory=list)  # tensorboard, wandb
+    project_name: str = "specheads"
+    stop_after_steps: int | None = None  # stop (without a final save) after this step: simulates a crash
+    head: HeadSection = field(default_factory=HeadSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    loss: LossSection = field(default_factory=LossSection)
+
+    def gradient_accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per process per optimizer step, so that micro * accumulation * world == global."""
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
+                f"{self.micro_batch_size} x world_size={world_size}; pick sizes so that it is"
+            )
+        return self.global_batch_size // per_step
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the first invalid value."""
+        choices = {
+            "feature_mode": (self.feature_mode, ("online", "offline")),
+            "data.format": (self.data.format, ("auto", "sharegpt", "openai", "text")),
+            "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
+            "loss.labels": (self.loss.labels, ("target", "tokens")),
+        }
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{key}={value!r} is invalid; expected one of {allowed}")
+        for tracker in self.trackers:
+            if tracker not in ("tensorboard", "wandb"):
+                raise ValueError(f"trackers contains {tracker!r}; expected 'tensorboard' and/or 'wandb'")
+        positive = {
+            "max_steps": self.max_steps,
+            "save_steps": self.save_steps,
+            "save_total_limit": self.save_total_limit,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "log_steps": self.log_steps,
+            "data.max_length": self.data.max_length,
+            "loss.eval_depth": self.loss.eval_depth,
+            "loss.train_depth": self.loss.train_depth,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{key}={value!r} is invalid; expected a positive integer")
+        if self.micro_batch_size > self.global_batch_size:
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size} is larger than global_batch_size={self.global_batch_size}"
+            )
+        if self.feature_mode == "offline" and not self.data.features_dir:
+            raise ValueError("feature_mode=offline needs data.features_dir (see `specheads data dump-features`)")
+        if self.feature_mode == "online" and not self.data.source:
+            raise ValueError("data.source is empty; set it to a JSON/JSONL file or a saved dataset folder")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check_value(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` if it fits type `tp` (ints are accepted as floats), else raise a ValueError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _check_value(key, value, option)
+            except ValueError as err:
+                errors.append(err)
+        raise ValueError(f"config key {key!r}: value {value!r} has type {type(value).__name__}; expected {_type_name(tp)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"config key {key!r}: value {value!r} has type {type(value).__name__}; expected {_type_name(tp)}")
+        (item_type,) = typing.get_args(tp) or (Any,)
+        return [_check_value(f"{key}[{i}]", item, item_type) for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {key!r}: value {value!r} has type {type(value).__name__}; expected a mapping")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # PyYAML reads 1e-4 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ValueError(f"config key {key!r}: value {value!r} has type {type(value).__name__}; expected {_type_name(tp)}")
+    return value
+
+
+def build_dataclass(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, checking every key and type.
+
+    Raises:
+        ValueError: an unknown key (naming the valid ones) or a value of the wrong type.
+    """
+    if not isinstance(raw, dict):
+        raise ValueError(f"config section {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ValueError(f"unknown config key {prefix + str(key)!r}; valid keys here: {', '.join(names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build_dataclass(tp, value if value is not None else {}, prefix=f"{prefix}{key}.")
+        else:
+            kwargs[key] = _check_value(prefix + key, value, tp)
+    return cls(**kwargs)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted `a.b=value` overrides (values parsed as YAML scalars) to a nested dict, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form key=value (e.g. max_steps=100)")
+        key, text = item.split("=", 1)
+        value = yaml.safe_load(text) if text != "" else ""
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a run config YAML (or start from defaults when `path` is None) and apply overrides.
+
+    Args:
+        path: a YAML file; relative `data.source` / `data.features_dir` stay relative to the working directory.
+        overrides: dotted `key=value` strings.
+
+    Returns:
+        A validated RunConfig.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"run config {str(path)!r} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"run config {str(path)!r} must be a YAML mapping, got {type(raw).__name__}")
+    apply_overrides(raw, list(overrides or []))
+    config = build_dataclass(RunConfig, raw)
+    config.validate()
+    return config
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    """The config as a plain nested dict (for trackers and the saved run config)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,217 @@
+"""Training data: conversations or plain text -> token ids + a loss mask, and a deterministic batch order.
+
+Sources: a local JSON / JSONL file or a saved Hugging Face dataset folder (`datasets.load_from_disk`).
+Formats (one record each):
+
+    sharegpt: {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}
+    openai:   {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+    text:     {"text": "..."}                      (every token is trained; stories260K's own stories)
+
+Conversations go through the tokenizer's chat template when it has one, else a plain "role: text" layout.
+The loss mask is 1 on assistant tokens only: `loss_mask[i] == 1` means "predicting token i is trained".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset, load_from_disk
+from transformers import PreTrainedTokenizerBase
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+def read_records(source: str | Path) -> list[dict[str, Any]]:
+    """Read raw records from a .json (a list, or {"data": [...]}) / .jsonl file or a saved dataset folder."""
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"data source {str(path)!r} does not exist (expected a JSON/JSONL file or a dataset folder)")
+    if path.is_dir():
+        return [dict(row) for row in load_from_disk(str(path))]
+    text = path.read_text()
+    if path.suffix == ".jsonl" or (text.lstrip()[:1] == "{" and "\n{" in text.strip()):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    data = json.loads(text)
+    if isinstance(data, dict):
+        data = data.get("data", data.get("train", [data]))
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+    return data
+
+
+def detect_format(record: dict[str, Any]) -> str:
+    """'sharegpt', 'openai' or 'text', from the keys of one record."""
+    if "conversations" in record:
+        return "sharegpt"
+    if "messages" in record:
+        return "openai"
+    if "text" in record:
+        return "text"
+    raise ValueError(f"cannot tell the data format of a record with keys {sorted(record)}; "
+                     "expected 'conversations' (ShareGPT), 'messages' (OpenAI) or 'text'")
+
+
+def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, str]]:
+    """A ShareGPT or OpenAI record as a list of {"role", "content"} messages."""
+    if fmt == "sharegpt":
+        messages = []
+        for turn in record["conversations"]:
+            speaker = str(turn.get("from", "")).lower()
+            if speaker not in SHAREGPT_ROLES:
+                raise ValueError(f"ShareGPT turn has unknown speaker from={turn.get('from')!r}; "
+                                 f"expected one of {sorted(SHAREGPT_ROLES)}")
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": str(turn.get("value", ""))})
+        return messages
+    return [{"role": str(m["role"]), "content": str(m["content"])} for m in record["messages"]]
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def conversation_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    """Cut a conversation into (text, is_assistant) pieces whose concatenation is the rendered conversation.
+
+    With a chat template: the text of assistant turn i is what rendering messages[: i + 1] adds after
+    rendering messages[:i] with the generation prompt. Without one: "role: text" lines, with the answer
+    and an end-of-sequence token trained.
+    """
+    segments: list[tuple[str, bool]] = []
+    if tokenizer.chat_template:
+        done = ""
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                prompt = _render(tokenizer, messages[:i], generation_prompt=True)
+                full = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+                if not prompt.startswith(done) or not full.startswith(prompt):
+                    raise ValueError("the chat template does not render conversations incrementally; cannot mask turns")
+                segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
+                done = full
+        rest = _render(tokenizer, messages, generation_prompt=False)[len(done):]
+        if rest:
+            segments.append((rest, False))
+        return segments
+    eos = tokenizer.eos_token or ""
+    for message in messages:
+        if message["role"] == "assistant":
+            segments += [("assistant: ", False), (message["content"] + eos + "\n", True)]
+        else:
+            segments.append((f"{message['role']}: {message['content']}\n", False))
+    return segments
+
+
+def tokenize_record(
+    tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], fmt: str, max_length: int
+) -> dict[str, list[int]]:
+    """Token ids and loss mask of one record (truncated to max_length tokens)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    if fmt == "text":
+        ids = bos + tokenizer(str(record["text"]), add_special_tokens=False).input_ids
+        mask = [0] * len(bos) + [1] * (len(ids) - len(bos))
+    else:
+        ids, mask = [], []
+        segments = conversation_segments(tokenizer, to_messages(record, fmt))
+        if not tokenizer.chat_template:
+            ids, mask = list(bos), [0] * len(bos)
+        for text, trained in segments:
+            piece = tokenizer(text, add_special_tokens=False).input_ids
+            ids += piece
+            mask += [int(trained)] * len(piece)
+    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
+
+
+def build_dataset(
+    source: str | Path, tokenizer: PreTrainedTokenizerBase, fmt: str = "auto", max_length: int = 512
+) -> Dataset:
+    """Tokenize a data source into a `datasets.Dataset` with columns input_ids, loss_mask, length.
+
+    Raises:
+        ValueError: an unknown format, or no trainable (assistant) tokens anywhere in the data.
+    """
+    records = read_records(source)
+    if not records:
+        raise ValueError(f"data source {str(source)!r} holds no records")
+    fmt = detect_format(records[0]) if fmt == "auto" else fmt
+    rows = [tokenize_record(tokenizer, r, fmt, max_length) for r in records]
+    rows = [r for r in rows if len(r["input_ids"]) >= 3]
+    if not rows or sum(sum(r["loss_mask"]) for r in rows) == 0:
+        raise ValueError(f"data source {str(source)!r} ({fmt} format) has no assistant tokens to train on; "
+                         "each conversation needs at least one assistant/gpt turn")
+    return Dataset.from_dict({
+        "input_ids": [r["input_ids"] for r in rows],
+        "loss_mask": [r["loss_mask"] for r in rows],
+        "length": [len(r["input_ids"]) for r in rows],
+    })
+
+
+def collate(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad rows to the longest one.
+
+    Returns:
+        input_ids (B, T) long, attention_mask (B, T) long, loss_mask (B, T) long (0 on padding).
+    """
+    width = max(len(r["input_ids"]) for r in rows)
+    batch = {k: torch.zeros(len(rows), width, dtype=torch.long) for k in ("input_ids", "attention_mask", "loss_mask")}
+    batch["input_ids"].fill_(pad_token_id)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        batch["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
+        batch["attention_mask"][i, :n] = 1
+        batch["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
+    return batch
+
+
+@dataclass
+class BatchOrder:
+    """Which examples make up the global batch of every step: a pure function of (seed, step).
+
+    Each epoch is a seeded permutation (dropping the last partial batch). With length bucketing, windows of
+    50 global batches are sorted by length, cut into batches, and the batches shuffled, so padding stays small.
+    The order does not depend on the number of processes, which is what makes resume and 1-vs-N-process
+    runs identical.
+    """
+
+    lengths: list[int]
+    global_batch_size: int
+    seed: int
+    bucket_by_length: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.lengths) < self.global_batch_size:
+            raise ValueError(f"the dataset has {len(self.lengths)} examples, fewer than global_batch_size="
+                             f"{self.global_batch_size}")
+        self.steps_per_epoch = len(self.lengths) // self.global_batch_size
+        self._epoch: int | None = None
+        self._batches: list[list[int]] = []
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        order = order[: self.steps_per_epoch * self.global_batch_size]
+        if not self.bucket_by_length:
+            return [order[i: i + self.global_batch_size] for i in range(0, len(order), self.global_batch_size)]
+        window = 50 * self.global_batch_size
+        batches = []
+        for start in range(0, len(order), window):
+            chunk = sorted(order[start: start + window], key=lambda i: self.lengths[i])
+            batches += [chunk[i: i + self.global_batch_size] for i in range(0, len(chunk), self.global_batch_size)]
+        shuffle = torch.randperm(len(batches), generator=g).tolist()
+        return [batches[i] for i in shuffle]
+
+    def global_batch(self, step: int) -> list[int]:
+        """Example indices of the global batch of optimizer step `step` (0-based)."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._batches = epoch, self._epoch_batches(epoch)
+        return self._batches[index]
+
+
+def micro_batches_for_process(global_batch: list[int], micro_batch_size: int, rank: int, world_size: int) -> list[list[int]]:
+    """This process's micro-batches: the global batch cut into micro-batches, dealt round-robin to processes."""
+    chunks = [global_batch[i: i + micro_batch_size] for i in range(0, len(global_batch), micro_batch_size)]
+    return chunks[rank::world_size]

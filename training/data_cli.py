@@ -1,0 +1,213 @@
+"""`specheads data ...`: the target writes its own training data (regenerate), or its features are dumped.
+
+    specheads data regenerate --target stories260K --stories 2048 --output stories.jsonl
+    specheads data regenerate --target T --input prompts.jsonl --output regenerated.jsonl
+    specheads data dump-features --target T --data regenerated.jsonl --out features/
+
+Regeneration is batched and resumable: it appends to the output JSONL and skips ids already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specheads.training.data import detect_format, read_records, to_messages
+
+STORY_SEEDS = (
+    "Once upon a time", "One day", "Lily", "Tom and", "There was a", "Once there was a little",
+    "Sam wanted to", "The sun was", "Ben and Mia", "A little bird", "Sue had a", "In a small town",
+    "The dog", "Mom said", "It was a sunny day", "Tim saw a",
+)
+
+
+def drop_torn_line(output: Path) -> None:
+    """Cut a partial last line (a run killed mid-write) so appended records start on a fresh line."""
+    if output.is_file():
+        data = output.read_bytes()
+        if data and not data.endswith(b"\n"):
+            output.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def done_ids(output: Path) -> set[str]:
+    """Ids already written to a (possibly partial) output JSONL; a torn last line is ignored."""
+    ids: set[str] = set()
+    if output.is_file():
+        for line in output.read_text().splitlines():
+            try:
+                ids.add(str(json.loads(line)["id"]))
+            except (json.JSONDecodeError, KeyError):
+                continue
+    return ids
+
+
+@torch.no_grad()
+def generate_batch(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> list[list[int]]:
+    """Continue each prompt (token ids) with the target in one left-padded `generate` call.
+
+    Returns:
+        The new tokens of each prompt, cut after the first end-of-sequence token.
+    """
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):  # left padding: the new tokens line up
+        input_ids[i, width - len(p):] = torch.as_tensor(p)
+        attention_mask[i, width - len(p):] = 1
+    torch.manual_seed(seed)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    out = target.generate(
+        input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
+        max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling,
+    )
+    new = out[:, width:].tolist()
+    eos = tokenizer.eos_token_id
+    return [row[: row.index(eos) + 1] if eos in row else row for row in new]
+
+
+def story_jobs(count: int, seed: int) -> Iterator[dict[str, Any]]:
+    """`count` story prompts cycling through short seed openings, with stable ids."""
+    for i in range(count):
+        yield {"id": f"story-{i:06d}", "seed_text": STORY_SEEDS[(i + seed) % len(STORY_SEEDS)]}
+
+
+def regenerate(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    output: str | Path,
+    input_path: str | Path | None = None,
+    stories: int = 0,
+    max_new_tokens: int = 256,
+    batch_size: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> int:
+    """Have the target write responses (or whole stories) and append them to `output` (JSONL).
+
+    Conversations: each record's turns before its first assistant turn are the prompt; the output record is
+    OpenAI-messages format with the target's answer. Stories (`stories=N`): the target continues short seed
+    openings; records are {"id", "text"}. Batches are seeded by their first id, so a resumed run writes
+    what an uninterrupted one would have.
+
+    Returns:
+        The number of records written by this call.
+    """
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    drop_torn_line(output)
+    skip = done_ids(output)
+    jobs: list[dict[str, Any]] = []
+    if stories:
+        for job in story_jobs(stories, seed):
+            job["prompt_ids"] = tokenizer(job["seed_text"]).input_ids
+            jobs.append(job)
+    elif input_path is not None:
+        records = read_records(input_path)
+        for n, record in enumerate(records):
+            fmt = detect_format(record)
+            if fmt == "text":
+                raise ValueError(f"{input_path}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
+            messages = to_messages(record, fmt)
+            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+            prompt = messages[:first]
+            if not prompt:
+                continue
+            if tokenizer.chat_template:
+                ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            else:
+                text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
+                ids = tokenizer(text).input_ids
+            jobs.append({"id": str(record.get("id", n)), "messages": prompt, "prompt_ids": list(ids)})
+    else:
+        raise ValueError("regenerate needs --input FILE (conversations) or --stories N")
+    # a fixed batch layout (job order) with per-batch seeds keeps resumes exact
+    batches = [jobs[i: i + batch_size] for i in range(0, len(jobs), batch_size)]
+    written = 0
+    bar = tqdm(total=len(jobs), initial=sum(1 for j in jobs if j["id"] in skip), desc="regenerate",
+               unit="seq", disable=not show_progress)
+    with output.open("a") as f:
+        for number, batch in enumerate(batches):
+            todo = [j for j in batch if j["id"] not in skip]
+            if not todo:
+                continue
+            new_tokens = generate_batch(target, tokenizer, [j["prompt_ids"] for j in batch], max_new_tokens,
+                                        temperature, seed * 1_000_003 + number)
+            for job, tokens in zip(batch, new_tokens):
+                if job["id"] in skip:
+                    continue
+                answer = tokenizer.decode(tokens, skip_special_tokens=True)
+                if stories:
+                    record = {"id": job["id"], "text": tokenizer.decode(job["prompt_ids"] + tokens, skip_special_tokens=True)}
+                else:
+                    record = {"id": job["id"], "messages": job["messages"] + [{"role": "assistant", "content": answer}]}
+                f.write(json.dumps(record) + "\n")
+                written += 1
+            f.flush()
+            bar.update(len(todo))
+    bar.close()
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specheads data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="tool", required=True)
+    regen = sub.add_parser("regenerate", help="the target writes the responses (or stories) to train on")
+    regen.add_argument("--target", default="stories260K")
+    regen.add_argument("--input", help="conversations (JSON/JSONL, ShareGPT or OpenAI format, or a dataset folder)")
+    regen.add_argument("--stories", type=int, default=0, help="instead of --input: N stories from seed openings")
+    regen.add_argument("--output", required=True, help="JSONL written (appended to; done ids are skipped)")
+    regen.add_argument("--max-new-tokens", type=int, default=256)
+    regen.add_argument("--batch-size", type=int, default=64)
+    regen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    regen.add_argument("--seed", type=int, default=0)
+    dump = sub.add_parser("dump-features", help="write the target's features as safetensors shards + index")
+    dump.add_argument("--target", default="stories260K")
+    dump.add_argument("--data", required=True, help="training data (JSON/JSONL or a dataset folder)")
+    dump.add_argument("--out", required=True, help="output folder")
+    dump.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
+    dump.add_argument("--max-length", type=int, default=512)
+    dump.add_argument("--batch-size", type=int, default=8)
+    dump.add_argument("--examples-per-shard", type=int, default=1024)
+    return parser
+
+
+def data_main(argv: list[str]) -> int:
+    """Entry point of `specheads data ...`; prints a JSON summary."""
+    from specheads import load_target
+    from specheads.training.data import build_dataset
+    from specheads.training.features import dump_features
+
+    args = build_parser().parse_args(argv)
+    target, tokenizer = load_target(args.target)
+    if args.tool == "regenerate":
+        if not args.input and args.stories <= 0:
+            raise SystemExit("specheads data regenerate: give --input FILE or --stories N")
+        written = regenerate(target, tokenizer, args.output, input_path=args.input, stories=args.stories,
+                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                             temperature=args.temperature, seed=args.seed)
+        print(json.dumps({"output": args.output, "written": written}))
+        return 0
+    dataset = build_dataset(args.data, tokenizer, args.format, args.max_length)
+    layer = target.config.get_text_config().num_hidden_layers  # the final, post-norm state heads read
+    index = dump_features(target, dataset, args.out, layer, batch_size=args.batch_size,
+                          examples_per_shard=args.examples_per_shard,
+                          pad_token_id=tokenizer.pad_token_id or 0)
+    print(json.dumps({"out": args.out, "num_examples": index["num_examples"], "shards": len(index["shards"])}))
+    return 0

@@ -1,0 +1,202 @@
+"""Target features for training: online (the frozen target runs inside the step) or offline (dumped shards).
+
+Features are what the heads read: `heads.select_features(hidden_states)`, by default the target's final,
+post-norm hidden state, so `lm_head(features)` are exactly the target's logits. Offline dumps therefore store
+features only and the target logits are recomputed with the lm_head at training time.
+
+Offline layout (`specheads data dump-features`):
+
+    DIR/index.json             {"format": "specheads-features", "version": 1, "target", "feature_layer",
+                                "hidden_size", "dtype", "num_examples", "shards": [{"file", "sha256", "start", "stop"}]}
+    DIR/shard-00000.safetensors  tensors "features.{i}" (T_i, h), "input_ids.{i}" (T_i,), "loss_mask.{i}" (T_i,)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from specheads.training.data import collate
+
+INDEX_NAME = "index.json"
+FORMAT_NAME = "specheads-features"
+
+
+@torch.no_grad()
+def online_features(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    select: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the frozen target (eval mode, no gradients) on a batch.
+
+    Args:
+        target: the frozen target.
+        input_ids: (B, T) right-padded tokens.
+        attention_mask: (B, T) 1 on real tokens.
+        select: picks the features from the `hidden_states` tuple (`heads.select_features`).
+
+    Returns:
+        features (B, T, h) and target logits (B, T, V).
+    """
+    if target.training:
+        target.eval()
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    return select(out.hidden_states), out.logits
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def estimate_dump_bytes(dataset: Dataset, hidden_size: int, dtype: torch.dtype) -> int:
+    """Disk a feature dump of `dataset` needs: features + token ids + masks (safetensors headers excluded)."""
+    tokens = sum(dataset["length"])
+    return tokens * (hidden_size * torch.finfo(dtype).bits // 8 + 8 + 1)
+
+
+def dump_features(
+    target: PreTrainedModel,
+    dataset: Dataset,
+    out_dir: str | Path,
+    feature_layer: int,
+    batch_size: int = 8,
+    examples_per_shard: int = 1024,
+    dtype: torch.dtype = torch.float32,
+    pad_token_id: int = 0,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Write the target's features of every example as safetensors shards plus an index with sha256 sums.
+
+    Prints the disk it will need first. Every file is written to a temporary name and renamed into place
+    (index last), so an interrupted dump never leaves a file that looks complete.
+
+    Returns:
+        The index (also written to out_dir/index.json).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hidden = target.config.get_text_config().hidden_size
+    need = estimate_dump_bytes(dataset, hidden, dtype)
+    free = shutil.disk_usage(out).free
+    print(f"[specheads] feature dump of {len(dataset)} examples needs about {need / 2**20:.1f} MiB "
+          f"({free / 2**30:.1f} GiB free in {out})")
+    if need > free:
+        raise OSError(f"not enough disk in {out}: the dump needs {need} bytes, {free} are free")
+    shards: list[dict[str, Any]] = []
+    bar = tqdm(total=len(dataset), desc="dump features", disable=not show_progress)
+    for shard_no, start in enumerate(range(0, len(dataset), examples_per_shard)):
+        stop = min(start + examples_per_shard, len(dataset))
+        tensors: dict[str, torch.Tensor] = {}
+        for b in range(start, stop, batch_size):
+            rows = [dataset[i] for i in range(b, min(b + batch_size, stop))]
+            batch = collate(rows, pad_token_id)
+            feats, _ = online_features(
+                target, batch["input_ids"], batch["attention_mask"], lambda states: states[feature_layer]
+            )
+            for j, row in enumerate(rows):
+                n, i = len(row["input_ids"]), b + j
+                tensors[f"features.{i}"] = feats[j, :n].to(dtype).contiguous()
+                tensors[f"input_ids.{i}"] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+                tensors[f"loss_mask.{i}"] = torch.as_tensor(row["loss_mask"], dtype=torch.uint8)
+            bar.update(len(rows))
+        name = f"shard-{shard_no:05d}.safetensors"
+        tmp = out / (name + ".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, out / name)
+        shards.append({"file": name, "sha256": file_sha256(out / name), "start": start, "stop": stop})
+    bar.close()
+    index = {
+        "format": FORMAT_NAME,
+        "version": 1,
+        "target": str(target.config.name_or_path),
+        "feature_layer": feature_layer,
+        "hidden_size": hidden,
+        "dtype": str(dtype).replace("torch.", ""),
+        "num_examples": len(dataset),
+        "shards": shards,
+    }
+    tmp = out / (INDEX_NAME + ".tmp")
+    tmp.write_text(json.dumps(index, indent=2))
+    os.replace(tmp, out / INDEX_NAME)
+    return index
+
+
+class OfflineFeatures:
+    """Reads a feature dump lazily: a shard is opened (and its sha256 checked) the first time it is needed."""
+
+    def __init__(self, folder: str | Path, verify: bool = True) -> None:
+        self.folder = Path(folder)
+        index_file = self.folder / INDEX_NAME
+        if not index_file.is_file():
+            raise FileNotFoundError(f"{self.folder} has no {INDEX_NAME}; write one with `specheads data dump-features`")
+        self.index = json.loads(index_file.read_text())
+        if self.index.get("format") != FORMAT_NAME:
+            raise ValueError(f"{index_file} is not a specheads feature index (format={self.index.get('format')!r})")
+        self.verify = verify
+        self._open: dict[str, Any] = {}
+        self._lengths: list[int] | None = None
+
+    def __len__(self) -> int:
+        return int(self.index["num_examples"])
+
+    def _shard_of(self, i: int) -> dict[str, Any]:
+        for shard in self.index["shards"]:
+            if shard["start"] <= i < shard["stop"]:
+                return shard
+        raise IndexError(f"example {i} is outside the feature dump ({len(self)} examples)")
+
+    def _handle(self, shard: dict[str, Any]) -> Any:
+        name = shard["file"]
+        if name not in self._open:
+            path = self.folder / name
+            if self.verify and file_sha256(path) != shard["sha256"]:
+                raise ValueError(f"{path} does not match the sha256 in {INDEX_NAME}: the shard is corrupt or was changed")
+            self._open[name] = safe_open(str(path), framework="pt")
+        return self._open[name]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        f = self._handle(self._shard_of(i))
+        return {
+            "features": f.get_tensor(f"features.{i}"),  # (T_i, h)
+            "input_ids": f.get_tensor(f"input_ids.{i}").tolist(),
+            "loss_mask": f.get_tensor(f"loss_mask.{i}").long().tolist(),
+        }
+
+    def lengths(self) -> list[int]:
+        """Token count of every example (reads only tensor headers)."""
+        if self._lengths is None:
+            self._lengths = []
+            for shard in self.index["shards"]:
+                f = self._handle(shard)
+                self._lengths += [f.get_slice(f"input_ids.{i}").get_shape()[0] for i in range(shard["start"], shard["stop"])]
+        return self._lengths
+
+
+def collate_offline(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Like `collate`, plus right-padded features (B, T, h)."""
+    batch = collate(rows, pad_token_id)
+    width, hidden = batch["input_ids"].shape[1], rows[0]["features"].shape[-1]
+    feats = torch.zeros(len(rows), width, hidden, dtype=rows[0]["features"].dtype)
+    for i, r in enumerate(rows):
+        feats[i, : r["features"].shape[0]] = r["features"]
+    batch["features"] = feats
+    return batch

@@ -1,0 +1,200 @@
+"""Training losses of draft heads, and per-depth top-1 accuracy as a simulated acceptance.
+
+Alignment (x_0 .. x_{T-1} a sequence, f_t the target's feature after reading x_t, and the target's own
+lm_head(f_t) predicting x_{t+1}):
+
+    Medusa head k (0-based) at position t predicts x_{t+k+2}; its label is the target's distribution at
+        position t+k+1 (labels="target") or the data's token x_{t+k+2} (labels="tokens").
+    EAGLE at position t reads (f_t, x_{t+1}) and predicts f_{t+1}: smooth-L1 against the real f_{t+1}, plus
+        cross-entropy of lm_head(prediction) against the target's distribution at t+1 (or x_{t+2}).
+
+A position counts when the token it predicts is trained (`loss_mask`, 1 on assistant tokens).
+Accuracy at depth d compares the draft's argmax with the target's own argmax (what greedy decoding accepts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specheads.training.config import LossSection
+
+
+@dataclass
+class LossOutput:
+    """The scalar loss to back-propagate and detached metrics to log."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float]
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` where `mask` is 1 (0 when the mask is empty). Shapes match, e.g. (B, T)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def token_cross_entropy(
+    logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor, labels: str
+) -> torch.Tensor:
+    """Per-position cross-entropy. logits, target_logits: (B, T, V); tokens: (B, T). Returns (B, T)."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    if labels == "target":
+        target_probs = F.softmax(target_logits.float(), dim=-1)  # (B, T, V)
+        return -(target_probs * log_probs).sum(-1)
+    return -log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def chain_acceptance(correct: list[torch.Tensor], valid: torch.Tensor) -> float:
+    """Expected accepted length 1 + sum_d P(depths 1..d all correct), from per-depth (B, T) correctness.
+
+    `correct[d][b, t]` says whether the depth-(d+1) draft of the chain starting at position t is right.
+    """
+    if not correct:
+        return 1.0
+    chain = torch.ones_like(correct[0], dtype=torch.bool)
+    total = 1.0
+    for c in correct:
+        chain = chain & c
+        total += float(masked_mean(chain.float(), valid))
+    return total
+
+
+def medusa_loss(
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossSection,
+) -> LossOutput:
+    """Cross-entropy per Medusa head, head k weighted by medusa_decay**k.
+
+    Args:
+        logits: (K, B, T, V) head logits; head k at position t predicts x_{t+k+2}.
+        target_logits: (B, T, V) the target's logits (position t predicts x_{t+1}).
+        input_ids: (B, T) tokens.
+        loss_mask: (B, T) 1 where predicting that token is trained (0 on prompts and padding).
+        config: loss weights.
+    """
+    num_heads, _, seq_len, _ = logits.shape
+    total = logits.new_zeros(())
+    metrics: dict[str, float] = {}
+    correct: list[torch.Tensor] = []
+    valid0 = loss_mask[:, 2:].bool()  # (B, T-2): positions whose first draft token is trained
+    for k in range(num_heads):
+        span = seq_len - k - 2  # positions t with a token x_{t+k+2}
+        if span <= 0:
+            break
+        head_logits = logits[k, :, :span]  # (B, span, V)
+        label_logits = target_logits[:, k + 1: k + 1 + span]  # (B, span, V): target at t+k+1
+        valid = loss_mask[:, k + 2: k + 2 + span]  # (B, span)
+        ce = token_cross_entropy(head_logits, label_logits, input_ids[:, k + 2: k + 2 + span], config.labels)
+        head_loss = masked_mean(ce, valid)
+        total = total + (config.medusa_decay**k) * head_loss
+        hit = head_logits.argmax(-1) == label_logits.argmax(-1)  # (B, span)
+        metrics[f"loss_head{k + 1}"] = float(head_loss.detach())
+        metrics[f"acc_depth{k + 1}"] = float(masked_mean(hit.float(), valid))
+        pad = torch.zeros(hit.shape[0], (seq_len - 2) - span, dtype=torch.bool, device=hit.device)
+        correct.append(torch.cat([hit, pad], dim=1))  # (B, T-2), aligned on the chain start t
+    metrics["loss"] = float(total.detach())
+    metrics["acc"] = metrics.get("acc_depth1", 0.0)
+    metrics["sim_tau"] = chain_acceptance(correct, valid0)
+    return LossOutput(total, metrics)
+
+
+def causal_mask(key_padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive causal mask with padded keys masked. key_padding: (B, T) 1 = real. Returns (B, 1, T, T)."""
+    seq_len = key_padding.shape[1]
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=key_padding.device).tril()  # (T, T)
+    allowed = allowed[None] & key_padding.bool()[:, None, :]  # (B, T, T)
+    allowed = allowed | torch.eye(seq_len, dtype=torch.bool, device=key_padding.device)[None]  # no empty rows
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=key_padding.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def eagle_loss(
+    heads: torch.nn.Module,
+    features: torch.Tensor,
+    target_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossSection,
+    noise: torch.Tensor | None = None,
+) -> LossOutput:
+    """Smooth-L1 feature regression + cross-entropy through the target's lm_head, with unrolled accuracy.
+
+    Depth 1 is teacher-forced on the target's real features (plus `noise`). Depth d > 1 feeds the head its own
+    depth-(d-1) predictions (with the data's tokens): depths up to `train_depth` add to the loss (weighted
+    depth_decay**(d-1)), depths up to `eval_depth` only estimate how far a draft chain would be accepted.
+
+    Args:
+        heads: EagleHeads (attached to the target).
+        features: (B, T, h) the target's features f_0 .. f_{T-1}.
+        target_logits: (B, T, V) lm_head(features).
+        input_ids: (B, T) tokens x_0 .. x_{T-1}.
+        attention_mask: (B, T) 1 on real tokens.
+        loss_mask: (B, T) 1 where predicting that token is trained.
+        config: loss weights, noise, labels, eval_depth.
+        noise: (B, T-1, h) added to the input features (EAGLE's uniform noise), or None.
+    """
+    batch, seq_len, _ = features.shape
+    n = seq_len - 1  # positions t = 0 .. T-2 read (f_t, x_{t+1})
+    in_features = features[:, :-1]  # (B, n, h)
+    if noise is not None:
+        in_features = in_features + noise.to(features.dtype)
+    in_ids = input_ids[:, 1:]  # (B, n)
+    positions = torch.arange(n, device=features.device).expand(batch, n)  # (B, n)
+    mask4d = causal_mask(attention_mask[:, 1:], features.dtype)  # (B, 1, n, n)
+    labels_feat = features[:, 1:]  # (B, n, h): f_{t+1}
+    label_logits = target_logits[:, 1:]  # (B, n, V): the target's distribution of x_{t+2}
+    next_tokens = torch.cat([input_ids[:, 2:], input_ids[:, -1:]], dim=1)  # (B, n): x_{t+2} (last unused)
+    valid = torch.cat([loss_mask[:, 2:], torch.zeros_like(loss_mask[:, :1])], dim=1)  # (B, n)
+    target_top1 = label_logits.argmax(-1)  # (B, n)
+
+    pred = heads(in_features, in_ids, positions, mask4d)  # (B, n, h)
+    pred_logits = heads.logits(pred)  # (B, n, V)
+    feat_loss = masked_mean(F.smooth_l1_loss(pred.float(), labels_feat.float(), reduction="none").mean(-1), valid)
+    tok_loss = masked_mean(token_cross_entropy(pred_logits, label_logits, next_tokens, config.labels), valid)
+    loss = config.feature_weight * feat_loss + config.token_weight * tok_loss
+
+    metrics = {"loss": float(loss.detach()), "loss_feature": float(feat_loss.detach()), "loss_token": float(tok_loss.detach())}
+    correct = [pred_logits.argmax(-1) == target_top1]  # depth 1, indexed by the predicting position t
+    prev = pred
+    for depth in range(2, max(config.eval_depth, config.train_depth) + 1):
+        trained = depth <= config.train_depth  # unrolled depths with gradients ("training-time test")
+        with torch.enable_grad() if trained else torch.no_grad():
+            # position s now reads its own predicted f_s (made at s-1); s = 0 keeps the real f_0
+            unrolled = torch.cat([features[:, :1], prev[:, :-1] if trained else prev[:, :-1].detach()], dim=1)
+            prev = heads(unrolled, in_ids, positions, mask4d)  # (B, n, h)
+            logits_d = heads.logits(prev)
+            if trained:
+                feat_d = masked_mean(F.smooth_l1_loss(prev.float(), labels_feat.float(), reduction="none").mean(-1), valid)
+                tok_d = masked_mean(token_cross_entropy(logits_d, label_logits, next_tokens, config.labels), valid)
+                loss = loss + config.depth_decay ** (depth - 1) * (config.feature_weight * feat_d + config.token_weight * tok_d)
+        correct.append(logits_d.argmax(-1) == target_top1)
+    metrics["loss"] = float(loss.detach())
+    chains = []
+    for d, hit in enumerate(correct):
+        metrics[f"acc_depth{d + 1}"] = float(masked_mean(hit.float(), valid))
+        # the chain starting at t reaches depth d+1 at position t+d
+        shifted = torch.cat([hit[:, d:], torch.zeros_like(hit[:, :d])], dim=1)
+        chains.append(shifted)
+    metrics["acc"] = metrics["acc_depth1"]
+    metrics["sim_tau"] = chain_acceptance(chains, valid)
+    return LossOutput(loss, metrics)
+
+
+def uniform_noise(shape: tuple[int, ...], scale: float, seeds: list[int]) -> torch.Tensor:
+    """U(-scale, scale) noise of `shape` (B, ...), row b drawn from its own generator seeded with seeds[b].
+
+    Seeding per example (not per process) keeps runs with any number of processes, and resumed runs, identical.
+    """
+    rows = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        rows.append((torch.rand(shape[1:], generator=g) * 2 - 1) * scale)
+    return torch.stack(rows)

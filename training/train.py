@@ -1,0 +1,287 @@
+"""The training loop: setup, train, save. One Accelerate loop for Medusa and EAGLE heads on a frozen target.
+
+    specheads train configs/train/eagle_stories260k.yaml max_steps=200
+    accelerate launch --config_file configs/accelerate/multi_cpu.yaml -m specheads train CONFIG.yaml
+
+Exactness: the examples of every optimizer step are a pure function of (seed, step) (`BatchOrder`), the global
+batch is cut into the same micro-batches whatever the number of processes, and the EAGLE input noise is seeded
+per example. So a resumed run ends with the same weights as an uninterrupted one, and N processes end with the
+same weights as one (up to float summation order).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from specheads import create_heads, load_target
+from specheads.training.config import RunConfig, config_to_dict, load_run_config
+from specheads.training.data import BatchOrder, build_dataset, collate, micro_batches_for_process
+from specheads.training.features import OfflineFeatures, collate_offline, online_features
+from specheads.training.losses import LossOutput, eagle_loss, medusa_loss, uniform_noise
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "train_state.json"
+
+
+# --- setup ----------------------------------------------------------------------------------------------
+def check_world_size(accelerator: Accelerator) -> None:
+    """Fail loudly when the launcher started N processes but each one trains alone ("rank 0 of 1").
+
+    Raises:
+        RuntimeError: WORLD_SIZE in the environment disagrees with the Accelerator's number of processes.
+    """
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if env_world != accelerator.num_processes:
+        raise RuntimeError(
+            f"the launcher started WORLD_SIZE={env_world} processes but this Accelerator sees "
+            f"num_processes={accelerator.num_processes}: every process would train alone on the full batch. "
+            "On a machine without GPUs the Accelerator must be built with cpu=True (specheads does this); "
+            "check the accelerate config (distributed_type MULTI_CPU, num_processes)"
+        )
+
+
+def make_accelerator(config: RunConfig) -> Accelerator:
+    """An Accelerator (CPU when there is no GPU) with the run's trackers, checked against the launcher."""
+    trackers = list(config.trackers)
+    if "wandb" in trackers:
+        try:
+            import wandb  # noqa: F401
+        except ImportError as err:
+            raise ValueError("trackers contains 'wandb' but wandb is not installed (pip install specheads[wandb])") from err
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        log_with=trackers or None,
+        project_dir=config.output_dir,
+        step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, whatever the world size
+    )
+    check_world_size(accelerator)
+    if accelerator.num_processes > 1 and accelerator.device.type == "cpu":
+        # several torch processes sharing a few cores thrash; OMP_NUM_THREADS (default 1) threads each
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return accelerator
+
+
+def lr_lambda(config: RunConfig) -> Any:
+    """Multiplier of the learning rate at step s: linear warmup, then cosine (to min_lr_ratio) or constant."""
+    warmup, total, floor = config.optim.warmup_steps, config.max_steps, config.optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if config.optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def flat_hparams(config: RunConfig) -> dict[str, Any]:
+    """The config flattened to scalar values (TensorBoard hparams take no lists or dicts)."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict) and prefix != "head.options":
+            for key, value in node.items():
+                walk(f"{prefix}.{key}" if prefix else key, value)
+        else:
+            flat[prefix] = node if isinstance(node, (int, float, str, bool)) else json.dumps(node)
+
+    walk("", config_to_dict(config))
+    return flat
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder (one with train_state.json), or None."""
+    root = Path(output_dir) / CHECKPOINTS
+    done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file()) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, step: int, keep: int) -> Path:
+    """Save model, optimizer, scheduler, RNG and the data position atomically: temp folder, then rename.
+
+    Keeps the newest `keep` checkpoints. Every process calls this (each writes its own RNG state).
+    """
+    root = Path(output_dir) / CHECKPOINTS
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+        for old in complete[: max(0, len(complete) - keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+# --- one step -------------------------------------------------------------------------------------------
+def compute_loss(
+    config: RunConfig,
+    model: torch.nn.Module,
+    heads: torch.nn.Module,
+    target: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    noise_seeds: list[int],
+) -> LossOutput:
+    """Target features (online or from the batch) -> head forward -> loss.
+
+    Args:
+        model: the prepared (possibly DDP-wrapped) heads, used for the forward that gets gradients.
+        heads: the same heads unwrapped (config, lm_head access, gradient-free unrolls).
+    """
+    if "features" in batch:  # offline: lm_head(features) are the target's logits (post-norm features)
+        features = batch["features"]
+        with torch.no_grad():
+            target_logits = target.get_output_embeddings()(features)
+    else:
+        features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
+    if heads.config.head_type == "medusa":
+        return medusa_loss(model(features), target_logits, batch["input_ids"], batch["loss_mask"], config.loss)
+    noise = None
+    if config.loss.input_noise > 0:
+        batch_size, seq_len, hidden = features.shape
+        noise = uniform_noise((batch_size, seq_len - 1, hidden), config.loss.input_noise, noise_seeds).to(features.device)
+
+    return eagle_loss(
+        _HeadsView(model, heads), features, target_logits, batch["input_ids"], batch["attention_mask"],
+        batch["loss_mask"], config.loss, noise,
+    )
+
+
+class _HeadsView:
+    """Calls go through the prepared (DDP) model when gradients are on, else through the plain heads."""
+
+    def __init__(self, model: torch.nn.Module, heads: torch.nn.Module) -> None:
+        self.model, self.heads = model, heads
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        return (self.model if torch.is_grad_enabled() else self.heads)(*args)
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        return self.heads.logits(predicted)
+
+
+# --- the run --------------------------------------------------------------------------------------------
+def train(config: RunConfig) -> dict[str, Any]:
+    """Train heads as `config` says; resume from the latest checkpoint in output_dir if there is one.
+
+    Returns:
+        Final metrics (also written to output_dir/final/README.md and output_dir/metrics.json).
+    """
+    # setup
+    accelerator = make_accelerator(config)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    accelerator.gradient_accumulation_steps = config.gradient_accumulation_steps(world)
+    set_seed(config.seed)
+    target, tokenizer = load_target(config.target, device=accelerator.device)
+    heads = create_heads(target, config.head.type, **config.head.options)
+    heads.train()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if config.feature_mode == "offline":
+        examples: Any = OfflineFeatures(config.data.features_dir)
+        lengths, make_batch = examples.lengths(), collate_offline
+    else:
+        examples = build_dataset(config.data.source, tokenizer, config.data.format, config.data.max_length)
+        lengths, make_batch = list(examples["length"]), collate
+    order = BatchOrder(lengths, config.global_batch_size, config.seed, config.data.bucket_by_length)
+    optimizer = torch.optim.AdamW(
+        heads.parameters(), lr=config.optim.learning_rate, betas=tuple(config.optim.betas),
+        weight_decay=config.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+    model, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
+    start_step = 0
+    resume = latest_checkpoint(config.output_dir)
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        start_step = json.loads((resume / STATE_FILE).read_text())["step"]
+        accelerator.print(f"[specheads] resuming from {resume} (step {start_step})")
+        done_metrics = Path(config.output_dir) / "metrics.json"
+        if start_step >= config.max_steps and done_metrics.is_file():
+            accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
+            return json.loads(done_metrics.read_text())
+    if config.trackers:
+        init_kwargs = {"wandb": {"mode": os.environ.get("WANDB_MODE", "offline")}} if "wandb" in config.trackers else {}
+        accelerator.init_trackers(config.project_name, config=flat_hparams(config), init_kwargs=init_kwargs)
+
+    # train
+    bar = tqdm(total=config.max_steps, initial=start_step, desc=f"train {config.head.type}",
+               disable=not accelerator.is_local_main_process)
+    started, tokens_seen = time.time(), 0
+    last: dict[str, float] = {}
+    for step in range(start_step, config.max_steps):
+        micro_batches = micro_batches_for_process(order.global_batch(step), config.micro_batch_size, rank, world)
+        sums: dict[str, float] = {}
+        for indices in micro_batches:
+            batch = {k: v.to(accelerator.device) for k, v in make_batch([examples[j] for j in indices], pad_id).items()}
+            seeds = [(config.seed * 1_000_003 + step * 100_003 + j) % 2**62 for j in indices]
+            # accumulate: gradients are all-reduced and the optimizer steps only on the last micro-batch,
+            # and backward divides the loss by the accumulation steps (DeepSpeed handles it the same way)
+            with accelerator.accumulate(model):
+                out = compute_loss(config, model, heads, target, batch, seeds)
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients and config.optim.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
+                optimizer.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            for key, value in out.metrics.items():
+                sums[key] = sums.get(key, 0.0) + value / len(micro_batches)
+            tokens_seen += int(batch["attention_mask"].sum()) * world
+        done = step + 1
+        keys = sorted(sums)
+        averaged = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=accelerator.device), "mean")
+        last = {k: float(v) for k, v in zip(keys, averaged.tolist())}
+        last["lr"] = scheduler.get_last_lr()[0]
+        bar.update(1)
+        bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tau=f"{last['sim_tau']:.2f}")
+        if config.trackers and (done % config.log_steps == 0 or done == config.max_steps):
+            accelerator.log({f"train/{k}": v for k, v in last.items()}, step=done)
+        if done % config.save_steps == 0 or done == config.max_steps:
+            save_checkpoint(accelerator, config.output_dir, done, config.save_total_limit)
+        if config.stop_after_steps is not None and done >= config.stop_after_steps and done < config.max_steps:
+            bar.close()
+            accelerator.end_training()
+            return {"stopped_at_step": done, **last}
+    bar.close()
+
+    # save
+    metrics = {**last, "steps": config.max_steps, "world_size": world, "training_seconds": round(time.time() - started, 2),
+               "tokens_seen_this_session": tokens_seen}
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        final = accelerator.unwrap_model(model)
+        final.model_card_metrics = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()}
+        final.save_pretrained(Path(config.output_dir) / "final")
+        (Path(config.output_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        (Path(config.output_dir) / "run_config.json").write_text(json.dumps(config_to_dict(config), indent=2))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return metrics
+
+
+def train_from_config_file(config_path: str, overrides: list[str]) -> None:
+    """Entry point of `specheads train CONFIG.yaml [key=value ...]`."""
+    train(load_run_config(config_path, overrides))
