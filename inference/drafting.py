@@ -21,6 +21,9 @@ from specheads.inference.tree import StaticTree, TreeBuffers, build_tree_buffers
 
 
 class Drafter(Protocol):
+    """The proposer interface. Optionally, `fork()` returns an independent drafter for another row of a
+    batch (sharing the heads); drafters without it make batches run row by row."""
+
     def reset(self) -> None: ...
 
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]: ...
@@ -46,6 +49,9 @@ class MedusaDrafter:
 
     def reset(self) -> None:
         pass
+
+    def fork(self) -> MedusaDrafter:
+        return self  # stateless: one drafter serves every row
 
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
         logits = self.heads(features[-1:][None])[:, 0, 0]  # (K, V): head k's logits for depth k+1
@@ -85,6 +91,10 @@ class EagleDrafter:
     def reset(self) -> None:
         self.cache = DynamicCache()
         self.committed = 0
+
+    def fork(self) -> EagleDrafter:
+        """A drafter with the same heads and tree shape and its own (empty) draft cache."""
+        return EagleDrafter(self.heads, self.depth, self.top_k, self.num_nodes, self.dtype, self.stop_prob)
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:

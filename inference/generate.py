@@ -22,7 +22,8 @@ from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.kv_cache import compact_cache
 from specheads.inference.sampling import SamplingParams, sample_token, target_probs
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
-from specheads.inference.verify import verify_tree
+from specheads.inference.batched import generate_batched
+from specheads.inference.verify import sliding_window_of, verify_tree
 from specheads.targets import load_target
 
 ACCEPTANCE_RULES = ("exact", "typical")
@@ -128,6 +129,7 @@ class SpeculativeLM:
         pad_token_id: int | None = None,
         streamer: Any | None = None,
         acceptance: str = "exact",
+        batched: bool | None = None,
     ) -> torch.Tensor:
         """Generate like `transformers.generate`: returns prompt + new tokens, (B, n + new).
 
@@ -142,6 +144,8 @@ class SpeculativeLM:
             pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
             streamer: a transformers `TextStreamer` / `TextIteratorStreamer` (batch size 1).
             acceptance: "exact" (lossless) or "typical" (Medusa's, lossy, sampling only).
+            batched: for B > 1, verify all rows in one target forward (default when the target has no
+                sliding window) or, with False, run the rows one after another (the reference scheme).
 
         After the call, `self.last_stats` holds new_tokens, target_forwards, mean_accepted (tau: new tokens
         per target forward, the bonus token counted, the prefill counted as one forward), rounds,
@@ -160,11 +164,22 @@ class SpeculativeLM:
         eos = set(eos_list)
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": []}
         start = time.perf_counter()
-        rows = []
-        for prompt in prompts:
-            if streamer is not None:
-                streamer.put(prompt.cpu())
-            rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats))
+        can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
+        if batched is None:
+            batched = len(prompts) > 1 and can_batch
+        if batched and not can_batch:
+            raise ValueError(
+                "batched=True needs a target without a sliding window and a drafter with fork(); use batched=False"
+            )
+        if batched:
+            drafters = [self.drafter.fork() for _ in prompts]
+            rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats)
+        else:
+            rows = []
+            for prompt in prompts:
+                if streamer is not None:
+                    streamer.put(prompt.cpu())
+                rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats))
         if streamer is not None:
             streamer.end()
         seconds = time.perf_counter() - start
