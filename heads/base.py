@@ -23,8 +23,48 @@ class TargetParts:
     lm_head: nn.Module  # h -> V output projection (reads post-norm features)
 
 
-def check_heads_match_target(config: HeadsConfig, target_config: PretrainedConfig) -> None:
-    """Raise a ValueError when heads were built for a target of another shape."""
+EMBEDDING_SAMPLE_SIZE = 16
+
+
+def embedding_sample_positions(vocab_size: int, hidden_size: int) -> tuple[list[int], list[int]]:
+    """The fixed (row, col) positions of `target_embedding_sample`, spread over a (V, h) matrix.
+
+    Rows run evenly from the first to the last token; columns step across the width (wrapping), so the
+    sample sits in neither one row nor one column. A pure function of the shape: every process picks the
+    same positions.
+    """
+    n = EMBEDDING_SAMPLE_SIZE
+    rows = [(i * (vocab_size - 1)) // (n - 1) for i in range(n)]
+    cols = [(i * (hidden_size // n + 1) + i // 2) % hidden_size for i in range(n)]
+    return rows, cols
+
+
+def target_embedding_sample(embedding_weight: torch.Tensor) -> list[float]:
+    """`EMBEDDING_SAMPLE_SIZE` values of a (V, h) input embedding at fixed positions, as Python floats.
+
+    Returns an empty list (unknown) when the weights are not materialised (meta device, e.g. offloaded).
+    """
+    if embedding_weight.is_meta or embedding_weight.dim() != 2:
+        return []
+    rows, cols = embedding_sample_positions(*embedding_weight.shape)
+    with torch.no_grad():
+        values = embedding_weight[torch.tensor(rows, device=embedding_weight.device),
+                                  torch.tensor(cols, device=embedding_weight.device)]
+    return [float(v) for v in values.float().cpu().tolist()]
+
+
+def check_heads_match_target(
+    config: HeadsConfig, target_config: PretrainedConfig, target_embedding: torch.Tensor | None = None
+) -> None:
+    """Raise a ValueError when heads were built for a target of another shape (or other weights).
+
+    Args:
+        config: the heads' config.
+        target_config: the target's config (hidden size, vocabulary, layers, family are compared).
+        target_embedding: the target's (V, h) input embedding weight; when given and the heads recorded
+            `target_embedding_sample`, the sampled values must agree (a same-shaped target with another
+            tokenizer or other weights is refused). The tolerance survives bf16/fp16 copies of one target.
+    """
     target_config = target_config.get_text_config()
     expected = {
         "hidden_size": target_config.hidden_size,
@@ -49,6 +89,21 @@ def check_heads_match_target(config: HeadsConfig, target_config: PretrainedConfi
             f"EAGLE heads hold a {config.target_model_type!r} decoder layer but the target is "
             f"model_type={target_config.model_type!r}"
         )
+    if target_embedding is not None and config.target_embedding_sample:
+        recorded = torch.tensor(config.target_embedding_sample, dtype=torch.float32)
+        actual = torch.tensor(target_embedding_sample(target_embedding), dtype=torch.float32)
+        # an empty `actual` means the embedding is not materialised (meta): nothing to compare.
+        # bf16/fp16 rounding is relative (<= 0.4%); atol stays well below LLM embedding magnitudes (~1e-2)
+        same = actual.shape == recorded.shape and torch.allclose(actual, recorded, rtol=2e-2, atol=1e-3)
+        if actual.numel() and not same:
+            gap = f"max difference {(actual - recorded).abs().max().item():.4g}" if actual.shape == recorded.shape else (
+                f"{actual.numel()} values vs {recorded.numel()} recorded")
+            raise ValueError(
+                f"heads and target do not match: the target's input embedding differs from the heads' "
+                f"target_embedding_sample ({gap}): target "
+                f"{target_config.name_or_path or target_config.model_type!r} has the same shape but other weights "
+                f"or another tokenizer; these heads were built for {config.target_name_or_path!r}"
+            )
 
 
 class DraftHeads(PreTrainedModel):
@@ -72,8 +127,9 @@ class DraftHeads(PreTrainedModel):
     # --- target binding -------------------------------------------------------------------------------
     def attach_target(self, target: PreTrainedModel) -> None:
         """Borrow the target's embedding and output projection (after checking that shapes match)."""
-        check_heads_match_target(self.config, target.config)
-        self._target_parts = TargetParts(target.get_input_embeddings(), target.get_output_embeddings())
+        embedding = target.get_input_embeddings()
+        check_heads_match_target(self.config, target.config, getattr(embedding, "weight", None))
+        self._target_parts = TargetParts(embedding, target.get_output_embeddings())
 
     @property
     def target_parts(self) -> TargetParts:

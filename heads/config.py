@@ -34,6 +34,8 @@ FIELD_HELP: dict[str, str] = {
     "tree_stop_prob": "Default early stop of EAGLE drafting: no deeper level once the best path's draft probability is below it.",
     "static_tree": "Default static tree (a name under configs/trees/ or a path) for Medusa heads.",
     "initializer_range": "Std of the normal init of fresh weights.",
+    "target_embedding_sample": "16 values of the target's input embedding at fixed positions; refuses heads on a "
+    "same-shaped but different target (empty = unknown, no check).",
 }
 
 
@@ -80,6 +82,7 @@ class HeadsConfig(PretrainedConfig):
         tree_stop_prob: float = 0.0,
         static_tree: str = "medusa_default",
         initializer_range: float = 0.02,
+        target_embedding_sample: list[float] | None = None,
         **kwargs: Any,
     ) -> None:
         if specheads_version is None:
@@ -110,6 +113,9 @@ class HeadsConfig(PretrainedConfig):
         self.tree_stop_prob = tree_stop_prob
         self.static_tree = static_tree
         self.initializer_range = initializer_range
+        self.target_embedding_sample = (
+            list(target_embedding_sample) if isinstance(target_embedding_sample, (list, tuple)) else target_embedding_sample or []
+        )
         super().__init__(**kwargs)
         self.validate_values()
 
@@ -133,5 +139,11 @@ class HeadsConfig(PretrainedConfig):
             raise ValueError(f"HeadsConfig.tree_stop_prob={self.tree_stop_prob!r}; expected a probability in [0, 1)")
         if not all(isinstance(i, int) and i >= 0 for i in self.feature_layers):
             raise ValueError(f"HeadsConfig.feature_layers={self.feature_layers!r}; expected non-negative layer indices")
+        sample = self.target_embedding_sample
+        if not isinstance(sample, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in sample):
+            raise ValueError(
+                f"HeadsConfig.target_embedding_sample={sample!r} is invalid; expected a list of floats "
+                f"({FIELD_HELP['target_embedding_sample']})"
+            )
         if self.head_type == "eagle" and not self.draft_layer_config:
             raise ValueError("HeadsConfig.draft_layer_config is empty; EAGLE heads need the target family's layer config")

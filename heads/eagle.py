@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 from specheads.heads.base import DraftHeads

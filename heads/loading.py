@@ -7,12 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-
 from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel
 
 from specheads.heads import HEAD_CLASSES, HEAD_TYPES
-from specheads.heads.base import DraftHeads
+from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.heads.config import FIELD_HELP, HeadsConfig
 from specheads.heads.eagle import draft_layer_config_from_target
 
@@ -42,6 +41,8 @@ def create_heads(target: PreTrainedModel, head_type: str = "eagle", **options: A
         hidden_size=text_config.hidden_size,
         vocab_size=text_config.vocab_size,
         feature_layers=[text_config.num_hidden_layers],  # the final, post-norm hidden state
+        # refuses these heads later on a same-shaped target with other weights or another tokenizer
+        target_embedding_sample=target_embedding_sample(target.get_input_embeddings().weight),
     )
     if head_type == "eagle":
         fields["draft_layer_config"] = draft_layer_config_from_target(text_config)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.inference.sampling import sample_token
+from specheads.inference.sampling import SamplingParams, sample_token, target_probs
 from specheads.inference.tree import TreeBuffers
 
 
@@ -100,3 +100,20 @@ def accept_typical(
     best = torch.argmax(torch.where(accepted, tree.depth, -1))
     path = torch.nonzero(tree.ancestors[best]).squeeze(-1)
     return path, sample_token(probs[best])
+
+
+def accept_tree(
+    tokens: torch.Tensor, tree: TreeBuffers, logits: torch.Tensor, params: SamplingParams, acceptance: str = "exact"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule for these decoding options: greedy, exact rejection sampling, or typical.
+
+    Args:
+        tokens: (N,) drafted tokens; tree: their buffers; logits: (N, V) target logits at each node.
+        params: greedy when `params.do_sample` is False; acceptance: "exact" or "typical" (sampling only).
+    """
+    if not params.do_sample:
+        return accept_greedy(tokens, tree, logits.argmax(dim=-1))
+    probs = target_probs(logits, params)
+    if acceptance == "typical":
+        return accept_typical(tokens, tree, probs)
+    return accept_sampling(tokens, tree, probs)

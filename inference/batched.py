@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from specheads.inference.accept import accept_greedy, accept_sampling, accept_typical
+from specheads.inference.accept import accept_tree
 from specheads.inference.drafting import Drafter
-from specheads.inference.sampling import SamplingParams, target_probs
+from specheads.inference.sampling import SamplingParams
 from specheads.inference.tree import TreeBuffers
 
 
@@ -150,12 +150,7 @@ def generate_batched(
         paths, finished = [], []
         for i, (tree_tokens, tree) in enumerate(proposals):
             logits = out.logits[i, : tree.num_nodes]
-            if not params.do_sample:
-                path, bonus = accept_greedy(tree_tokens, tree, logits.argmax(dim=-1))
-            elif acceptance == "typical":
-                path, bonus = accept_typical(tree_tokens, tree, target_probs(logits, params))
-            else:
-                path, bonus = accept_sampling(tree_tokens, tree, target_probs(logits, params))
+            path, bonus = accept_tree(tree_tokens, tree, logits, params, acceptance)
             accepted = torch.cat([tree_tokens[path[1:]], bonus[None]])
             stats["accepted_counts"].append(path.shape[0] - 1)
             paths.append(path)

@@ -17,12 +17,12 @@ from specheads.heads.base import DraftHeads
 from specheads.heads.eagle import EagleHeads
 from specheads.heads.loading import load_heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.inference.accept import accept_greedy, accept_sampling, accept_typical
+from specheads.inference.accept import accept_tree
+from specheads.inference.batched import generate_batched
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.kv_cache import compact_cache
 from specheads.inference.sampling import SamplingParams, sample_token, target_probs
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
-from specheads.inference.batched import generate_batched
 from specheads.inference.verify import sliding_window_of, verify_tree
 from specheads.targets import load_target
 
@@ -219,12 +219,7 @@ class SpeculativeLM:
             logits, hidden_states = verify_tree(target, cache, tokens, tree, prefix_length)
             stats["target_forwards"] += 1
             # accept
-            if not params.do_sample:
-                path, bonus = accept_greedy(tokens, tree, logits.argmax(dim=-1))
-            elif acceptance == "typical":
-                path, bonus = accept_typical(tokens, tree, target_probs(logits, params))
-            else:
-                path, bonus = accept_sampling(tokens, tree, target_probs(logits, params))
+            path, bonus = accept_tree(tokens, tree, logits, params, acceptance)
             # update
             compact_cache(cache, prefix_length, path)
             prefix_length += path.shape[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -55,7 +56,22 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError, ImportError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand. Errors a user can cause print one clear line and exit with status 2
+    (set SPECHEADS_TRACEBACK=1 to see the full traceback)."""
+    try:
+        return _dispatch(argv)
+    except USER_ERRORS as err:
+        if os.environ.get("SPECHEADS_TRACEBACK") == "1":
+            raise
+        print(f"specheads: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="specheads", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -63,3 +63,16 @@ def test_generate_streams_no_special_tokens(stories260k_eagle_dir, capfd):
     """The streamed text is the prompt and its continuation, without special tokens such as <s>."""
     out, _ = _generate(stories260k_eagle_dir, capfd)
     assert out.startswith("Once upon a time,")
+
+
+def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """A bad input through the CLI is one clear line on stderr and exit status 2, not a traceback."""
+    monkeypatch.delenv("SPECHEADS_TRACEBACK", raising=False)
+    missing = tmp_path / "no-such-heads"
+    assert main(["generate", "--heads", str(missing), "--prompt", "Once"]) == 2
+    err = capsys.readouterr().err
+    assert f"specheads: error: heads checkpoint folder {str(missing)!r} does not exist" in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("SPECHEADS_TRACEBACK", "1")
+    with pytest.raises(FileNotFoundError):
+        main(["generate", "--heads", str(missing), "--prompt", "Once"])

@@ -4,7 +4,8 @@
     specheads data regenerate --target T --input prompts.jsonl --output regenerated.jsonl
     specheads data dump-features --target T --data regenerated.jsonl --out features/
 
-Regeneration is batched and resumable: it appends to the output JSONL and skips ids already there.
+Both are resumable after a crash (even kill -9): regeneration appends to the output JSONL and skips ids already
+there; a feature dump keeps the shards already written whose sha256 checks out and writes the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specheads.training.data import detect_format, read_records, to_messages
+from specheads.training.preflight import check_writable_dir, check_writable_file
 
 STORY_SEEDS = (
     "Once upon a time", "One day", "Lily", "Tom and", "There was a", "Once there was a little",
@@ -108,8 +110,7 @@ def regenerate(
     Returns:
         The number of records written by this call.
     """
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    output = check_writable_file(output, "regenerate output")
     drop_torn_line(output)
     skip = done_ids(output)
     jobs: list[dict[str, Any]] = []
@@ -195,6 +196,11 @@ def data_main(argv: list[str]) -> int:
     from specheads.training.features import dump_features
 
     args = build_parser().parse_args(argv)
+    # fail before loading the target when the output cannot be written
+    if args.tool == "regenerate":
+        check_writable_file(args.output, "regenerate --output")
+    else:
+        check_writable_dir(args.out, "dump-features --out")
     target, tokenizer = load_target(args.target)
     if args.tool == "regenerate":
         if not args.input and args.stories <= 0:

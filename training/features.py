@@ -7,7 +7,9 @@ features only and the target logits are recomputed with the lm_head at training 
 Offline layout (`specheads data dump-features`):
 
     DIR/index.json             {"format": "specheads-features", "version": 1, "target", "feature_layer",
-                                "hidden_size", "dtype", "num_examples", "shards": [{"file", "sha256", "start", "stop"}]}
+                                "hidden_size", "dtype", "num_examples", "examples_per_shard", "data_sha256",
+                                "shards": [{"file", "sha256", "start", "stop"}]}
+    DIR/progress.json          the same, listing the shards finished so far, while a dump runs (resume point)
     DIR/shard-00000.safetensors  tensors "features.{i}" (T_i, h), "input_ids.{i}" (T_i,), "loss_mask.{i}" (T_i,)
 """
 
@@ -29,8 +31,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from specheads.training.data import collate
+from specheads.training.preflight import check_free_disk, check_writable_dir
 
 INDEX_NAME = "index.json"
+PROGRESS_NAME = "progress.json"  # the finished shards of a dump still running (or killed)
 FORMAT_NAME = "specheads-features"
 
 
@@ -73,6 +77,37 @@ def estimate_dump_bytes(dataset: Dataset, hidden_size: int, dtype: torch.dtype) 
     return tokens * (hidden_size * torch.finfo(dtype).bits // 8 + 8 + 1)
 
 
+def dataset_sha256(dataset: Dataset) -> str:
+    """Hex sha256 of every example's tokens and loss mask: a resumed dump only keeps shards of the same data."""
+    digest = hashlib.sha256()
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
+        digest.update(json.dumps([ids, mask]).encode())
+    return digest.hexdigest()
+
+
+def _reusable_shards(out: Path, layout: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Shards of an earlier (possibly killed) dump of the same data and layout whose sha256 still checks out."""
+    for name in (INDEX_NAME, PROGRESS_NAME):
+        try:
+            earlier = json.loads((out / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if any(earlier.get(key) != value for key, value in layout.items()):
+            continue
+        return {
+            shard["file"]: shard
+            for shard in earlier.get("shards", [])
+            if (out / shard["file"]).is_file() and file_sha256(out / shard["file"]) == shard["sha256"]
+        }
+    return {}
+
+
+def _write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, path)
+
+
 def dump_features(
     target: PreTrainedModel,
     dataset: Dataset,
@@ -86,25 +121,49 @@ def dump_features(
 ) -> dict[str, Any]:
     """Write the target's features of every example as safetensors shards plus an index with sha256 sums.
 
-    Prints the disk it will need first. Every file is written to a temporary name and renamed into place
-    (index last), so an interrupted dump never leaves a file that looks complete.
+    Prints the disk it will need first and fails at once when the disk has less free. Every file is written
+    to a temporary name and renamed into place; after each shard a progress file lists the finished shards
+    with their sha256, so a killed dump, run again with the same arguments, keeps the intact shards and
+    writes only the rest. The index is written last: a folder with index.json is a complete dump.
 
     Returns:
         The index (also written to out_dir/index.json).
+
+    Raises:
+        OSError: out_dir is not writable or its disk has less free space than the dump needs.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_writable_dir(out_dir, "feature dump folder")
     hidden = target.config.get_text_config().hidden_size
     need = estimate_dump_bytes(dataset, hidden, dtype)
     free = shutil.disk_usage(out).free
     print(f"[specheads] feature dump of {len(dataset)} examples needs about {need / 2**20:.1f} MiB "
           f"({free / 2**30:.1f} GiB free in {out})")
-    if need > free:
-        raise OSError(f"not enough disk in {out}: the dump needs {need} bytes, {free} are free")
+    check_free_disk(out, need, "the feature dump")
+    layout = {
+        "format": FORMAT_NAME,
+        "version": 1,
+        "target": str(target.config.name_or_path),
+        "feature_layer": feature_layer,
+        "hidden_size": hidden,
+        "dtype": str(dtype).replace("torch.", ""),
+        "num_examples": len(dataset),
+        "examples_per_shard": examples_per_shard,
+        "data_sha256": dataset_sha256(dataset),
+    }
+    reusable = _reusable_shards(out, layout)
+    starts = range(0, len(dataset), examples_per_shard)
+    if reusable:
+        print(f"[specheads] resuming: {len(reusable)} of {len(starts)} shards already written and verified")
     shards: list[dict[str, Any]] = []
     bar = tqdm(total=len(dataset), desc="dump features", disable=not show_progress)
-    for shard_no, start in enumerate(range(0, len(dataset), examples_per_shard)):
+    for shard_no, start in enumerate(starts):
         stop = min(start + examples_per_shard, len(dataset))
+        name = f"shard-{shard_no:05d}.safetensors"
+        done = reusable.get(name)
+        if done is not None and (done["start"], done["stop"]) == (start, stop):
+            shards.append(done)
+            bar.update(stop - start)
+            continue
         tensors: dict[str, torch.Tensor] = {}
         for b in range(start, stop, batch_size):
             rows = [dataset[i] for i in range(b, min(b + batch_size, stop))]
@@ -118,25 +177,15 @@ def dump_features(
                 tensors[f"input_ids.{i}"] = torch.as_tensor(row["input_ids"], dtype=torch.long)
                 tensors[f"loss_mask.{i}"] = torch.as_tensor(row["loss_mask"], dtype=torch.uint8)
             bar.update(len(rows))
-        name = f"shard-{shard_no:05d}.safetensors"
         tmp = out / (name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, out / name)
         shards.append({"file": name, "sha256": file_sha256(out / name), "start": start, "stop": stop})
+        _write_json_atomically(out / PROGRESS_NAME, {**layout, "shards": shards})
     bar.close()
-    index = {
-        "format": FORMAT_NAME,
-        "version": 1,
-        "target": str(target.config.name_or_path),
-        "feature_layer": feature_layer,
-        "hidden_size": hidden,
-        "dtype": str(dtype).replace("torch.", ""),
-        "num_examples": len(dataset),
-        "shards": shards,
-    }
-    tmp = out / (INDEX_NAME + ".tmp")
-    tmp.write_text(json.dumps(index, indent=2))
-    os.replace(tmp, out / INDEX_NAME)
+    index = {**layout, "shards": shards}
+    _write_json_atomically(out / INDEX_NAME, index)
+    (out / PROGRESS_NAME).unlink(missing_ok=True)
     return index
 
 

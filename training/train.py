@@ -29,6 +29,7 @@ from specheads.training.config import RunConfig, config_to_dict, load_run_config
 from specheads.training.data import BatchOrder, build_dataset, collate, micro_batches_for_process
 from specheads.training.features import OfflineFeatures, collate_offline, online_features
 from specheads.training.losses import LossOutput, eagle_loss, medusa_loss, uniform_noise
+from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "train_state.json"
@@ -189,7 +190,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     Returns:
         Final metrics (also written to output_dir/final/README.md and output_dir/metrics.json).
     """
-    # setup
+    # setup (output_dir is checked first: an unwritable folder fails now, not at the first save)
+    check_writable_dir(config.output_dir, "output_dir")
     accelerator = make_accelerator(config)
     world, rank = accelerator.num_processes, accelerator.process_index
     accelerator.gradient_accumulation_steps = config.gradient_accumulation_steps(world)
@@ -197,6 +199,9 @@ def train(config: RunConfig) -> dict[str, Any]:
     target, tokenizer = load_target(config.target, device=accelerator.device)
     heads = create_heads(target, config.head.type, **config.head.options)
     heads.train()
+    trainable = sum(p.numel() for p in heads.parameters() if p.requires_grad)
+    check_free_disk(config.output_dir, training_disk_bytes(trainable, config.save_total_limit),
+                    f"training {trainable} parameters (save_total_limit={config.save_total_limit})")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if config.feature_mode == "offline":
         examples: Any = OfflineFeatures(config.data.features_dir)

@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import specheads.inference.generate as generate_module
+import specheads.inference.accept as accept_module
 from specheads import SpeculativeLM, create_heads
 from specheads.inference.sampling import sample_token
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
@@ -227,7 +227,7 @@ def test_the_chi_square_test_rejects_wrong_acceptance_rules(
 ):
     """Swapping the engine's acceptance for a biased rule makes the same chi-square test fail clearly."""
     law = ExactLaw(six_token_target)
-    monkeypatch.setattr(generate_module, "accept_sampling", wrong_rule)
+    monkeypatch.setattr(accept_module, "accept_sampling", wrong_rule)  # accept_tree looks it up there
     samples = sample_first_three(oracle_lm(six_token_target, law), 800, seed=3)
     result = chi_square(samples, law.joint())
     assert result.statistic > 2 * result.critical, result

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
-from specheads.training.sharegpt import benchmark_prompts, iter_complete_entries, load_sharegpt, write_sharegpt_jsonl
+from specheads.training.sharegpt import (
+    benchmark_prompts,
+    iter_complete_entries,
+    load_sharegpt,
+    write_sharegpt_jsonl,
+)
 
 
 def _conversation(i: int, prompt: str) -> dict:

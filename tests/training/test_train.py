@@ -64,6 +64,7 @@ def test_short_run_learns(head_type, tmp_path, stories_file, target_and_tokenize
     assert "acc_depth1" in (final / "README.md").read_text()
     assert list(out.rglob("events.out.tfevents*"))  # TensorBoard logs
     trained = load_heads(final, target=target)
+    assert len(trained.config.target_embedding_sample) == 16  # trained checkpoints can refuse another target
     torch.manual_seed(0)
     fresh = create_heads(target, head_type, **load_run_config(config).head.options)
     acc_trained, acc_fresh = mean_accuracy(trained, target, tok, stories_file), mean_accuracy(fresh, target, tok, stories_file)
