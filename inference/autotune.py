@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.kv_cache import crop_cache
-from specheads.inference.tree import build_tree_buffers, chain_tree
+from specheads.inference.tree import build_tree_buffers
 from specheads.inference.verify import verify_tree
 
 EAGLE_CANDIDATES = [
@@ -38,7 +38,8 @@ def verification_cost_ms(lm: SpeculativeLM, input_ids: torch.Tensor, node_counts
     prefix = input_ids.shape[1]
     costs = {}
     for n in node_counts:
-        tree = build_tree_buffers(chain_tree(n - 1).parents.to(target.device), dtype=target.dtype)
+        chain = torch.arange(-1, n - 1, device=target.device)  # parents of an n-node chain (root alone for n = 1)
+        tree = build_tree_buffers(chain, dtype=target.dtype)
         tokens = input_ids[0, -1:].repeat(n).to(target.device)
         times = []
         for _ in range(repeats + 1):  # the first run is a warm-up
