@@ -40,9 +40,12 @@ def accept_sampling(
 
     At the current node with target distribution p (already temperature/top-k/top-p processed), the
     children are deterministic candidates t_1, t_2, ... (drafted tokens, in draft order). For each in turn:
-    accept t_i with probability p(t_i); otherwise set p(t_i) = 0 and renormalise (the residual). If every
-    child is rejected, the bonus token is sampled from the residual. The emitted token is therefore
-    distributed exactly as p: P(t_1) = p(t_1), P(t_2) = (1 - p(t_1)) * p(t_2) / (1 - p(t_1)) = p(t_2), ...
+    accept t_i with its probability under the residual, p(t_i) / (1 - p(t_1) - ... - p(t_{i-1})); otherwise
+    remove it (the residual max(p - q, 0) with q = one-hot(t_i)) and renormalise. If every child is
+    rejected, the bonus token is sampled from the residual. The emitted token is therefore distributed
+    exactly as p: P(t_1) = p(t_1), P(t_2) = (1 - p(t_1)) * p(t_2) / (1 - p(t_1)) = p(t_2), ...
+    One level costs one vector of uniforms: child i is accepted iff u_i < its residual probability and
+    no earlier child was.
 
     Args:
         tokens: (N,) drafted tokens.
@@ -52,29 +55,30 @@ def accept_sampling(
     Returns:
         (path, bonus).
     """
-    parents = tree.parents.tolist()  # sampling walks the tree: a few Python steps per depth
     children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents[1:], start=1):
+    for node, parent in enumerate(tree.parents.tolist()[1:], start=1):
         children.setdefault(parent, []).append(node)
-    token_list = tokens.tolist()
     node, path = 0, [0]
     while True:
-        p = probs[node]  # q: the draft is a point mass on each candidate; p: the target's distribution
-        accepted_child = None
-        for child in children.get(node, []):
-            token = token_list[child]
-            p_token = float(p[token])
-            if p_token > 0 and torch.rand(()).item() < p_token:
-                accepted_child = child
-                break
-            if p_token > 0:
-                p = p.clone()
-                p[token] = 0.0  # the residual max(p - q, 0) with q = one-hot(token)
-                p = p / p.sum()
-        if accepted_child is None:
+        p = probs[node]  # p: the target's distribution at this node
+        kids = children.get(node)
+        if not kids:
             return torch.tensor(path, device=tokens.device), sample_token(p)
-        node = accepted_child
-        path.append(node)
+        kid_tokens = tokens[kids]  # (m,) candidates in draft order
+        m = kid_tokens.shape[0]
+        # A repeated candidate has no mass left once its first occurrence was rejected.
+        first = (kid_tokens[:, None] == kid_tokens[None, :]).long().argmax(dim=1) == torch.arange(m, device=p.device)
+        q = p[kid_tokens] * first  # (m,) target mass of each distinct candidate
+        mass_left = (1.0 - (torch.cumsum(q, 0) - q)).clamp_min(1e-12)  # residual mass before candidate i
+        hits = torch.nonzero(torch.rand(m, device=p.device) < q / mass_left)
+        if hits.numel():
+            node = kids[int(hits[0])]
+            path.append(node)
+            continue
+        residual = p.clone()
+        residual[kid_tokens] = 0.0  # every candidate was rejected
+        total = residual.sum()
+        return torch.tensor(path, device=tokens.device), sample_token(residual / total if total > 0 else p)
 
 
 def accept_typical(
