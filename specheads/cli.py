@@ -1,4 +1,4 @@
-"""The `specheads` command line: demo, train, data, generate, bench."""
+"""The `specheads` command line: demo, train, data, generate, bench, export, import."""
 
 from __future__ import annotations
 
