@@ -1,0 +1,67 @@
+"""Fuzzing generate: random left-padded batches, EOS positions and lengths against a slow reference.
+
+The reference is each prompt decoded alone by `target.generate` (greedy), cut right after the first EOS.
+Both batch schemes (one batched verification per round, and rows one after another) must equal it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specheads import SpeculativeLM, create_heads
+
+from ..conftest import build_tiny_target
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = build_tiny_target("llama", seed=11)
+    eagle = SpeculativeLM(target, create_heads(target, "eagle", tree_depth=3, tree_top_k=3, tree_num_nodes=7))
+    medusa = SpeculativeLM(target, create_heads(target, "medusa", num_heads=3))
+    return target, {"eagle": eagle, "medusa": medusa}
+
+
+def reference(target, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    """Slow reference: greedy decoding of the prompt alone, stopped right after EOS."""
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    new = out[0, len(prompt):].tolist()
+    if eos is not None and eos in new:
+        new = new[: new.index(eos) + 1]
+    return new
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompts=st.lists(st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=8), min_size=1, max_size=3),
+    max_new_tokens=st.integers(1, 16),
+    eos_choice=st.one_of(st.none(), st.tuples(st.integers(0, 2), st.integers(0, 15))),
+    head_type=st.sampled_from(["eagle", "medusa"]),
+    batched=st.booleans(),
+)
+def test_generate_matches_the_reference(models, prompts, max_new_tokens, eos_choice, head_type, batched):
+    """Every row equals its own greedy decode alone, with EOS anywhere (or nowhere), for both schemes."""
+    target, lms = models
+    lm = lms[head_type]
+    eos = None
+    if eos_choice is not None:  # an EOS that really occurs inside some row's continuation
+        row, position = eos_choice
+        continuation = reference(target, prompts[row % len(prompts)], 16, None)
+        eos = continuation[position % len(continuation)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = lm.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                      eos_token_id=[] if eos is None else eos, pad_token_id=0, batched=batched and len(prompts) > 1)
+    for i, p in enumerate(prompts):
+        expected = reference(target, p, max_new_tokens, eos)
+        row = out[i, width:].tolist()
+        assert row[: len(expected)] == expected, f"row {i}"
+        assert all(t == 0 for t in row[len(expected):]), f"row {i} is not padded after it stopped"
