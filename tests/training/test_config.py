@@ -12,7 +12,10 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "train"
 
 
 def test_shipped_configs_load():
-    for name in ("eagle_stories260k.yaml", "medusa_stories260k.yaml"):
+    """Every run config shipped under configs/train/ passes the schema (keys and types)."""
+    names = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+    assert {"eagle_stories260k.yaml", "medusa_stories260k.yaml", "eagle_smollm2.yaml", "medusa_smollm2.yaml"} <= set(names)
+    for name in names:
         config = load_run_config(CONFIGS / name)
         assert isinstance(config, RunConfig)
         assert config.global_batch_size % config.micro_batch_size == 0

@@ -53,3 +53,20 @@ def test_write_jsonl_from_the_installed_package_if_present(tmp_path):
     for row in rows:
         roles = {turn["from"] for turn in row["conversations"]}
         assert {"human", "gpt"} <= roles
+
+
+def test_data_sharegpt_command(tmp_path, monkeypatch, capsys):
+    """`specheads data sharegpt --output F --limit N --exclude B` writes N conversations, benchmark ones left out."""
+    import specheads.training.sharegpt as sharegpt
+    from specheads.cli import main
+
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([_conversation(i, f"question {i}") for i in range(6)])[:-30])  # truncated
+    monkeypatch.setattr(sharegpt, "sharegpt_file", lambda: data)
+    bench = tmp_path / "bench.txt"
+    bench.write_text("question 1\n")
+    out = tmp_path / "out" / "sharegpt.jsonl"
+    assert main(["data", "sharegpt", "--output", str(out), "--limit", "3", "--exclude", str(bench)]) == 0
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert ids == ["c0", "c2", "c3"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"output": str(out), "written": 3}
