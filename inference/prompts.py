@@ -30,7 +30,7 @@ def read_prompts(path: str | Path, categories: list[str] | None = None, limit: i
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(path.read_text().split("\n"), start=1):  # not splitlines(): U+2028 in JSON strings
         if not line.strip():
             continue
         if path.suffix == ".jsonl":

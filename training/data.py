@@ -35,7 +35,7 @@ def read_records(source: str | Path) -> list[dict[str, Any]]:
         return [dict(row) for row in load_from_disk(str(path))]
     text = path.read_text()
     if path.suffix == ".jsonl" or (text.lstrip()[:1] == "{" and "\n{" in text.strip()):
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [json.loads(line) for line in text.split("\n") if line.strip()]  # not splitlines(): U+2028 may be inside a string
     data = json.loads(text)
     if isinstance(data, dict):
         data = data.get("data", data.get("train", [data]))

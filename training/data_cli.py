@@ -42,7 +42,7 @@ def done_ids(output: Path) -> set[str]:
     """Ids already written to a (possibly partial) output JSONL; a torn last line is ignored."""
     ids: set[str] = set()
     if output.is_file():
-        for line in output.read_text().splitlines():
+        for line in output.read_text().split("\n"):  # not splitlines(): U+2028 may be inside a string
             try:
                 ids.add(str(json.loads(line)["id"]))
             except (json.JSONDecodeError, KeyError):

@@ -46,7 +46,7 @@ def iter_complete_entries(text: str) -> Iterator[dict]:
 def benchmark_prompts(path: str | Path) -> set[str]:
     """Every turn of an MT-bench-style JSONL (or every line of a text file), whitespace-normalised."""
     texts = set()
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text().split("\n"):  # not splitlines(): U+2028 may be inside a JSON string
         if not line.strip():
             continue
         if str(path).endswith(".jsonl"):
@@ -90,6 +90,6 @@ def write_sharegpt_jsonl(out: str | Path, limit: int | None = None, exclude_file
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))  # ASCII-escaped: one record per line, always
     tmp.replace(out)  # atomic
     return len(rows)

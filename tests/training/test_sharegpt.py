@@ -70,3 +70,20 @@ def test_data_sharegpt_command(tmp_path, monkeypatch, capsys):
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert ids == ["c0", "c2", "c3"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"output": str(out), "written": 3}
+
+
+def test_line_separators_inside_text_survive_the_round_trip(tmp_path, monkeypatch):
+    """U+2028 inside a conversation (common in ShareGPT) must not split a JSONL record when read back."""
+    import specheads.training.sharegpt as sharegpt
+    from specheads.training.data import read_records
+
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([_conversation(0, "line one\u2028line two"), _conversation(1, "ok")]))
+    monkeypatch.setattr(sharegpt, "sharegpt_file", lambda: data)
+    out = tmp_path / "s.jsonl"
+    write_sharegpt_jsonl(out)
+    raw = out.read_text(encoding="utf-8")
+    out.write_text(raw.replace("\\u2028", "\u2028"), encoding="utf-8")  # as a non-escaping writer would leave it
+    records = read_records(out)
+    assert [r["id"] for r in records] == ["c0", "c1"]
+    assert records[0]["conversations"][0]["value"] == "line one\u2028line two"
