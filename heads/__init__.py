@@ -9,12 +9,14 @@ if __name__ != "specheads.heads":
 from specheads.heads.base import DraftHeads, TargetParts, check_heads_match_target
 from specheads.heads.config import FIELD_HELP, HeadsConfig
 from specheads.heads.eagle import EagleHeads
+from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.medusa import MedusaHeads
 
 # One explicit registration line per head type.
 HEAD_CLASSES: dict[str, type[DraftHeads]] = {
     "medusa": MedusaHeads,
     "eagle": EagleHeads,
+    "eagle3": Eagle3Heads,
 }
 HEAD_TYPES: tuple[str, ...] = tuple(HEAD_CLASSES)
 
@@ -22,6 +24,7 @@ from specheads.heads.loading import create_heads, load_heads  # noqa: E402  (nee
 
 __all__ = [
     "DraftHeads",
+    "Eagle3Heads",
     "EagleHeads",
     "FIELD_HELP",
     "HEAD_CLASSES",

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from specheads.heads.config import HeadsConfig
-from specheads.heads.interop import ForeignHeads, eagle3_unavailable, read_config, read_tensors, require_field
+from specheads.heads.interop import ForeignHeads, read_config, read_tensors, require_field
 
-HEAD_TYPE = "eagle"
+HEAD_TYPES = ("eagle",)
 WEIGHTS_FILE = "model.safetensors"
 WEIGHT_CANDIDATES = (WEIGHTS_FILE, "pytorch_model.bin")
 IGNORED_TENSORS = ("embed_tokens.weight",)  # the target's embedding copy: the heads borrow the target's own
@@ -132,13 +132,13 @@ def read(folder: Path, allow_pickle: bool) -> ForeignHeads:
     """The HeadsConfig fields and tensors of an EAGLE-1/2 folder.
 
     Raises:
-        ValueError: an EAGLE-3 folder, missing or invalid ``hidden_size`` / ``vocab_size``, or a pickle without
-            `allow_pickle`.
+        ValueError: an EAGLE-3 folder (pointed to its formats), missing or invalid ``hidden_size`` /
+            ``vocab_size``, or a pickle without `allow_pickle`.
     """
     config = read_config(folder)
     where = str(folder / "config.json")
     if "draft_vocab_size" in config or "LlamaForCausalLMEagle3" in (config.get("architectures") or []):
-        raise eagle3_unavailable(where)
+        raise ValueError(f"{where} describes an EAGLE-3 checkpoint: import it with format 'eagle3' or 'eagle3-sglang'")
     hidden_size = require_field(config, "hidden_size", int, where)
     vocab_size = require_field(config, "vocab_size", int, where)
     tensors, source = read_tensors(folder, WEIGHT_CANDIDATES, allow_pickle)

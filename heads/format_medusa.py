@@ -26,7 +26,7 @@ from typing import Any
 from specheads.heads.config import HeadsConfig
 from specheads.heads.interop import ForeignHeads, read_config, read_tensors, require_field
 
-HEAD_TYPE = "medusa"
+HEAD_TYPES = ("medusa",)
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 WEIGHT_CANDIDATES = (WEIGHTS_FILE, "medusa_lm_head.pt")  # safetensors first; the pickle only if allowed
 KEY_PREFIX = "medusa_head."  # written by some Medusa versions in front of every key

@@ -1,4 +1,4 @@
-"""The vLLM speculators format, algorithm ``eagle`` (``EagleSpeculator``) <-> specheads EAGLE heads.
+"""The vLLM speculators format, algorithms ``eagle`` and ``eagle3`` <-> specheads EAGLE and EAGLE-3 heads.
 
 Layout, as vllm-project/speculators' ``EagleSpeculatorConfig`` / ``EagleSpeculator`` define it (and vLLM serves it):
 
@@ -18,8 +18,25 @@ Layout, as vllm-project/speculators' ``EagleSpeculatorConfig`` / ``EagleSpeculat
 the same math as specheads' EAGLE head, so ``fc.*`` <-> ``fusion_fc.*`` and ``layer.*`` <-> ``transformer.*``.
 
 Assumptions: ``layernorms=True`` (the TTT variant with ``embedding_layernorm`` / ``pre_lm_head_layernorm``) has no
-specheads equivalent and is refused; ``speculators_model_type`` "eagle3" is refused until EAGLE-3 heads exist;
-``speculative_tokens`` of the default proposal method maps to ``tree_depth`` both ways.
+specheads equivalent and is refused; ``speculative_tokens`` of the default proposal method maps to ``tree_depth``
+both ways.
+
+Algorithm ``eagle3`` (``Eagle3DraftModel``, served by vLLM as ``Eagle3LlamaForCausalLM``):
+
+- ``config.json``: ``speculators_model_type`` "eagle3", ``architectures`` ["Eagle3Speculator"],
+  ``transformer_layer_config`` (the layer's family config, ``vocab_size`` = the verifier's), ``draft_vocab_size``,
+  ``norm_before_residual``, ``target_hidden_size`` (null = hidden_size), ``eagle_aux_hidden_state_layer_ids`` (the
+  verifier's tapped ``hidden_states`` indices: id j is the output of layer j-1, as specheads' ``feature_layers``),
+  and ``speculators_config`` with ``algorithm`` "eagle3" (as above otherwise).
+- ``model.safetensors``: ``fc.weight`` (h, 3h), ``layers.0.*`` (the first layer: ``input_layernorm`` for the
+  embedding, ``hidden_norm`` for the feature, q/k/v reading 2h inputs, ``o_proj``, ``post_attention_layernorm``,
+  ``mlp``), ``norm.weight``, ``lm_head.weight`` (draft_vocab_size, h), ``d2t`` (offsets: target id = draft id +
+  d2t[draft id]) and ``t2d``. ``embed_tokens.weight`` and ``verifier_*`` tensors are ignored on import.
+
+Refused on import, as specheads' heads compute otherwise: ``norm_before_residual`` true (the residual would be the
+normalised feature) or missing (speculators reads false, vLLM true), ``norm_before_fc`` true, a
+``target_hidden_size`` other than hidden_size, a non-zero ``fc.bias`` (older speculators releases; a zero one is
+dropped), and more than one decoder layer (``layers.1.*`` is an unknown tensor).
 """
 
 from __future__ import annotations
@@ -27,6 +44,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from specheads.heads import format_eagle3
 from specheads.heads.config import HeadsConfig
 from specheads.heads.eagle import build_layer_config, decoder_classes
 from specheads.heads.format_eagle import (
@@ -36,26 +56,74 @@ from specheads.heads.format_eagle import (
     layer_config_from_foreign,
     model_type_of,
 )
-from specheads.heads.interop import ForeignHeads, eagle3_unavailable, read_config, read_tensors, require_field
+from specheads.heads.interop import ForeignHeads, read_config, read_tensors, require_field
 
-HEAD_TYPE = "eagle"
+HEAD_TYPES = ("eagle", "eagle3")
 WEIGHTS_FILE = "model.safetensors"
 WEIGHT_CANDIDATES = (WEIGHTS_FILE, "pytorch_model.bin")
 IGNORED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # verifier parts, never part of the speculator
+EAGLE3_IGNORED_TENSORS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+EAGLE3_LAYER_PREFIX = "layers.0."
 SPECULATORS_VERSION = "0.1.0"  # the speculators config layout these files follow
 RENAMES = (("fc.", "fusion_fc."), ("layer.", "transformer."))  # specheads prefix -> speculators prefix
 
 
 def foreign_name(name: str, config: HeadsConfig) -> str:
-    """Speculators' name of a specheads tensor: ``fc.*`` -> ``fusion_fc.*``, ``layer.*`` -> ``transformer.*``."""
+    """Speculators' name of a specheads tensor: ``fc.*`` -> ``fusion_fc.*``, ``layer.*`` -> ``transformer.*``
+    (eagle); ``layer.*`` / ``hidden_norm.*`` -> ``layers.0.*`` (eagle3)."""
+    if config.head_type == "eagle3":
+        return format_eagle3.eagle3_tensor_name(name, EAGLE3_LAYER_PREFIX)
     for ours, theirs in RENAMES:
         if name.startswith(ours):
             return theirs + name.removeprefix(ours)
     return name
 
 
+def convert_for_export(tensors: dict[str, Any], config: HeadsConfig) -> None:
+    """eagle3: ``d2t`` as offsets (speculators adds them to draft ids); eagle: nothing to change."""
+    if config.head_type == "eagle3":
+        format_eagle3.convert_for_export(tensors, config)
+
+
+def _speculators_config(config: HeadsConfig, algorithm: str) -> dict[str, Any]:
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": config.tree_depth,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {
+            "name_or_path": config.target_name_or_path,
+            "architectures": list(config.target_architectures),
+        },
+    }
+
+
+def _eagle3_config(config: HeadsConfig) -> dict[str, Any]:
+    layer = {k: v for k, v in layer_config_for_export(config).items() if k not in format_eagle3.EAGLE3_KEYS}
+    layer["tie_word_embeddings"] = False  # the draft lm_head is its own (draft vocabulary), not the embedding
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "norm_before_residual": False,  # the residual is the un-normalised feature (explicit: vLLM defaults to true)
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
+        "speculators_config": _speculators_config(config, "eagle3"),
+    }
+
+
 def foreign_config(config: HeadsConfig) -> dict[str, Any]:
     """The speculators config.json for these heads."""
+    if config.head_type == "eagle3":
+        return _eagle3_config(config)
     check_exportable(config, "speculators")
     layer_class, _ = decoder_classes(build_layer_config(config))
     return {
@@ -67,22 +135,7 @@ def foreign_config(config: HeadsConfig) -> dict[str, Any]:
         "layernorms": False,
         "fusion_bias": True,  # specheads' fc always has a bias
         "draft_vocab_size": config.vocab_size,
-        "speculators_config": {
-            "algorithm": "eagle",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": config.tree_depth,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": config.target_name_or_path,
-                "architectures": list(config.target_architectures),
-            },
-        },
+        "speculators_config": _speculators_config(config, "eagle"),
     }
 
 
@@ -96,21 +149,23 @@ def _speculative_tokens(spec: dict[str, Any]) -> int | None:
 
 
 def read(folder: Path, allow_pickle: bool) -> ForeignHeads:
-    """The HeadsConfig fields and tensors of a speculators ``eagle`` folder.
+    """The HeadsConfig fields and tensors of a speculators ``eagle`` or ``eagle3`` folder.
 
     Raises:
-        ValueError: another speculators algorithm (``eagle3`` among them), ``layernorms=True``, a missing
-            ``transformer_layer_config`` or size field, a reduced ``draft_vocab_size``, or a pickle without
-            `allow_pickle`.
+        ValueError: another speculators algorithm, ``layernorms=True``, a missing ``transformer_layer_config`` or
+            size field, a reduced ``draft_vocab_size`` for ``eagle``, an eagle3 variant specheads does not compute
+            (see the module docstring), or a pickle without `allow_pickle`.
     """
     config = read_config(folder)
     where = str(folder / "config.json")
     spec = config.get("speculators_config") or {}
     model_type = config.get("speculators_model_type")
-    if "eagle3" in (model_type, spec.get("algorithm")):
-        raise eagle3_unavailable(where)
+    if model_type == "eagle3":
+        return _read_eagle3(folder, config, allow_pickle)
     if model_type != "eagle":
-        raise ValueError(f"{where}: speculators_model_type={model_type!r} is not supported; expected 'eagle'")
+        raise ValueError(
+            f"{where}: speculators_model_type={model_type!r} is not supported; expected 'eagle' or 'eagle3'"
+        )
     if config.get("layernorms"):
         raise ValueError(
             f"{where}: layernorms=true (extra embedding_layernorm / pre_lm_head_layernorm) has no specheads "
@@ -123,7 +178,7 @@ def read(folder: Path, allow_pickle: bool) -> ForeignHeads:
     if draft_vocab is not None and draft_vocab != vocab_size:
         raise ValueError(
             f"{where}: draft_vocab_size={draft_vocab} differs from transformer_layer_config.vocab_size={vocab_size}; "
-            "a reduced draft vocabulary needs eagle3 heads, which are not available yet"
+            "speculators 'eagle' drafts over the full vocabulary (a reduced one is speculators_model_type 'eagle3')"
         )
     tensors, source = read_tensors(folder, WEIGHT_CANDIDATES, allow_pickle)
     for name in IGNORED_TENSORS:
@@ -143,3 +198,54 @@ def read(folder: Path, allow_pickle: bool) -> ForeignHeads:
         fields["tree_depth"] = depth
     verifier = spec.get("verifier") or {}
     return ForeignHeads(fields, tensors, source, target_hint=str(verifier.get("name_or_path") or ""))
+
+
+def _read_eagle3(folder: Path, config: dict[str, Any], allow_pickle: bool) -> ForeignHeads:
+    """The HeadsConfig fields and tensors of a speculators ``eagle3`` folder."""
+    where = str(folder / "config.json")
+    if "norm_before_residual" not in config:
+        raise ValueError(
+            f"{where}: missing field 'norm_before_residual' (speculators reads a missing value as false, vLLM as "
+            "true); add the value the heads were trained with"
+        )
+    if config["norm_before_residual"]:
+        raise ValueError(
+            f"{where}: norm_before_residual=true (the residual is the normalised feature) has no specheads equivalent"
+        )
+    if config.get("norm_before_fc"):
+        raise ValueError(f"{where}: norm_before_fc=true (an RMSNorm before fc) has no specheads equivalent")
+    layer_raw = require_field(config, "transformer_layer_config", dict, where)
+    hidden_size = require_field(layer_raw, "hidden_size", int, f"{where} transformer_layer_config")
+    vocab_size = require_field(layer_raw, "vocab_size", int, f"{where} transformer_layer_config")
+    draft_vocab_size = require_field(config, "draft_vocab_size", int, where)
+    target_hidden = config.get("target_hidden_size")
+    if target_hidden is not None and target_hidden != hidden_size:
+        raise ValueError(
+            f"{where}: target_hidden_size={target_hidden} differs from hidden_size={hidden_size}; specheads EAGLE-3 "
+            "heads read target features of their own width"
+        )
+    tensors, source = read_tensors(folder, WEIGHT_CANDIDATES, allow_pickle)
+    for name in EAGLE3_IGNORED_TENSORS:
+        tensors.pop(name, None)
+    format_eagle3.drop_zero_fc_bias(tensors, "fc.bias", source)
+    if "d2t" in tensors and tensors["d2t"].dim() == 1:
+        d2t = tensors["d2t"].long()
+        tensors["d2t"] = d2t + torch.arange(d2t.shape[0])  # offsets -> target ids
+    layer_type = model_type_of(layer_raw, config.get("transformer_layer_architecture", "LlamaDecoderLayer"))
+    layer_raw = {k: v for k, v in layer_raw.items() if k not in format_eagle3.EAGLE3_KEYS}
+    fields: dict[str, Any] = {
+        "hidden_size": hidden_size,
+        "vocab_size": vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "draft_layer_config": layer_config_from_foreign(layer_raw, layer_type),
+    }
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        fields["feature_layers"] = format_eagle3.layer_ids(ids, where, "eagle_aux_hidden_state_layer_ids")
+    spec = config.get("speculators_config") or {}
+    depth = _speculative_tokens(spec)
+    if depth is not None:
+        fields["tree_depth"] = depth
+    verifier = spec.get("verifier") or {}
+    target = str(verifier.get("name_or_path") or "")
+    return ForeignHeads(fields, tensors, source, target_hint=target, head_type="eagle3")

@@ -6,18 +6,23 @@ Formats (one module each, registered in `FORMAT_MODULES`, one line per format):
                   see `specheads.heads.format_medusa`.
 - ``eagle``       SafeAILab/EAGLE 1/2: LlamaConfig-style config.json + ``model.safetensors`` (or pickled
                   ``pytorch_model.bin``) with ``fc.*`` and ``layers.0.*``, see `specheads.heads.format_eagle`.
-- ``speculators`` vllm-project/speculators, algorithm ``eagle`` (``EagleSpeculator``): served by vLLM,
-                  see `specheads.heads.format_speculators`.
-- ``eagle3`` / ``eagle3-sglang``: reserved names; they raise a ValueError until specheads has EAGLE-3 heads.
+- ``speculators`` vllm-project/speculators, algorithms ``eagle`` (``EagleSpeculator``) and ``eagle3``: served by
+                  vLLM, see `specheads.heads.format_speculators`.
+- ``eagle3``      SafeAILab/EAGLE-3: ``LlamaForCausalLMEagle3`` config.json + ``fc``, ``midlayer.*``, ``norm``,
+                  ``lm_head``, ``d2t`` (offsets), ``t2d``, see `specheads.heads.format_eagle3`.
+- ``eagle3-sglang`` the same tensors under ``layers.0.*`` (SGLang's layer naming), see
+                  `specheads.heads.format_eagle3_sglang`.
 
 A format module is a plain module with:
 
-- ``HEAD_TYPE``: the specheads head type it holds (``"medusa"`` or ``"eagle"``);
+- ``HEAD_TYPES``: the specheads head types it holds (``("medusa",)``, ``("eagle",)``, ...);
 - ``WEIGHTS_FILE``: the safetensors file name it exports;
 - ``foreign_name(name, config) -> str``: the format's name for a specheads tensor name (export renames with it;
   import checks every expected tensor through it, so a missing or unknown tensor is named as the file names it);
 - ``foreign_config(config) -> dict``: the format's config.json for a `HeadsConfig`;
-- ``read(folder, allow_pickle) -> ForeignHeads``: the HeadsConfig fields and tensors found in a folder.
+- ``read(folder, allow_pickle) -> ForeignHeads``: the HeadsConfig fields and tensors found in a folder;
+- optionally ``convert_for_export(tensors, config)``: change exported values in place (EAGLE-3 formats store
+  ``d2t`` as offsets, specheads as target ids; their ``read`` converts back).
 
 Everything that does not depend on the format lives here: detection, the pickle policy, resolving the target
 whose shape the imported heads must match, the tensor-by-tensor checks, and writing the results.
@@ -42,6 +47,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from specheads.heads import HEAD_CLASSES
 from specheads.heads.base import DraftHeads, check_heads_match_target
 from specheads.heads.config import HeadsConfig
+from specheads.heads.eagle3 import Eagle3Heads, default_eagle3_feature_layers
 from specheads.heads.loading import load_heads
 
 logger = logging.getLogger(__name__)
@@ -51,9 +57,10 @@ FORMAT_MODULES: dict[str, str] = {
     "medusa": "specheads.heads.format_medusa",
     "eagle": "specheads.heads.format_eagle",
     "speculators": "specheads.heads.format_speculators",
+    "eagle3": "specheads.heads.format_eagle3",
+    "eagle3-sglang": "specheads.heads.format_eagle3_sglang",
 }
-EAGLE3_FORMATS: tuple[str, ...] = ("eagle3", "eagle3-sglang")  # reserved: need the EAGLE-3 head type
-FORMATS: tuple[str, ...] = tuple(FORMAT_MODULES) + EAGLE3_FORMATS
+FORMATS: tuple[str, ...] = tuple(FORMAT_MODULES)
 NATIVE_FORMAT = "specheads"  # what `detect_format` calls a folder written by `save_pretrained`
 
 PICKLE_SUFFIXES = (".pt", ".bin", ".pth")
@@ -69,26 +76,18 @@ class ForeignHeads:
             copy of the target's embedding).
         source: the weights file they came from (for error messages).
         target_hint: the target the folder says it was trained for ("" if it does not say).
+        head_type: the specheads head type the folder holds ("": the format module's only one).
     """
 
     fields: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     source: Path
     target_hint: str = ""
-
-
-def eagle3_unavailable(what: str) -> ValueError:
-    """The error for any EAGLE-3 checkpoint until the EAGLE-3 head type exists."""
-    return ValueError(
-        f"{what}: eagle3 heads are not available yet (specheads has no EAGLE-3 head type); "
-        f"supported formats now: {tuple(FORMAT_MODULES)}"
-    )
+    head_type: str = ""
 
 
 def format_module(name: str) -> ModuleType:
-    """The module implementing format `name`; a ValueError for reserved or unknown names."""
-    if name in EAGLE3_FORMATS:
-        raise eagle3_unavailable(f"format {name!r}")
+    """The module implementing format `name`; a ValueError for unknown names."""
     if name not in FORMAT_MODULES:
         raise ValueError(f"unknown checkpoint format {name!r}; expected one of {FORMATS}")
     return importlib.import_module(FORMAT_MODULES[name])
@@ -168,8 +167,9 @@ def detect_format(folder: str | os.PathLike) -> str:
     """Name the checkpoint format of a folder: one of `FORMATS`, or "specheads" for our own checkpoints.
 
     Rules, first match wins: ``head_type`` in config.json -> specheads; ``speculators_model_type`` ->
-    speculators; ``medusa_num_heads`` or a ``medusa_lm_head.*`` file -> medusa; architecture
-    ``LlamaForCausalLMEagle3`` -> eagle3-sglang; ``draft_vocab_size`` or ``d2t``/``midlayer.*`` tensors -> eagle3;
+    speculators; ``medusa_num_heads`` or a ``medusa_lm_head.*`` file -> medusa; an EAGLE-3 folder (architecture
+    ``LlamaForCausalLMEagle3``, ``draft_vocab_size``, or ``d2t``/``t2d``/``midlayer.*`` tensors) -> eagle3-sglang
+    when its layer tensors are ``layers.0.*``, else eagle3 (also for pickled weights, as SafeAILab releases ship);
     ``fc.weight`` + ``layers.0.*`` tensors, or a one-layer LlamaConfig-style config with pickled weights -> eagle.
 
     Raises:
@@ -192,10 +192,12 @@ def detect_format(folder: str | os.PathLike) -> str:
         return "speculators"
     if "medusa_num_heads" in config or medusa_files:
         return "medusa"
-    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):
-        return "eagle3-sglang"
     names = tensor_names(folder / "model.safetensors") or set()
-    if "draft_vocab_size" in config or {"d2t", "t2d"} & names or any(n.startswith("midlayer.") for n in names):
+    eagle3_arch = "LlamaForCausalLMEagle3" in (config.get("architectures") or [])
+    if eagle3_arch or "draft_vocab_size" in config or {"d2t", "t2d"} & names:
+        midlayer = any(n.startswith("midlayer.") for n in names)
+        return "eagle3-sglang" if not midlayer and any(n.startswith("layers.0.") for n in names) else "eagle3"
+    if any(n.startswith("midlayer.") for n in names):
         return "eagle3"
     if "fc.weight" in names and any(n.startswith("layers.0.") for n in names):
         return "eagle"
@@ -213,7 +215,7 @@ def export_heads(heads_or_path: DraftHeads | str | os.PathLike, format: str, out
 
     Args:
         heads_or_path: loaded heads, or a specheads checkpoint folder / Hub id.
-        format: one of `FORMATS` ("medusa", "eagle", "speculators"; "eagle3*" are not available yet).
+        format: one of `FORMATS` ("medusa", "eagle", "speculators", "eagle3", "eagle3-sglang").
         out_dir: the folder to write (created if needed; files of the same names are overwritten).
 
     Returns:
@@ -225,15 +227,19 @@ def export_heads(heads_or_path: DraftHeads | str | os.PathLike, format: str, out
     module = format_module(format)
     heads = heads_or_path if isinstance(heads_or_path, DraftHeads) else load_heads(heads_or_path)
     config = heads.config
-    if config.head_type != module.HEAD_TYPE:
+    if config.head_type not in module.HEAD_TYPES:
         raise ValueError(
-            f"format {format!r} holds {module.HEAD_TYPE} heads but these heads are head_type={config.head_type!r}"
+            f"format {format!r} holds {' or '.join(module.HEAD_TYPES)} heads but these heads are "
+            f"head_type={config.head_type!r}"
         )
     foreign_config = module.foreign_config(config)  # raises for variants the format cannot express
     tensors = {
         module.foreign_name(name, config): tensor.detach().to("cpu").contiguous().clone()
         for name, tensor in heads.state_dict().items()
     }
+    convert = getattr(module, "convert_for_export", None)  # optional: value changes (EAGLE-3 d2t offsets)
+    if convert is not None:
+        convert(tensors, config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(foreign_config, indent=2, sort_keys=True) + "\n")
@@ -275,12 +281,15 @@ def import_heads(
     module = format_module(fmt)
     foreign = module.read(folder, allow_pickle)
     target_model, target_config, target_name = resolve_target(target, foreign.target_hint, folder)
-    fields = target_fields(target_config, target_name)
-    fields.update(head_type=module.HEAD_TYPE, **foreign.fields)
+    head_type = foreign.head_type or module.HEAD_TYPES[0]
+    fields = target_fields(target_config, target_name, head_type)
+    fields.update(head_type=head_type, **foreign.fields)
     config = HeadsConfig(**fields)
     check_heads_match_target(config, target_config)
     heads = HEAD_CLASSES[config.head_type](config)
     load_foreign_tensors(heads, foreign, module.foreign_name)
+    if isinstance(heads, Eagle3Heads):
+        heads.check_draft_vocab_buffers(str(foreign.source))
     heads.eval()
     if out_dir is None:
         if target_model is not None:
@@ -325,16 +334,18 @@ def resolve_target(
     return None, config, name
 
 
-def target_fields(target_config: PretrainedConfig, name: str) -> dict[str, Any]:
-    """The `HeadsConfig` fields that describe the target (as `create_heads` fills them)."""
+def target_fields(target_config: PretrainedConfig, name: str, head_type: str = "eagle") -> dict[str, Any]:
+    """The `HeadsConfig` fields that describe the target (as `create_heads` fills them for `head_type`)."""
     text_config = target_config.get_text_config()
+    layers = text_config.num_hidden_layers
     return dict(
         target_name_or_path=name,
         target_architectures=list(getattr(target_config, "architectures", None) or []),
         target_model_type=text_config.model_type,
         hidden_size=text_config.hidden_size,
         vocab_size=text_config.vocab_size,
-        feature_layers=[text_config.num_hidden_layers],  # the final, post-norm hidden state
+        # the final, post-norm hidden state; EAGLE-3: its three default taps (a folder may record others)
+        feature_layers=default_eagle3_feature_layers(layers) if head_type == "eagle3" else [layers],
     )
 
 
@@ -362,7 +373,7 @@ def load_foreign_tensors(heads: DraftHeads, foreign: ForeignHeads, foreign_name:
                 f"{where}: tensor {theirs!r} has shape {tuple(tensor.shape)}, expected {tuple(own[ours].shape)}"
             )
         state[ours] = tensor
-    dtype = next(iter(state.values())).dtype
-    if dtype.is_floating_point:
+    dtype = next((t.dtype for t in state.values() if t.dtype.is_floating_point), None)
+    if dtype is not None:
         heads.to(dtype)  # keep the checkpoint's precision (e.g. fp16 stays fp16 when saved)
     heads.load_state_dict(state, strict=True)

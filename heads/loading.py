@@ -14,6 +14,7 @@ from specheads.heads import HEAD_CLASSES, HEAD_TYPES
 from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.heads.config import FIELD_HELP, HeadsConfig
 from specheads.heads.eagle import draft_layer_config_from_target
+from specheads.heads.eagle3 import Eagle3Heads, default_eagle3_feature_layers
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -44,8 +45,10 @@ def create_heads(target: PreTrainedModel, head_type: str = "eagle", **options: A
         # refuses these heads later on a same-shaped target with other weights or another tokenizer
         target_embedding_sample=target_embedding_sample(target.get_input_embeddings().weight),
     )
-    if head_type == "eagle":
+    if head_type in ("eagle", "eagle3"):
         fields["draft_layer_config"] = draft_layer_config_from_target(text_config)
+    if head_type == "eagle3":  # three pre-norm layers, fused by the head
+        fields["feature_layers"] = default_eagle3_feature_layers(text_config.num_hidden_layers)
     unknown = set(options) - set(FIELD_HELP)
     if unknown:
         raise ValueError(f"create_heads: unknown options {sorted(unknown)}; expected HeadsConfig fields")
@@ -147,6 +150,8 @@ def load_heads(
         )
     if info.get("mismatched_keys"):
         raise ValueError(f"{weights_file}: tensors with the wrong shape: {info['mismatched_keys']}")
+    if isinstance(heads, Eagle3Heads):
+        heads.check_draft_vocab_buffers(str(weights_file))
     heads.eval()
     if target is not None:
         heads.to(device=target.device, dtype=target.dtype)

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from specheads.heads.eagle import EagleHeads
+from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.kv_cache import crop_cache
 from specheads.inference.tree import StaticTree, TreeBuffers, build_tree_buffers
@@ -69,16 +70,31 @@ class EagleDrafter:
     cumulative log-probability) are fed in one head forward under a tree mask, each proposing `top_k`
     children. Finally the best `num_nodes` nodes of the whole pool are kept (a node's score never exceeds
     its parent's, so the kept set is a tree).
+
+    EAGLE-3 heads (`Eagle3Heads`) go through the same loop: their first forward fuses the target's 3-layer
+    features, deeper levels read their own outputs, and they score a reduced draft vocabulary whose ids are
+    mapped to target ids (`d2t`) before they enter the tree or the next head forward.
     """
 
     def __init__(
-        self, heads: EagleHeads, depth: int, top_k: int, num_nodes: int, dtype: torch.dtype, stop_prob: float = 0.0
+        self,
+        heads: EagleHeads | Eagle3Heads,
+        depth: int,
+        top_k: int,
+        num_nodes: int,
+        dtype: torch.dtype,
+        stop_prob: float = 0.0,
     ) -> None:
         for name, value in (("tree_depth", depth), ("tree_top_k", top_k), ("tree_num_nodes", num_nodes)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
         if not 0 <= stop_prob < 1:
             raise ValueError(f"tree_stop_prob={stop_prob} must be in [0, 1)")
+        self.maps_draft_vocab = isinstance(heads, Eagle3Heads)  # draft ids -> target ids through heads.d2t
+        vocab = heads.config.draft_vocab_size if self.maps_draft_vocab else heads.config.vocab_size
+        if top_k > vocab:
+            what = "draft vocabulary" if self.maps_draft_vocab else "vocabulary"
+            raise ValueError(f"tree_top_k={top_k} exceeds the heads' {what} of {vocab}")
         self.heads = heads
         self.depth, self.top_k, self.num_nodes = depth, top_k, num_nodes
         self.stop_prob = stop_prob
@@ -96,6 +112,15 @@ class EagleDrafter:
         """A drafter with the same heads and tree shape and its own (empty) draft cache."""
         return EagleDrafter(self.heads, self.depth, self.top_k, self.num_nodes, self.dtype, self.stop_prob)
 
+    def top_children(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `top_k` likeliest next tokens after predicted features (..., h).
+
+        Returns (log-probs, target ids), each (..., k); EAGLE-3 draft ids are mapped to target ids through d2t.
+        """
+        log_probs = torch.log_softmax(self.heads.logits(predicted).float(), dim=-1)  # (..., V) or (..., V_draft)
+        scores, ids = torch.topk(log_probs, self.top_k, dim=-1)
+        return scores, self.heads.d2t[ids] if self.maps_draft_vocab else ids
+
     @torch.no_grad()
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
         heads, k, device = self.heads, self.top_k, features.device
@@ -111,8 +136,7 @@ class EagleDrafter:
         last = predicted[-1]  # f^ at the root's position: its logits rank the depth-1 tokens
 
         # 2. Depth 1: the top-k children of the root.
-        log_probs = torch.log_softmax(heads.logits(last).float(), dim=-1)  # (V,)
-        scores, tokens = torch.topk(log_probs, k)  # (k,)
+        scores, tokens = self.top_children(last)  # (k,)
         pool_tokens, pool_scores = [tokens], [scores]
         pool_parents = [torch.full((k,), -1, device=device)]  # pool index of each node's parent; -1 = root
         frontier = torch.arange(k, device=device)  # pool indices of the nodes fed next
@@ -140,8 +164,7 @@ class EagleDrafter:
             mask[0, 0, :, self.committed :].masked_fill_(~rows, self.neg)
             positions = torch.full((1, k), self.committed + level - 2, device=device)
             out = heads(frontier_features[None], frontier_tokens[None], positions, mask, self.cache)[0]
-            log_probs = torch.log_softmax(heads.logits(out).float(), dim=-1)  # (k, V)
-            child_scores, child_tokens = torch.topk(log_probs, k, dim=-1)  # (k, k)
+            child_scores, child_tokens = self.top_children(out)  # (k, k)
             child_scores = child_scores + frontier_scores[:, None]
             pool_tokens.append(child_tokens.flatten())
             pool_scores.append(child_scores.flatten())

@@ -2,11 +2,14 @@
 
 Features are what the heads read: `heads.select_features(hidden_states)`, by default the target's final,
 post-norm hidden state, so `lm_head(features)` are exactly the target's logits. Offline dumps therefore store
-features only and the target logits are recomputed with the lm_head at training time.
+features only and the target logits are recomputed with the lm_head at training time. EAGLE-3 heads read
+three earlier (pre-norm) layers: a dump for them (`--head-type eagle3`) stores those `tapped_layers` in front
+of the final state, features.{i} = [tapped layers | final state] (T_i, (len(tapped_layers) + 1) * h).
 
 Offline layout (`specheads data dump-features`):
 
     DIR/index.json             {"format": "specheads-features", "version": 1, "target", "feature_layer",
+                                "tapped_layers",
                                 "hidden_size", "dtype", "num_examples", "examples_per_shard", "data_sha256",
                                 "shards": [{"file", "sha256", "start", "stop"}]}
     DIR/progress.json          the same, listing the shards finished so far, while a dump runs (resume point)
@@ -71,10 +74,11 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def estimate_dump_bytes(dataset: Dataset, hidden_size: int, dtype: torch.dtype) -> int:
-    """Disk a feature dump of `dataset` needs: features + token ids + masks (safetensors headers excluded)."""
+def estimate_dump_bytes(dataset: Dataset, hidden_size: int, dtype: torch.dtype, num_layers: int = 1) -> int:
+    """Disk a feature dump of `dataset` needs: features (`num_layers` states per token) + token ids + masks
+    (safetensors headers excluded)."""
     tokens = sum(dataset["length"])
-    return tokens * (hidden_size * torch.finfo(dtype).bits // 8 + 8 + 1)
+    return tokens * (num_layers * hidden_size * torch.finfo(dtype).bits // 8 + 8 + 1)
 
 
 def dataset_sha256(dataset: Dataset) -> str:
@@ -118,8 +122,12 @@ def dump_features(
     dtype: torch.dtype = torch.float32,
     pad_token_id: int = 0,
     show_progress: bool = True,
+    tapped_layers: list[int] | None = None,
 ) -> dict[str, Any]:
     """Write the target's features of every example as safetensors shards plus an index with sha256 sums.
+
+    `feature_layer` is the hidden state whose lm_head gives the target's logits (the final, post-norm one);
+    `tapped_layers` (EAGLE-3) are hidden-state indices stored in front of it, in that order.
 
     Prints the disk it will need first and fails at once when the disk has less free. Every file is written
     to a temporary name and renamed into place; after each shard a progress file lists the finished shards
@@ -134,7 +142,9 @@ def dump_features(
     """
     out = check_writable_dir(out_dir, "feature dump folder")
     hidden = target.config.get_text_config().hidden_size
-    need = estimate_dump_bytes(dataset, hidden, dtype)
+    tapped_layers = list(tapped_layers or [])
+    stored_layers = [*tapped_layers, feature_layer]  # concatenated along the feature dimension
+    need = estimate_dump_bytes(dataset, hidden, dtype, len(stored_layers))
     free = shutil.disk_usage(out).free
     print(f"[specheads] feature dump of {len(dataset)} examples needs about {need / 2**20:.1f} MiB "
           f"({free / 2**30:.1f} GiB free in {out})")
@@ -144,6 +154,7 @@ def dump_features(
         "version": 1,
         "target": str(target.config.name_or_path),
         "feature_layer": feature_layer,
+        "tapped_layers": tapped_layers,
         "hidden_size": hidden,
         "dtype": str(dtype).replace("torch.", ""),
         "num_examples": len(dataset),
@@ -169,7 +180,8 @@ def dump_features(
             rows = [dataset[i] for i in range(b, min(b + batch_size, stop))]
             batch = collate(rows, pad_token_id)
             feats, _ = online_features(
-                target, batch["input_ids"], batch["attention_mask"], lambda states: states[feature_layer]
+                target, batch["input_ids"], batch["attention_mask"],
+                lambda states: torch.cat([states[k] for k in stored_layers], dim=-1),
             )
             for j, row in enumerate(rows):
                 n, i = len(row["input_ids"]), b + j
@@ -225,10 +237,26 @@ class OfflineFeatures:
     def __getitem__(self, i: int) -> dict[str, Any]:
         f = self._handle(self._shard_of(i))
         return {
-            "features": f.get_tensor(f"features.{i}"),  # (T_i, h)
+            "features": f.get_tensor(f"features.{i}"),  # (T_i, (len(tapped_layers) + 1) * h)
             "input_ids": f.get_tensor(f"input_ids.{i}").tolist(),
             "loss_mask": f.get_tensor(f"loss_mask.{i}").long().tolist(),
         }
+
+    @property
+    def tapped_layers(self) -> list[int]:
+        """Hidden-state indices stored in front of the final state (EAGLE-3 dumps; [] otherwise)."""
+        return list(self.index.get("tapped_layers") or [])
+
+    def token_columns(self) -> tuple[list[list[int]], list[list[int]]]:
+        """input_ids and loss_mask of every example, without reading the features."""
+        ids: list[list[int]] = []
+        masks: list[list[int]] = []
+        for shard in self.index["shards"]:
+            f = self._handle(shard)
+            for i in range(shard["start"], shard["stop"]):
+                ids.append(f.get_tensor(f"input_ids.{i}").tolist())
+                masks.append(f.get_tensor(f"loss_mask.{i}").long().tolist())
+        return ids, masks
 
     def lengths(self) -> list[int]:
         """Token count of every example (reads only tensor headers)."""

@@ -7,6 +7,8 @@ lm_head(f_t) predicting x_{t+1}):
         position t+k+1 (labels="target") or the data's token x_{t+k+2} (labels="tokens").
     EAGLE at position t reads (f_t, x_{t+1}) and predicts f_{t+1}: smooth-L1 against the real f_{t+1}, plus
         cross-entropy of lm_head(prediction) against the target's distribution at t+1 (or x_{t+2}).
+    EAGLE-3 (training-time test, training/ttt.py) at step i and index t predicts x_{t+2+i} from its own step
+        i-1 output; its label is the target's distribution at t+1+i restricted to the draft vocabulary.
 
 A position counts when the token it predicts is trained (`loss_mask`, 1 on assistant tokens).
 Accuracy at depth d compares the draft's argmax with the target's own argmax (what greedy decoding accepts).
@@ -15,11 +17,13 @@ Accuracy at depth d compares the draft's argmax with the target's own argmax (wh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from specheads.training.config import LossSection
+from specheads.training.ttt import shift_left, unroll_ttt
 
 
 @dataclass
@@ -186,6 +190,75 @@ def eagle_loss(
     metrics["acc"] = metrics["acc_depth1"]
     metrics["sim_tau"] = chain_acceptance(chains, valid)
     return LossOutput(loss, metrics)
+
+
+def eagle3_loss(
+    heads: Any,
+    features: torch.Tensor,
+    target_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossSection,
+    noise: torch.Tensor | None = None,
+) -> LossOutput:
+    """EAGLE-3 training-time test: `ttt_steps` unrolled steps, soft cross-entropy over the draft vocabulary.
+
+    Step i at index t predicts x_{t+2+i} (see training/ttt.py for the inputs, positions and mask). Its label
+    is the target's distribution at t+1+i restricted to the draft vocabulary (softmax of the target logits
+    gathered at `d2t`), or with labels="tokens" the data token (positions whose token is outside the draft
+    vocabulary are then left out). Step i is weighted ttt_decay**i and counts where x_{t+2+i} is trained.
+
+    Args:
+        heads: Eagle3Heads (or a view of them: callable like its forward, with `logits` and `d2t`).
+        features: (B, T, 3h) the target's tapped features (`heads.select_features`).
+        target_logits: (B, T, V) the target's logits (position t predicts x_{t+1}).
+        input_ids: (B, T) tokens.
+        attention_mask: (B, T) 1 on real tokens.
+        loss_mask: (B, T) 1 where predicting that token is trained.
+        config: ttt_steps, ttt_decay, labels.
+        noise: (B, T-1, 3h) added to the step-0 features, or None.
+
+    Returns:
+        The weighted loss; metrics loss_depth{d} and acc_depth{d} (draft argmax mapped through d2t equals the
+        target's argmax) for d = 1 .. ttt_steps, acc, sim_tau, and draft_vocab_coverage (share of this batch's
+        trained labels x_{t+2} inside the draft vocabulary).
+    """
+    n = input_ids.shape[1] - 1
+    d2t = heads.d2t  # (Vd,) target id of each draft id, sorted
+    in_draft = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=d2t.device)
+    in_draft[d2t] = True  # (V,)
+    draft_target_logits = target_logits[..., d2t].float()  # (B, T, Vd)
+    target_top1 = target_logits.argmax(-1)  # (B, T) over the full vocabulary: what greedy decoding accepts
+    outputs = unroll_ttt(heads, features, input_ids, attention_mask, config.ttt_steps, noise)
+    total = features.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    correct: list[torch.Tensor] = []
+    for step, hidden in enumerate(outputs):
+        log_probs = F.log_softmax(heads.logits(hidden).float(), dim=-1)  # (B, n, Vd)
+        valid = shift_left(loss_mask, 2 + step, n, fill=0).bool()  # (B, n): x_{t+2+step} is trained
+        if config.labels == "target":
+            label_probs = F.softmax(shift_left(draft_target_logits, 1 + step, n, fill=0.0), dim=-1)  # (B, n, Vd)
+            ce = -(label_probs * log_probs).sum(-1)
+            counted = valid
+        else:
+            tokens = shift_left(input_ids, 2 + step, n, fill=0)  # (B, n): x_{t+2+step}
+            draft_ids = torch.searchsorted(d2t, tokens).clamp(max=d2t.shape[0] - 1)
+            ce = -log_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
+            counted = valid & in_draft[tokens]
+        step_loss = masked_mean(ce, counted)
+        total = total + config.ttt_decay**step * step_loss
+        top1 = shift_left(target_top1, 1 + step, n, fill=-1)  # (B, n): -1 past the end never matches
+        hit = d2t[log_probs.argmax(-1)] == top1  # (B, n)
+        metrics[f"loss_depth{step + 1}"] = float(step_loss.detach())
+        metrics[f"acc_depth{step + 1}"] = float(masked_mean(hit.float(), valid))
+        correct.append(hit)  # the chain at index t is the draft path rooted at t: no shift
+    first_valid = shift_left(loss_mask, 2, n, fill=0).bool()  # (B, n)
+    metrics["loss"] = float(total.detach())
+    metrics["acc"] = metrics["acc_depth1"]
+    metrics["sim_tau"] = chain_acceptance(correct, first_valid)
+    metrics["draft_vocab_coverage"] = float(masked_mean(in_draft[shift_left(input_ids, 2, n, fill=0)].float(), first_valid))
+    return LossOutput(total, metrics)
 
 
 def uniform_noise(shape: tuple[int, ...], scale: float, seeds: list[int]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 import specheads
 from specheads import HEAD_TYPES, create_heads, load_heads
 from specheads.heads import DraftHeads
+from specheads.heads.eagle3 import default_eagle3_feature_layers
 from specheads.inference.generate import SpeculativeLM
 
 OPTIONS = {"medusa": {"num_heads": 3}, "eagle": {}}
@@ -91,7 +92,9 @@ def test_folder_contents(saved):
     assert config["target_architectures"] == ["LlamaForCausalLM"]
     assert config["hidden_size"] == target.config.hidden_size
     assert config["vocab_size"] == target.config.vocab_size
-    assert config["feature_layers"] == [target.config.num_hidden_layers]
+    layers = target.config.num_hidden_layers
+    expected_layers = default_eagle3_feature_layers(layers) if heads.config.head_type == "eagle3" else [layers]
+    assert config["feature_layers"] == expected_layers
 
     card = (folder / "README.md").read_text()
     assert "tiny-org/tiny-llama" in card
@@ -99,11 +102,13 @@ def test_folder_contents(saved):
 
 
 def test_safetensors_hold_head_weights_only(saved):
-    """model.safetensors holds exactly the heads' state_dict; EAGLE stores no embedding or lm_head."""
+    """model.safetensors holds exactly the heads' state_dict; EAGLE stores no embedding or lm_head (EAGLE-3's
+    lm_head is its own projection onto the draft vocabulary, not the target's)."""
     target, heads, folder = saved
     tensors = load_file(folder / "model.safetensors")
     assert set(tensors) == set(heads.state_dict())
-    assert not [k for k in tensors if "embed" in k or "lm_head" in k]
+    own_lm_head = heads.config.head_type == "eagle3"
+    assert not [k for k in tensors if "embed" in k or ("lm_head" in k and not own_lm_head)]
     if heads.config.head_type == "eagle":
         v, h = target.config.vocab_size, target.config.hidden_size
         assert not [k for k, t in tensors.items() if tuple(t.shape) in {(v, h), (h, v)}]
@@ -381,11 +386,12 @@ def test_eagle_heads_for_another_family_are_refused(make_tiny_target):
 
 def test_feature_layers_beyond_the_target_are_refused(saved):
     """Heads reading a hidden state the target does not have are refused, naming feature_layers."""
-    target, _, folder = saved
+    target, heads, folder = saved
     with pytest.raises(ValueError, match="feature_layers"):
         create_heads(target, "medusa", feature_layers=[7])
-    _edit_config(folder, feature_layers=[7])
-    assert load_heads(folder).config.feature_layers == [7]  # valid on its own...
+    beyond = [7, 7, 7] if heads.config.head_type == "eagle3" else [7]  # EAGLE-3 reads exactly 3 layers
+    _edit_config(folder, feature_layers=beyond)
+    assert load_heads(folder).config.feature_layers == beyond  # valid on its own...
     with pytest.raises(ValueError, match="feature_layers"):
         load_heads(folder, target=target)  # ...but not for a 2-layer target
 

@@ -12,6 +12,7 @@ import torch
 
 from specheads import HEAD_TYPES, create_heads
 from specheads.heads import DraftHeads, EagleHeads, MedusaHeads
+from specheads.heads.eagle3 import default_eagle3_feature_layers
 
 DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "mistral": "MistralDecoderLayer"}
 
@@ -37,7 +38,8 @@ def test_create_heads_every_type(any_target, head_type):
     assert heads.config.head_type == head_type
     assert heads.config.hidden_size == config.hidden_size
     assert heads.config.vocab_size == config.vocab_size
-    assert heads.config.feature_layers == [config.num_hidden_layers]
+    layers = config.num_hidden_layers
+    assert heads.config.feature_layers == (default_eagle3_feature_layers(layers) if head_type == "eagle3" else [layers])
     assert heads.config.target_model_type == config.model_type
     assert heads.config.target_architectures == [type(any_target).__name__]
     assert next(heads.parameters()).dtype == any_target.dtype

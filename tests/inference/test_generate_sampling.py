@@ -157,14 +157,25 @@ def test_oracle_drafts_sample_the_exact_joint_law(six_token_target, chi_square, 
     assert lm.accepted_drafts > 0.5 * NUM_SAMPLES
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_untrained_eagle_heads_sample_the_exact_joint_law(six_token_target, chi_square, setting):
-    """Untrained EAGLE heads (top-3 siblings cover half the vocabulary, so they often hit): same law."""
+def untrained_eagle_heads(target, head_type: str):
+    """Untrained EAGLE heads; EAGLE-3 ones draft from a reduced vocabulary without token 2 (d2t not the identity)."""
+    torch.manual_seed(0)
+    tree = dict(tree_depth=3, tree_top_k=3, tree_num_nodes=8)
+    if head_type == "eagle":
+        return create_heads(target, "eagle", **tree)
+    heads = create_heads(target, "eagle3", draft_vocab_size=5, **tree)
+    heads.set_draft_vocab(torch.tensor([0, 1, 3, 4, 5]), init_lm_head_from_target=True)
+    return heads
+
+
+@pytest.mark.parametrize(
+    ("setting", "head_type"), [*((setting, "eagle") for setting in SETTINGS), ("T=0.7,top_p=0.9", "eagle3")]
+)
+def test_untrained_eagle_heads_sample_the_exact_joint_law(six_token_target, chi_square, setting, head_type):
+    """Untrained EAGLE / EAGLE-3 heads (top-3 siblings cover half the vocabulary, so they often hit): same law."""
     sampling = SETTINGS[setting]
     law = ExactLaw(six_token_target, **sampling)
-    torch.manual_seed(0)
-    heads = create_heads(six_token_target, "eagle", tree_depth=3, tree_top_k=3, tree_num_nodes=8)
-    lm = SpeculativeLM(six_token_target, heads)
+    lm = SpeculativeLM(six_token_target, untrained_eagle_heads(six_token_target, head_type))
     samples = sample_first_three(lm, 1200, seed=1, **sampling)  # EAGLE drafting is slower: fewer runs
     result = chi_square(samples, law.joint())
     assert result.passed, result

@@ -112,8 +112,9 @@ def test_kill_then_resume_equals_uninterrupted(tmp_path, stories_file):
         assert torch.equal(ref[name], got[name]), name
 
 
-def test_stop_after_steps_then_resume_is_exact(tmp_path, stories_file):
-    config = str(CONFIGS / "medusa_stories260k.yaml")
+@pytest.mark.parametrize("recipe", ["medusa_stories260k", "eagle3_stories260k"])  # eagle3: the draft vocab comes back too
+def test_stop_after_steps_then_resume_is_exact(tmp_path, stories_file, recipe):
+    config = str(CONFIGS / f"{recipe}.yaml")
     steps = {"max_steps": 12, "save_steps": 4}
     assert main(["train", config, *overrides(stories_file, tmp_path / "ref", **steps)]) == 0
     out = tmp_path / "stopped"

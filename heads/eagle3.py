@@ -1,0 +1,210 @@
+"""EAGLE-3 head: fc(3 fused target layers) -> one decoder layer reading [embed(x_{t+1}); feature] -> norm -> draft lm_head."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from specheads.heads.base import DraftHeads
+from specheads.heads.config import HeadsConfig
+from specheads.heads.eagle import build_layer_config, decoder_classes
+
+
+def default_eagle3_feature_layers(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's tapped layers: indices [2, L//2, L-3] into the target's `hidden_states` tuple.
+
+    `hidden_states[i]` is the output of decoder layer i-1 (pre-norm for i < L). On shallow targets the
+    indices are clamped into [0, L-1], so every tap stays a pre-norm state (a 2-layer target reads [1, 1, 0]).
+    """
+    last = max(num_hidden_layers - 1, 0)
+    return [min(max(i, 0), last) for i in (2, num_hidden_layers // 2, num_hidden_layers - 3)]
+
+
+def widen_attention_inputs(attention: nn.Module, in_features: int) -> None:
+    """Replace q/k/v projections of an HF attention module by fresh ones reading `in_features` inputs.
+
+    Output sizes and biases stay those of the family (e.g. Qwen2 keeps its q/k/v biases); the module's own
+    forward is untouched, it just receives a wider input.
+    """
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old = getattr(attention, name)
+        setattr(attention, name, nn.Linear(in_features, old.out_features, bias=old.bias is not None))
+
+
+class Eagle3Heads(DraftHeads):
+    """EAGLE-3: fc(concat of 3 target layers: 3h -> h), one target-family decoder layer whose attention reads
+    concat(embed_norm(embed(x_{t+1})), hidden_norm(feature)) (2h wide), final norm, lm_head over a reduced draft vocab.
+
+    Position t reads (g_t, x_{t+1}): the fused target feature at t (or the head's own previous output) and the
+    token that followed, and returns the pre-norm hidden state a_{t+1}; `logits(a_{t+1})` scores x_{t+2} over the
+    draft vocabulary, and `draft_to_target_ids` maps those ids back to target ids. a_{t+1} is also the next
+    step's input feature.
+
+    Buffers (saved in the checkpoint): `d2t` (draft_vocab_size,) long, the target id of each draft id (sorted,
+    unique); `t2d` (vocab_size,) bool, which target ids are in the draft vocabulary.
+    """
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__(config)
+        h = config.hidden_size
+        layer_config = build_layer_config(config)
+        layer_class, rotary_class = decoder_classes(layer_config)
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        # The layer's input_layernorm normalises the token embedding; hidden_norm the feature (residual stream).
+        self.layer = layer_class(layer_config, layer_idx=0)
+        widen_attention_inputs(self.layer.self_attn, 2 * h)
+        self.hidden_norm = copy.deepcopy(self.layer.input_layernorm)
+        self.norm = copy.deepcopy(self.layer.input_layernorm)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.rotary_emb = rotary_class(config=layer_config)
+        draft_vocab = torch.arange(config.draft_vocab_size)
+        self.register_buffer("d2t", draft_vocab, persistent=True)
+        self.register_buffer(
+            "t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True
+        )
+        self.post_init()
+
+    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Concatenate the 3 tapped (pre-norm) target layers. Each (B, T, h) -> (B, T, 3h)."""
+        return torch.cat([hidden_states[i] for i in self.config.feature_layers], dim=-1)
+
+    def init_from_target(self, target: PreTrainedModel) -> None:
+        """Start the draft lm_head from the target's lm_head rows of the draft vocabulary, and the final norm
+        from the target's final norm (when it has one of the same shape)."""
+        weight = target.get_output_embeddings().weight  # (V, h)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight[self.d2t.to(weight.device)])
+            target_norm = getattr(getattr(target, "model", None), "norm", None)
+            norm_weight = getattr(target_norm, "weight", None)
+            if norm_weight is not None and norm_weight.shape == self.norm.weight.shape:
+                self.norm.weight.copy_(norm_weight)
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past_key_values: Any | None = None,
+    ) -> torch.Tensor:
+        """One decoder step of the head.
+
+        Args:
+            features: (B, T, 3h) target features from `select_features` (fused here by `fc`), or (B, T, h) the
+                head's own previous outputs.
+            input_ids: (B, T) the tokens x_{t+1} that followed each feature.
+            position_ids: (B, T) positions t.
+            attention_mask: (B or 1, 1, T, S) additive float mask over the S = cached + T keys.
+            past_key_values: the head's own `DynamicCache` (drafting), or None (training).
+
+        Returns:
+            (B, T, h) the pre-norm hidden state: `logits` reads it, and it is the next step's input feature.
+        """
+        h = self.config.hidden_size
+        if features.shape[-1] == 3 * h:
+            features = self.fc(features)  # (B, T, h)
+        elif features.shape[-1] != h:
+            raise ValueError(
+                f"Eagle3Heads.forward: features of width {features.shape[-1]}; expected 3*hidden_size={3 * h} "
+                f"(target features) or hidden_size={h} (the head's own outputs)"
+            )
+        layer = self.layer
+        embeds = self.target_parts.embed_tokens(input_ids).to(features.dtype)  # (B, T, h)
+        residual = features
+        attn_input = torch.cat(
+            [layer.input_layernorm(embeds), self.hidden_norm(features)], dim=-1
+        )  # (B, T, 2h)
+        position_embeddings = self.rotary_emb(features, position_ids)
+        attn_out, _ = layer.self_attn(
+            hidden_states=attn_input,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
+            position_embeddings=position_embeddings,
+        )
+        hidden = residual + attn_out
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # (B, T, h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the head's output. (..., h) -> (..., draft_vocab_size)"""
+        return self.lm_head(self.norm(hidden))
+
+    @torch.no_grad()
+    def set_draft_vocab(
+        self, draft_to_target: torch.LongTensor, *, init_lm_head_from_target: bool = False
+    ) -> None:
+        """Set the draft vocabulary: `draft_to_target[d]` is the target id of draft id d.
+
+        Args:
+            draft_to_target: (draft_vocab_size,) integer target ids, sorted ascending, unique, in [0, vocab_size).
+            init_lm_head_from_target: also copy the attached target's lm_head rows of these ids into the draft
+                lm_head (for fresh heads; trained heads keep their weights by default).
+
+        Raises:
+            ValueError: wrong length, dtype, order, duplicates or ids out of range.
+        """
+        self.d2t.copy_(
+            check_draft_vocab(draft_to_target, self.config.draft_vocab_size, self.config.vocab_size)
+        )
+        self.t2d.zero_()
+        self.t2d[self.d2t] = True
+        if init_lm_head_from_target:
+            weight = self.target_parts.lm_head.weight  # (V, h)
+            self.lm_head.weight.copy_(weight[self.d2t.to(weight.device)])
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids (any shape)."""
+        return self.d2t[draft_ids]
+
+    def check_draft_vocab_buffers(self, source: str) -> None:
+        """Raise a ValueError naming `source` when the loaded d2t is not a valid draft vocabulary or t2d disagrees."""
+        try:
+            d2t = check_draft_vocab(self.d2t, self.config.draft_vocab_size, self.config.vocab_size)
+        except ValueError as err:
+            raise ValueError(f"{source}: tensor d2t is invalid: {err}") from err
+        expected = torch.zeros(self.config.vocab_size, dtype=torch.bool)
+        expected[d2t] = True
+        if self.t2d.dtype != torch.bool or not torch.equal(self.t2d.cpu(), expected):
+            raise ValueError(
+                f"{source}: tensor t2d ({self.t2d.dtype}) must be a bool mask of exactly the d2t target ids"
+            )
+
+
+def check_draft_vocab(draft_to_target: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
+    """Return `draft_to_target` as a (draft_vocab_size,) long tensor after checking it; raise a ValueError if bad.
+
+    A valid draft vocabulary lists `draft_vocab_size` target ids, sorted ascending (hence unique), each in
+    [0, vocab_size).
+    """
+    integer = isinstance(draft_to_target, torch.Tensor) and not (
+        draft_to_target.dtype.is_floating_point
+        or draft_to_target.dtype.is_complex
+        or draft_to_target.dtype == torch.bool
+    )
+    if not integer:
+        raise ValueError(
+            f"draft vocabulary must be an integer tensor of target ids, got {str(draft_to_target)[:80]}"
+        )
+    ids = draft_to_target.detach().long().cpu()
+    if ids.shape != (draft_vocab_size,):
+        raise ValueError(
+            f"draft vocabulary has shape {tuple(ids.shape)}; expected ({draft_vocab_size},) (draft_vocab_size)"
+        )
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(
+            f"draft vocabulary holds target ids in [{ids.min().item()}, {ids.max().item()}]; "
+            f"expected ids in [0, {vocab_size}) (vocab_size)"
+        )
+    steps = ids[1:] - ids[:-1]
+    if (steps <= 0).any():
+        at = int((steps <= 0).nonzero()[0])
+        raise ValueError(
+            f"draft vocabulary must be sorted ascending with unique ids; ids[{at}]={ids[at].item()} is followed by "
+            f"ids[{at + 1}]={ids[at + 1].item()}"
+        )
+    return ids

@@ -1,0 +1,101 @@
+"""Training-time test (EAGLE-3): unroll the head on its own outputs, exactly as drafting will run it.
+
+Sequence x_0 .. x_{T-1}, target features f_t (read after x_t), n = T-1 chains, one per index t = 0 .. n-1:
+
+    step 0 at index t reads (f_t, x_{t+1}) at position t            -> a^0_t, predicts x_{t+2}
+    step i at index t reads (a^{i-1}_t, x_{t+1+i}) at position t+i  -> a^i_t, predicts x_{t+2+i}
+
+The chain at index t is a draft path rooted at t: in inference (`EagleDrafter`) the depth-(i+1) node of a
+root at t sits at position t+i and sees the committed prefix (the step-0 entries 0..t) plus its own
+ancestors. So step i's query t attends to the step-0 keys at indices <= t (causal, padding masked) and to
+the keys of steps 1..i at index t only (its own chain), never to anything later. All steps share one
+`DynamicCache`: the keys of step j are appended to it, gradients flow through them.
+
+    mask of step i (B, 1, n, (i+1)*n), one n x n block per step, 0 = attend:
+        [ causal(step 0) | diag(step 1) | ... | diag(step i) ]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+
+
+def ttt_attention_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask of TTT step `step` over the keys of steps 0..step.
+
+    Args:
+        key_padding: (B, n) 1 on real step-0 entries, 0 on padding.
+        step: the step i >= 0 being computed.
+        dtype: float dtype of the mask (masked entries are its most negative value).
+
+    Returns:
+        (B, 1, n, (step+1)*n) float mask: block 0 causal with padded keys masked (the diagonal always open, so
+        no row is empty), blocks 1..step the identity.
+    """
+    if step < 0:
+        raise ValueError(f"ttt_attention_mask: step={step}; expected a step >= 0")
+    batch, n = key_padding.shape
+    device = key_padding.device
+    eye = torch.eye(n, dtype=torch.bool, device=device)  # (n, n)
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None] & key_padding.bool()[:, None, :]
+    allowed = torch.cat([causal | eye[None], eye[None].expand(batch, n, n).repeat(1, 1, step)], dim=2)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)  # (B, n, (step+1)*n)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def shift_left(values: torch.Tensor, shift: int, length: int, fill: float | int) -> torch.Tensor:
+    """values[:, shift : shift+length] along dim 1, right-filled with `fill` past the end. (B, T, ...) -> (B, length, ...)"""
+    part = values[:, shift : shift + length]
+    missing = length - part.shape[1]
+    if missing <= 0:
+        return part
+    pad = torch.full(
+        (values.shape[0], missing, *values.shape[2:]), fill, dtype=values.dtype, device=values.device
+    )
+    return torch.cat([part, pad], dim=1)
+
+
+def unroll_ttt(
+    heads: Callable[..., torch.Tensor],
+    features: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    steps: int,
+    noise: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Run `steps` TTT steps of an EAGLE-3 head over a batch; keep the graph for back-propagation.
+
+    Args:
+        heads: callable as `Eagle3Heads.forward(features, input_ids, position_ids, attention_mask, cache)`.
+        features: (B, T, 3h) the target's tapped features f_0 .. f_{T-1}.
+        input_ids: (B, T) tokens x_0 .. x_{T-1} (right-padded).
+        attention_mask: (B, T) 1 on real tokens.
+        steps: number of steps (>= 1).
+        noise: (B, T-1, 3h) added to the step-0 features, or None.
+
+    Returns:
+        `steps` tensors (B, n, h), n = T-1: step i's output a^i_t at index t (its logits predict x_{t+2+i}).
+        Chains running past the sequence read filler tokens; their outputs are meaningless and must be masked
+        by the caller (only their own chain sees them).
+    """
+    if steps < 1:
+        raise ValueError(f"unroll_ttt: steps={steps}; expected at least 1")
+    batch, seq_len = input_ids.shape
+    n = seq_len - 1
+    hidden = features[:, :-1]  # (B, n, 3h): f_t
+    if noise is not None:
+        hidden = hidden + noise.to(hidden.dtype)
+    key_padding = attention_mask[:, 1:]  # (B, n): entry t is real when x_{t+1} is
+    base_positions = torch.arange(n, device=input_ids.device).expand(batch, n)  # (B, n)
+    cache = DynamicCache()
+    outputs = []
+    for step in range(steps):
+        tokens = shift_left(input_ids, 1 + step, n, fill=0)  # (B, n): x_{t+1+step}
+        mask = ttt_attention_mask(key_padding, step, features.dtype)  # (B, 1, n, (step+1)*n)
+        hidden = heads(hidden, tokens, base_positions + step, mask, cache)  # (B, n, h)
+        outputs.append(hidden)
+    return outputs
