@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from specheads.heads.adapter import check_target_adapter
 from specheads.heads.config import HeadsConfig
 
 
@@ -84,7 +85,7 @@ def check_heads_match_target(
             f"heads read feature_layers={config.feature_layers} but the target has only {num_states} hidden states "
             f"(num_hidden_layers={target_config.num_hidden_layers})"
         )
-    if config.head_type == "eagle" and config.target_model_type != target_config.model_type:
+    if config.head_type in ("eagle", "eagle3") and config.target_model_type != target_config.model_type:
         raise ValueError(
             f"EAGLE heads hold a {config.target_model_type!r} decoder layer but the target is "
             f"model_type={target_config.model_type!r}"
@@ -128,6 +129,7 @@ class DraftHeads(PreTrainedModel):
     def attach_target(self, target: PreTrainedModel) -> None:
         """Borrow the target's embedding and output projection (after checking that shapes match)."""
         embedding = target.get_input_embeddings()
+        check_target_adapter(self.config, target)  # first: Medusa-2 heads on an un-adapted target say to load it
         check_heads_match_target(self.config, target.config, getattr(embedding, "weight", None))
         self._target_parts = TargetParts(embedding, target.get_output_embeddings())
 

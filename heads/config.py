@@ -14,7 +14,7 @@ FORMAT_VERSION = 1
 
 # One line of help per field; also used by `specheads` docs and error messages.
 FIELD_HELP: dict[str, str] = {
-    "head_type": "Which draft architecture: one of specheads.HEAD_TYPES (medusa, eagle).",
+    "head_type": "Which draft architecture: one of specheads.HEAD_TYPES (medusa, eagle, eagle3).",
     "format_version": "Checkpoint layout version; bumped when tensor names or semantics change.",
     "specheads_version": "The specheads version that wrote the checkpoint.",
     "target_name_or_path": "Path or Hub id of the target model the heads were built for.",
@@ -28,6 +28,8 @@ FIELD_HELP: dict[str, str] = {
     "num_layers": "Medusa: residual SiLU blocks per head.",
     "draft_layer_config": "EAGLE: the target family's config (as a dict) for the one decoder layer the head owns.",
     "eagle_input_norm": "EAGLE: keep the decoder layer's input RMSNorm (original EAGLE-1/2 drops it on its one layer).",
+    "draft_vocab_size": "EAGLE-3: size of the reduced draft vocabulary its lm_head predicts (<= vocab_size; "
+    "default min(vocab_size, 32000)); the d2t buffer maps draft ids to target ids.",
     "tree_depth": "Default draft tree depth (EAGLE dynamic trees).",
     "tree_top_k": "Default children expanded per node (EAGLE dynamic trees).",
     "tree_num_nodes": "Default number of draft nodes kept after global reranking (EAGLE dynamic trees).",
@@ -36,6 +38,10 @@ FIELD_HELP: dict[str, str] = {
     "initializer_range": "Std of the normal init of fresh weights.",
     "target_embedding_sample": "16 values of the target's input embedding at fixed positions; refuses heads on a "
     "same-shaped but different target (empty = unknown, no check).",
+    "target_adapter": "Medusa-2: subfolder holding the peft LoRA adapter these heads need merged into the target "
+    "(SpeculativeLM.from_pretrained applies it); empty = the plain target.",
+    "target_adapter_sample": "Medusa-2: {weight, rows, cols, base, adapted}: values of the adapted weight the adapter "
+    "changed most, before and after merging; refuses an un-adapted target (empty = no check).",
 }
 
 
@@ -76,6 +82,7 @@ class HeadsConfig(PretrainedConfig):
         num_layers: int = 1,
         draft_layer_config: dict[str, Any] | None = None,
         eagle_input_norm: bool = False,
+        draft_vocab_size: int | None = None,
         tree_depth: int = 6,
         tree_top_k: int = 8,
         tree_num_nodes: int = 32,
@@ -83,6 +90,8 @@ class HeadsConfig(PretrainedConfig):
         static_tree: str = "medusa_default",
         initializer_range: float = 0.02,
         target_embedding_sample: list[float] | None = None,
+        target_adapter: str = "",
+        target_adapter_sample: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if specheads_version is None:
@@ -107,6 +116,9 @@ class HeadsConfig(PretrainedConfig):
         self.num_layers = num_layers
         self.draft_layer_config = dict(draft_layer_config or {})
         self.eagle_input_norm = eagle_input_norm
+        if draft_vocab_size is None:  # a bad vocab_size is reported by validate_values, before this field
+            draft_vocab_size = min(vocab_size, 32000) if isinstance(vocab_size, int) else vocab_size
+        self.draft_vocab_size = draft_vocab_size
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_num_nodes = tree_num_nodes
@@ -116,6 +128,8 @@ class HeadsConfig(PretrainedConfig):
         self.target_embedding_sample = (
             list(target_embedding_sample) if isinstance(target_embedding_sample, (list, tuple)) else target_embedding_sample or []
         )
+        self.target_adapter = target_adapter
+        self.target_adapter_sample = target_adapter_sample or {}
         super().__init__(**kwargs)
         self.validate_values()
 
@@ -130,7 +144,8 @@ class HeadsConfig(PretrainedConfig):
                 f"HeadsConfig.format_version={self.format_version!r}: this specheads reads versions <= {FORMAT_VERSION}; "
                 "upgrade specheads to load this checkpoint"
             )
-        positive = ("hidden_size", "vocab_size", "num_heads", "num_layers", "tree_depth", "tree_top_k", "tree_num_nodes")
+        positive = ("hidden_size", "vocab_size", "draft_vocab_size", "num_heads", "num_layers",
+                    "tree_depth", "tree_top_k", "tree_num_nodes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -145,5 +160,24 @@ class HeadsConfig(PretrainedConfig):
                 f"HeadsConfig.target_embedding_sample={sample!r} is invalid; expected a list of floats "
                 f"({FIELD_HELP['target_embedding_sample']})"
             )
-        if self.head_type == "eagle" and not self.draft_layer_config:
+        if not isinstance(self.target_adapter, str):
+            raise ValueError(f"HeadsConfig.target_adapter={self.target_adapter!r}; expected a subfolder name or ''")
+        adapter_sample, lists = self.target_adapter_sample, ("rows", "cols", "base", "adapted")
+        if not isinstance(adapter_sample, dict) or adapter_sample and (
+            set(adapter_sample) != {"weight", *lists} or len({len(adapter_sample[k]) for k in lists}) != 1
+        ):
+            raise ValueError(
+                f"HeadsConfig.target_adapter_sample={adapter_sample!r} is invalid; expected {{}} or a dict with keys "
+                f"weight, {', '.join(lists)} (lists of one length) ({FIELD_HELP['target_adapter_sample']})"
+            )
+        if self.head_type in ("eagle", "eagle3") and not self.draft_layer_config:
             raise ValueError("HeadsConfig.draft_layer_config is empty; EAGLE heads need the target family's layer config")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"HeadsConfig.draft_vocab_size={self.draft_vocab_size} is larger than vocab_size={self.vocab_size}; "
+                f"expected at most vocab_size ({FIELD_HELP['draft_vocab_size']})"
+            )
+        if self.head_type == "eagle3" and len(self.feature_layers) != 3:
+            raise ValueError(
+                f"HeadsConfig.feature_layers={self.feature_layers!r}; EAGLE-3 heads read exactly 3 target layers"
+            )

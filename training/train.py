@@ -27,8 +27,15 @@ from tqdm.auto import tqdm
 from specheads import create_heads, load_target
 from specheads.training.config import RunConfig, config_to_dict, load_run_config
 from specheads.training.data import BatchOrder, build_dataset, collate, micro_batches_for_process
+from specheads.training.draft_vocab import (
+    build_draft_vocab,
+    count_trained_tokens,
+    special_token_ids,
+    vocab_coverage,
+)
 from specheads.training.features import OfflineFeatures, collate_offline, online_features
-from specheads.training.losses import LossOutput, eagle_loss, medusa_loss, uniform_noise
+from specheads.training.joint_lora import JointMedusa, joint_loss, keep_trainable_weights_only
+from specheads.training.losses import LossOutput, eagle3_loss, eagle_loss, medusa_loss, uniform_noise
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 
 CHECKPOINTS = "checkpoints"
@@ -151,10 +158,13 @@ def compute_loss(
         model: the prepared (possibly DDP-wrapped) heads, used for the forward that gets gradients.
         heads: the same heads unwrapped (config, lm_head access, gradient-free unrolls).
     """
-    if "features" in batch:  # offline: lm_head(features) are the target's logits (post-norm features)
-        features = batch["features"]
+    if config.joint.enabled:  # Medusa-2: `model` is the adapted target + heads; features get gradients
+        return joint_loss(model, batch, config)
+    if "features" in batch:  # offline: [tapped layers (EAGLE-3) | final post-norm state]; lm_head(final) = target logits
+        final = batch["features"][..., -heads.config.hidden_size:]
+        features = batch["features"][..., : -heads.config.hidden_size] if heads.config.head_type == "eagle3" else final
         with torch.no_grad():
-            target_logits = target.get_output_embeddings()(features)
+            target_logits = target.get_output_embeddings()(final)
     else:
         features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
     if heads.config.head_type == "medusa":
@@ -163,7 +173,11 @@ def compute_loss(
     if config.loss.input_noise > 0:
         batch_size, seq_len, hidden = features.shape
         noise = uniform_noise((batch_size, seq_len - 1, hidden), config.loss.input_noise, noise_seeds).to(features.device)
-
+    if heads.config.head_type == "eagle3":
+        return eagle3_loss(
+            _HeadsView(model, heads), features, target_logits, batch["input_ids"], batch["attention_mask"],
+            batch["loss_mask"], config.loss, noise,
+        )
     return eagle_loss(
         _HeadsView(model, heads), features, target_logits, batch["input_ids"], batch["attention_mask"],
         batch["loss_mask"], config.loss, noise,
@@ -182,6 +196,20 @@ class _HeadsView:
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         return self.heads.logits(predicted)
 
+    @property
+    def d2t(self) -> torch.Tensor:
+        """EAGLE-3: the target id of each draft id."""
+        return self.heads.d2t
+
+
+def trained_token_counts(examples: Any, vocab_size: int) -> torch.Tensor:
+    """(V,) counts of the trained tokens of the training examples (a tokenized dataset or an offline dump)."""
+    if isinstance(examples, OfflineFeatures):
+        ids, masks = examples.token_columns()
+    else:
+        ids, masks = examples["input_ids"], examples["loss_mask"]
+    return count_trained_tokens(ids, masks, vocab_size)
+
 
 # --- the run --------------------------------------------------------------------------------------------
 def train(config: RunConfig) -> dict[str, Any]:
@@ -199,7 +227,10 @@ def train(config: RunConfig) -> dict[str, Any]:
     target, tokenizer = load_target(config.target, device=accelerator.device)
     heads = create_heads(target, config.head.type, **config.head.options)
     heads.train()
-    trainable = sum(p.numel() for p in heads.parameters() if p.requires_grad)
+    # Medusa-2 (joint.enabled): the heads plus a LoRA adapter on the target, trained as one module
+    joint = JointMedusa(target, heads, config.joint) if config.joint.enabled else None
+    trained: torch.nn.Module = heads if joint is None else joint
+    trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     check_free_disk(config.output_dir, training_disk_bytes(trainable, config.save_total_limit),
                     f"training {trainable} parameters (save_total_limit={config.save_total_limit})")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -209,13 +240,30 @@ def train(config: RunConfig) -> dict[str, Any]:
     else:
         examples = build_dataset(config.data.source, tokenizer, config.data.format, config.data.max_length)
         lengths, make_batch = list(examples["length"]), collate
+    token_counts = None
+    if config.head.type == "eagle3":
+        if config.feature_mode == "offline" and examples.tapped_layers != heads.config.feature_layers:
+            raise ValueError(
+                f"the feature dump {config.data.features_dir} holds tapped_layers={examples.tapped_layers} but these "
+                f"eagle3 heads read feature_layers={heads.config.feature_layers}: dump again with `specheads data "
+                f"dump-features --head-type eagle3 --feature-layers {','.join(map(str, heads.config.feature_layers))}` "
+                "or train with feature_mode=online"
+            )
+        token_counts = trained_token_counts(examples, heads.config.vocab_size)
+        if latest_checkpoint(config.output_dir) is None:  # a resumed run gets its vocabulary back with the checkpoint
+            vocab = build_draft_vocab(token_counts, heads.config.draft_vocab_size, special_token_ids(tokenizer, target))
+            heads.set_draft_vocab(vocab.draft_to_target, init_lm_head_from_target=True)
     order = BatchOrder(lengths, config.global_batch_size, config.seed, config.data.bucket_by_length)
+    params = heads.parameters() if joint is None else joint.param_groups(config.optim.learning_rate,
+                                                                         config.joint.head_lr_multiplier)
     optimizer = torch.optim.AdamW(
-        heads.parameters(), lr=config.optim.learning_rate, betas=tuple(config.optim.betas),
+        params, lr=config.optim.learning_rate, betas=tuple(config.optim.betas),
         weight_decay=config.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    model, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
+    model, optimizer, scheduler = accelerator.prepare(trained, optimizer, scheduler)
+    if joint is not None:
+        keep_trainable_weights_only(accelerator)  # checkpoints: heads + adapter, not the frozen target
     start_step = 0
     resume = latest_checkpoint(config.output_dir)
     if resume is not None:
@@ -229,6 +277,12 @@ def train(config: RunConfig) -> dict[str, Any]:
     if config.trackers:
         init_kwargs = {"wandb": {"mode": os.environ.get("WANDB_MODE", "offline")}} if "wandb" in config.trackers else {}
         accelerator.init_trackers(config.project_name, config=flat_hparams(config), init_kwargs=init_kwargs)
+    coverage = None if token_counts is None else vocab_coverage(token_counts, heads.d2t.cpu())
+    if coverage is not None:
+        accelerator.print(f"[specheads] draft vocabulary: {heads.config.draft_vocab_size} of {heads.config.vocab_size} "
+                          f"tokens, covering {coverage:.2%} of the trained tokens")
+        if config.trackers:
+            accelerator.log({"train/draft_vocab_coverage": coverage}, step=start_step)
 
     # train
     bar = tqdm(total=config.max_steps, initial=start_step, desc=f"train {config.head.type}",
@@ -264,8 +318,16 @@ def train(config: RunConfig) -> dict[str, Any]:
         bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tau=f"{last['sim_tau']:.2f}")
         if config.trackers and (done % config.log_steps == 0 or done == config.max_steps):
             accelerator.log({f"train/{k}": v for k, v in last.items()}, step=done)
-        if done % config.save_steps == 0 or done == config.max_steps:
+        out_of_time = False
+        if config.time_limit_minutes is not None:  # decided together: every process must stop at the same step
+            late = float(time.time() - started > 60 * config.time_limit_minutes)
+            out_of_time = float(accelerator.reduce(torch.tensor([late], device=accelerator.device), "sum")) > 0
+        if done % config.save_steps == 0 or done == config.max_steps or out_of_time:
             save_checkpoint(accelerator, config.output_dir, done, config.save_total_limit)
+        if out_of_time and done < config.max_steps:
+            accelerator.print(f"[specheads] time_limit_minutes={config.time_limit_minutes} reached at step {done}: "
+                              "saving final heads now (run the same command again to continue to max_steps)")
+            break
         if config.stop_after_steps is not None and done >= config.stop_after_steps and done < config.max_steps:
             bar.close()
             accelerator.end_training()
@@ -273,8 +335,10 @@ def train(config: RunConfig) -> dict[str, Any]:
     bar.close()
 
     # save
-    metrics = {**last, "steps": config.max_steps, "world_size": world, "training_seconds": round(time.time() - started, 2),
+    metrics = {**last, "steps": done if config.max_steps > start_step else config.max_steps, "world_size": world, "training_seconds": round(time.time() - started, 2),
                "tokens_seen_this_session": tokens_seen}
+    if coverage is not None:  # over the whole training data (the logged per-step value is the batch's)
+        metrics["draft_vocab_coverage"] = coverage
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final = accelerator.unwrap_model(model)
