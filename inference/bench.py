@@ -20,6 +20,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from specheads.inference.autotune import autotune_tree
+from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.prompts import Prompt, read_prompts, tokenize_prompts
 
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup", type=int, default=10, help="peer: transformers prompt-lookup tokens (0: skip)")
     p.add_argument("--assistant", default=None, help="peer: a draft model for transformers assisted generation")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available; bf16 there, fp32 on CPU)")
+    p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
+                   help="static KV cache + CUDA-graph verification (auto: on for CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/results.json", help="JSON results; .md table and PNG plots go beside it")
     return p
@@ -69,8 +73,15 @@ def _configure_tree(lm: SpeculativeLM, tree: str | None, calibration: list[torch
     return None
 
 
-def run_prompt(lm: SpeculativeLM, prompt: Prompt, mode: str, args: argparse.Namespace, assistant: Any) -> dict[str, Any]:
-    """Baseline, speculative and peer runs of one prompt, alternating in this process."""
+def run_prompt(
+    lm: SpeculativeLM, prompt: Prompt, mode: str, args: argparse.Namespace, assistant: Any,
+    static_decoder: StaticGreedyDecoder | None = None,
+) -> dict[str, Any]:
+    """Baseline, speculative and peer runs of one prompt, alternating in this process.
+
+    With `static_decoder` (CUDA, greedy) our own static-cache CUDA-graph plain decoding is timed too: the
+    honest baseline beside `target.generate`.
+    """
     target, ids = lm.target, prompt.input_ids.to(lm.target.device)
     sample = mode == "sample"
     gen_kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, do_sample=sample,
@@ -79,7 +90,9 @@ def run_prompt(lm: SpeculativeLM, prompt: Prompt, mode: str, args: argparse.Name
         options = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         gen_kwargs.update({k: v for k, v in options.items() if v is not None})  # unset: the generation config
     baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs))
-    spec, spec_s = _timed(lambda: lm.generate(ids, **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
+    fast_path = {"auto": None, "on": True, "off": False}[getattr(args, "fast_path", "auto")]
+    spec, spec_s = _timed(lambda: lm.generate(ids, fast_path=fast_path,
+                                              **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
     stats = lm.last_stats
     base_new, spec_new = baseline.shape[1] - ids.shape[1], spec.shape[1] - ids.shape[1]
     row = {
@@ -90,6 +103,13 @@ def run_prompt(lm: SpeculativeLM, prompt: Prompt, mode: str, args: argparse.Name
         "tokens_per_second": spec_new / spec_s, "baseline_tokens_per_second": base_new / base_s,
     }
     row["speedup"] = row["tokens_per_second"] / row["baseline_tokens_per_second"]
+    if static_decoder is not None and not sample:
+        static, static_s = _timed(lambda: static_decoder.generate(ids, args.max_new_tokens))
+        row["static_baseline_tokens"] = static.shape[1] - ids.shape[1]
+        row["static_baseline_seconds"] = static_s
+        row["static_baseline_tokens_per_second"] = row["static_baseline_tokens"] / static_s
+        row["speedup_vs_static"] = row["tokens_per_second"] / row["static_baseline_tokens_per_second"]
+        row["static_identical"] = torch.equal(static.cpu(), baseline.cpu())  # bf16 kernels may differ: recorded
     if not sample:
         identical = torch.equal(spec.cpu(), baseline.cpu())
         row["greedy_identical"] = identical
@@ -126,6 +146,11 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "accepted_per_depth": per_depth,
     }
     result["speedup"] = result["tokens_per_second"] / result["baseline_tokens_per_second"]
+    if rows and all("static_baseline_tokens" in r for r in rows):
+        static_tokens = sum(r["static_baseline_tokens"] for r in rows)
+        result["static_baseline_tokens_per_second"] = static_tokens / sum(r["static_baseline_seconds"] for r in rows)
+        result["speedup_vs_static"] = result["tokens_per_second"] / result["static_baseline_tokens_per_second"]
+        result["static_identical"] = all(r["static_identical"] for r in rows)
     for peer in ("prompt_lookup", "assisted"):
         key = f"{peer}_tokens_per_second"
         if all(key in r for r in rows) and rows:
@@ -151,7 +176,8 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads)
+    device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device)
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit), lm.tokenizer,
                                chat=False if args.no_chat else None)
     if not prompts:
@@ -167,15 +193,20 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     bad = set(modes) - {"greedy", "sample"}
     if bad:
         raise ValueError(f"--modes {sorted(bad)} unknown; expected greedy and/or sample")
-    run_prompt(lm, prompts[0], "greedy", args, None)  # warm-up, not recorded
+    static_decoder = None
+    if lm.target.device.type == "cuda":  # our own compiled plain decoding, sized for the longest prompt
+        longest = max(p.input_ids.shape[-1] for p in prompts)
+        static_decoder = StaticGreedyDecoder(lm.target, -(-(longest + args.max_new_tokens) // 64) * 64)
+    # Warm-up, not recorded: the longest prompt, so the fast path sizes its static cache and captures once.
+    run_prompt(lm, max(prompts, key=lambda p: p.input_ids.shape[-1]), "greedy", args, None, static_decoder)
     rows = []
     for mode in modes:
         for prompt in tqdm(prompts, desc=f"bench {mode}", unit="prompt"):
-            rows.append(run_prompt(lm, prompt, mode, args, assistant))
+            rows.append(run_prompt(lm, prompt, mode, args, assistant, static_decoder))
     results: dict[str, Any] = {
         "target": args.target, "heads": str(args.heads), "head_type": lm.heads.config.head_type,
         "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens,
-        "tree": lm.tree_description(), "environment": environment(lm),
+        "tree": lm.tree_description(), "environment": environment(lm), "fast_path": getattr(args, "fast_path", "auto"),
         "command": "specheads bench " + " ".join(getattr(args, "argv", [])),
     }
     if tree_report:

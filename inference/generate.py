@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,11 +16,13 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from specheads.heads.base import DraftHeads
 from specheads.heads.eagle import EagleHeads
+from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.loading import load_heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.accept import accept_tree
 from specheads.inference.batched import generate_batched
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
+from specheads.inference.fast_path import fast_path_runner
 from specheads.inference.kv_cache import compact_cache
 from specheads.inference.sampling import SamplingParams, sample_token, target_probs
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
@@ -78,7 +81,7 @@ class SpeculativeLM:
             if tree is None and static.max_depth > config.num_heads:
                 static = truncate_static_tree(static, config.num_heads)  # the default tree, cut to the heads we have
             self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
-        elif isinstance(heads, EagleHeads):
+        elif isinstance(heads, (EagleHeads, Eagle3Heads)):
             if tree is not None:
                 raise ValueError("EAGLE heads draft dynamic trees: use tree_depth / tree_top_k / tree_num_nodes, not tree")
             self.drafter = EagleDrafter(
@@ -110,8 +113,16 @@ class SpeculativeLM:
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> SpeculativeLM:
-        """Load a target (path, Hub id or alias) and heads (folder or Hub id), then build the model."""
+        """Load a target (path, Hub id or alias) and heads (folder or Hub id), then build the model.
+
+        Heads trained jointly with a LoRA adapter on the target (Medusa-2) get it merged into the target first.
+        """
+        from specheads.heads.adapter import apply_target_adapter
+
+        if dtype is None and device is not None and torch.device(device).type == "cuda":
+            dtype = torch.bfloat16  # on GPUs the target (and the heads, which follow it) run in bf16; fp32 on CPU
         target_model, tokenizer = load_target(target, dtype=dtype, device=device)
+        target_model = apply_target_adapter(target_model, heads)  # unchanged for heads without an adapter
         return cls(target_model, load_heads(heads, target=target_model), tokenizer=tokenizer, **kwargs)
 
     # ------------------------------------------------------------------------------------------------
@@ -130,6 +141,7 @@ class SpeculativeLM:
         streamer: Any | None = None,
         acceptance: str = "exact",
         batched: bool | None = None,
+        fast_path: bool | None = None,
     ) -> torch.Tensor:
         """Generate like `transformers.generate`: returns prompt + new tokens, (B, n + new).
 
@@ -146,6 +158,9 @@ class SpeculativeLM:
             acceptance: "exact" (lossless) or "typical" (Medusa's, lossy, sampling only).
             batched: for B > 1, verify all rows in one target forward (default when the target has no
                 sliding window) or, with False, run the rows one after another (the reference scheme).
+            fast_path: run rows on a static KV cache with fixed-shape tree verification, captured as a CUDA
+                graph on CUDA (inference/fast_path.py). None: on for a CUDA target and batch size 1 (not for
+                sliding-window targets whose window could be reached); True forces it (also on CPU); False: off.
 
         After the call, `self.last_stats` holds new_tokens, target_forwards, mean_accepted (tau: new tokens
         per target forward, the bonus token counted, the prefill counted as one forward), rounds,
@@ -165,8 +180,11 @@ class SpeculativeLM:
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": []}
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
+        runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, getattr(self, "_fast_runner", None))
+        if runner is not None:
+            self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
         if batched is None:
-            batched = len(prompts) > 1 and can_batch
+            batched = len(prompts) > 1 and can_batch and runner is None
         if batched and not can_batch:
             raise ValueError(
                 "batched=True needs a target without a sliding window and a drafter with fork(); use batched=False"
@@ -179,7 +197,8 @@ class SpeculativeLM:
             for prompt in prompts:
                 if streamer is not None:
                     streamer.put(prompt.cpu())
-                rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats))
+                generate_row = self._generate_row if runner is None else partial(runner.generate_row, self)
+                rows.append(generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats))
         if streamer is not None:
             streamer.end()
         seconds = time.perf_counter() - start

@@ -1,0 +1,509 @@
+"""The GPU fast path: batch-1 speculative decoding on a static KV cache with fixed verification shapes.
+
+Every verification forward has the same shapes: the drafted tree is padded to a FIXED node count
+(padding nodes attend only to themselves and are never accepted: acceptance only sees the real nodes),
+written at cache slots [prefix, prefix + N) of a `StaticTreeCache`, under a (1, 1, N, capacity) mask. On
+CUDA that forward is captured once as a CUDA graph (static input buffers: input_ids (1, N), position_ids
+(1, N), the cache write positions (N,), the mask; static outputs: logits and the heads' features) and
+replayed every round. A round is the same four phases as `SpeculativeLM._generate_row`:
+
+    draft    drafter.propose(features, next_tokens)            (the drafter is unchanged)
+    verify   load the static buffers, replay the graph          (eager forward on CPU: that is how it is tested)
+    accept   accept_tree on the real nodes' logits              (the host reads the accepted path here)
+    update   StaticTreeCache.compact: one gather + one index_copy_ for all layers, no reallocation
+
+`StaticGreedyDecoder` / `plain_greedy_static` is the matching plain (non-speculative) greedy decoder: the
+same static cache, a captured 1-token step (its position, write slot and mask advance inside the graph),
+a host sync only every few tokens to look for EOS. It is the honest "our own compiled plain decoding"
+baseline for speedups.
+
+Sliding-window targets whose window could be reached fall back to the normal path (`use_fast_path`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedModel
+
+from specheads.inference.accept import accept_tree
+from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
+from specheads.inference.sampling import SamplingParams
+from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_mask, write_tree_mask
+from specheads.inference.tree import TreeBuffers
+from specheads.inference.verify import sliding_window_of
+
+if TYPE_CHECKING:
+    from specheads.inference.generate import SpeculativeLM
+
+FeatureFn = Callable[[tuple[torch.Tensor, ...]], torch.Tensor]  # hidden_states tuple -> (1, T, h) features
+
+# Drafters of unknown tree size (not Medusa / EAGLE) get trees padded to a power of two (at least
+# MIN_BUCKET nodes) and this many cache slots reserved for them.
+MIN_BUCKET = 8
+UNKNOWN_TREE_RESERVE = 64
+CAPACITY_ALIGN = 64  # cache slots are allocated in multiples of this (aligned masks, fewer reallocations)
+
+
+def capture_cuda_graph(fn: Callable[[], Any], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture `fn` (reading and writing only static tensors) as a CUDA graph, after warm-up on a side stream.
+
+    As the PyTorch CUDA-graph docs prescribe: warm-up iterations run on a side stream (lazy init, autotuning,
+    allocator), then one call is recorded. Returns (graph, fn's outputs, which every replay overwrites).
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
+def _try_capture(fn: Callable[[], Any], what: str) -> tuple[torch.cuda.CUDAGraph | None, Any]:
+    """`capture_cuda_graph`, or (None, None) with a warning when capture fails (the caller stays eager)."""
+    try:
+        return capture_cuda_graph(fn)
+    except Exception as error:  # noqa: BLE001  (any capture failure: fall back to eager, correct but slower)
+        warnings.warn(
+            f"CUDA graph capture of the {what} failed ({error!r}); running it eagerly", stacklevel=3
+        )
+        torch.cuda.synchronize()
+        return None, None
+
+
+# --- tree sizes --------------------------------------------------------------------------------------------
+def fixed_tree_slots(drafter: Drafter) -> int | None:
+    """The node count every tree of this drafter fits in (root included), or None when unknown."""
+    if isinstance(drafter, MedusaDrafter):
+        return drafter.buffers.num_nodes
+    if isinstance(drafter, EagleDrafter):
+        return drafter.num_nodes + 1
+    return None
+
+
+def padded_slots(num_nodes: int, fixed: int | None) -> int:
+    """Verification slots for a tree of `num_nodes`: the drafter's fixed count, else a power-of-two bucket."""
+    if fixed is not None and num_nodes <= fixed:
+        return fixed
+    return max(MIN_BUCKET, 1 << (num_nodes - 1).bit_length())
+
+
+def tree_reserve(drafter: Drafter) -> int:
+    """Cache slots to reserve beyond prompt + max_new_tokens for this drafter's trees."""
+    fixed = fixed_tree_slots(drafter)
+    return fixed if fixed is not None else UNKNOWN_TREE_RESERVE
+
+
+# --- tree verification on the static cache ----------------------------------------------------------------
+class TreeVerifier:
+    """One target forward over a tree padded to `num_slots` nodes on a `StaticTreeCache`; a CUDA graph on CUDA.
+
+    `load(tokens, tree, prefix)` fills the static input buffers; `run()` returns (logits (N, V), features
+    (N, h) or None), which a graph replay overwrites: consume or copy them before the next `run()`.
+
+    Args:
+        target: the target model.
+        cache: the static cache it writes to.
+        num_slots: N, the padded node count (fixed for the verifier's lifetime).
+        select_features: hidden_states tuple -> (1, N, h) features the heads read (None: no hidden states).
+        use_graph: capture and replay a CUDA graph (default: when the target is on CUDA).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        cache: StaticTreeCache,
+        num_slots: int,
+        select_features: FeatureFn | None = None,
+        use_graph: bool | None = None,
+    ) -> None:
+        device, dtype = target.device, target.dtype
+        self.target, self.cache, self.num_slots, self.select_features = (
+            target,
+            cache,
+            num_slots,
+            select_features,
+        )
+        self.use_graph = device.type == "cuda" if use_graph is None else use_graph
+        self.ids = torch.zeros(1, num_slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, num_slots, dtype=torch.long, device=device)
+        self.write = torch.zeros(num_slots, dtype=torch.long, device=device)  # cache slots of the N nodes
+        self.mask = torch.full(
+            (1, 1, num_slots, cache.capacity), torch.finfo(dtype).min, dtype=dtype, device=device
+        )
+        self.pad_block = padding_block(num_slots, dtype, device)
+        self.slot_offsets = torch.arange(num_slots, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_outputs: Any = None
+        self.capture_failed = False
+
+    def reset(self) -> None:
+        """Hide every slot again (call once per new sequence: the tree mask only ever unmasks upwards)."""
+        self.mask.fill_(torch.finfo(self.mask.dtype).min)
+
+    def load(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> None:
+        """Fill the static inputs for a tree of n <= N nodes written at slots [prefix, prefix + N)."""
+        n = tokens.shape[0]
+        if n > self.num_slots:
+            raise ValueError(f"a tree of {n} nodes does not fit a verifier padded to {self.num_slots} nodes")
+        self.cache.check_room(prefix_length + self.num_slots)
+        self.ids[0, :n] = tokens
+        self.ids[0, n:] = 0  # padding tokens: any valid id (they only see themselves)
+        self.positions[0, :n] = tree.depth + prefix_length
+        self.positions[0, n:] = prefix_length
+        torch.add(self.slot_offsets, prefix_length, out=self.write)
+        write_tree_mask(self.mask, tree.ancestors, prefix_length, self.pad_block)
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The eager forward on the current buffers: logits (N, V), features (N, h) or None."""
+        self.cache.set_write_positions(self.write)
+        out = self.target(
+            input_ids=self.ids,
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=self.select_features is not None,
+        )
+        features = None if self.select_features is None else self.select_features(out.hidden_states)[0]
+        return out.logits[0], features
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Verify the loaded tree: replay the CUDA graph (captured on the first call), or run eagerly."""
+        if self.use_graph and self.graph is None and not self.capture_failed:
+            # Warm-up runs write the same slots [prefix, prefix + N) that the replay below rewrites: harmless.
+            self.graph, self.graph_outputs = _try_capture(
+                self.forward, f"{self.num_slots}-node tree verification"
+            )
+            self.capture_failed = self.graph is None
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph_outputs
+        return self.forward()
+
+
+class FastPathRunner:
+    """Batch-1 speculative decoding on a static cache (one `TreeVerifier` per padded tree size).
+
+    Kept by `SpeculativeLM` across `generate` calls, so the cache and the captured graphs are reused.
+
+    Args:
+        target: the target model.
+        select_features: the heads' `select_features` (hidden_states tuple -> (1, T, h)).
+        capacity: cache slots: at least the longest prompt + max_new_tokens + tree nodes.
+        use_graphs: capture CUDA graphs (default: when the target is on CUDA).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        select_features: FeatureFn,
+        capacity: int,
+        use_graphs: bool | None = None,
+    ) -> None:
+        self.target, self.select_features = target, select_features
+        self.cache = StaticTreeCache(target, capacity)
+        self.use_graphs = target.device.type == "cuda" if use_graphs is None else use_graphs
+        self.verifiers: dict[int, TreeVerifier] = {}
+        self.device, self.dtype = target.device, target.dtype
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def verifier(self, num_slots: int) -> TreeVerifier:
+        """The verifier for trees padded to `num_slots` nodes (created, and on CUDA captured, on first use)."""
+        if num_slots not in self.verifiers:
+            self.verifiers[num_slots] = TreeVerifier(
+                self.target, self.cache, num_slots, self.select_features, self.use_graphs
+            )
+        return self.verifiers[num_slots]
+
+    def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the (n,) prompt into slots [0, n) (eager: prompt lengths vary). Returns last logits (1, V), features (n, h)."""
+        n = prompt.shape[0]
+        positions = torch.arange(n, device=self.device)
+        self.cache.set_write_positions(positions)
+        out = self.target(
+            input_ids=prompt[None],
+            attention_mask=prefill_mask(n, self.capacity, self.dtype, self.device),
+            position_ids=positions[None],
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        self.cache.committed_length = n
+        for verifier in self.verifiers.values():
+            verifier.reset()
+        return out.logits[0, -1:], self.select_features(out.hidden_states)[0]
+
+    @torch.no_grad()
+    def generate_row(
+        self,
+        lm: SpeculativeLM,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: set[int],
+        streamer: Any | None,
+        acceptance: str,
+        stats: dict[str, Any],
+    ) -> list[int]:
+        """`SpeculativeLM._generate_row` on the static cache: same phases, same outputs, same stats."""
+        if max_new_tokens == 0:
+            return []
+        drafter, fixed = lm.drafter, fixed_tree_slots(lm.drafter)
+        self.cache.check_room(prompt.shape[0] + max_new_tokens + tree_reserve(drafter))
+        last_logits, features = self.prefill(prompt)
+        stats["target_forwards"] += 1
+        root = lm._choose(last_logits, params)[0]
+        new_tokens: list[int] = []
+        done = lm._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)
+        next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
+        prefix_length = prompt.shape[0]
+        drafter.reset()
+        while not done:
+            # draft
+            tokens, tree = drafter.propose(features, next_tokens)
+            num_nodes = tokens.shape[0]
+            # verify: padded to a fixed node count; the graph replays on CUDA
+            verifier = self.verifier(padded_slots(num_nodes, fixed))
+            verifier.load(tokens, tree, prefix_length)
+            logits, node_features = verifier.run()
+            stats["target_forwards"] += 1
+            # accept: only the real nodes take part, so padding is never accepted
+            path, bonus = accept_tree(tokens, tree, logits[:num_nodes], params, acceptance)
+            # update
+            self.cache.compact(prefix_length, path)
+            prefix_length += path.shape[0]
+            accepted = torch.cat([tokens[path[1:]], bonus[None]])
+            stats["rounds"] += 1
+            stats["accepted_counts"].append(path.shape[0] - 1)
+            features = node_features[path]  # (L+1, h): a copy, before the next replay overwrites the outputs
+            next_tokens = accepted
+            done = lm._emit(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer)
+        stats["new_tokens"] += len(new_tokens)
+        return new_tokens
+
+
+def _aligned(length: int) -> int:
+    return -(-length // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+def use_fast_path(
+    requested: bool | None,
+    target: PreTrainedModel,
+    batch_size: int,
+    batched: bool | None,
+    needed_positions: int,
+) -> bool:
+    """Whether `generate` takes the fast path: None = when the target is on CUDA and batch size is 1.
+
+    Unsupported (raises for `requested=True`, falls back for None): `batched=True`, and sliding-window targets
+    whose window could be reached (prompt + max_new_tokens + tree nodes >= window).
+    """
+    if requested not in (None, True, False):
+        raise ValueError(f"fast_path={requested!r}; expected None (auto), True or False")
+    reason = None
+    window = sliding_window_of(target)[0]
+    if window is not None and window <= needed_positions:
+        reason = f"the target's sliding window ({window}) <= prompt + max_new_tokens + tree nodes ({needed_positions})"
+    elif batched:
+        reason = "batched=True verifies several rows in one forward; the fast path runs one row at a time"
+    if requested is None:
+        return reason is None and batch_size == 1 and target.device.type == "cuda"
+    if requested and reason is not None:
+        raise ValueError(f"fast_path=True is not available: {reason}; pass fast_path=False")
+    return bool(requested)
+
+
+def fast_path_runner(
+    lm: SpeculativeLM,
+    requested: bool | None,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    batched: bool | None,
+    previous: FastPathRunner | None,
+) -> FastPathRunner | None:
+    """The runner for this `generate` call, or None for the normal path. Reuses `previous` when it fits."""
+    needed = max(p.shape[0] for p in prompts) + max_new_tokens + tree_reserve(lm.drafter)
+    if not use_fast_path(requested, lm.target, len(prompts), batched, needed):
+        return None
+    target = lm.target
+    if (
+        previous is not None
+        and previous.target is target
+        and (previous.device, previous.dtype)
+        == (
+            target.device,
+            target.dtype,
+        )
+    ):
+        if previous.capacity >= needed:
+            return previous
+        needed = max(needed, 2 * previous.capacity)  # grow geometrically: few reallocations and recaptures
+    return FastPathRunner(target, lm.heads.select_features, _aligned(needed))
+
+
+# --- plain greedy decoding on the static cache ------------------------------------------------------------
+class StaticGreedyDecoder:
+    """Plain greedy decoding (no drafts) on a `StaticTreeCache` with a captured 1-token step on CUDA.
+
+    Outputs equal `target.generate(do_sample=False)`. Each step unmasks its own slot, runs the target on one
+    token, writes the argmax to an on-device buffer and advances position, slot and step counter, all inside
+    the graph; the host looks for EOS every `eos_check_every` steps (one sync), then cuts after the first EOS.
+
+    Args:
+        target: the model.
+        capacity: cache slots: at least prompt + max_new_tokens.
+        use_graph: capture the step as a CUDA graph (default: when the target is on CUDA).
+        eos_check_every: steps between EOS checks (more = fewer syncs, more wasted steps after EOS).
+    """
+
+    def __init__(
+        self, target: PreTrainedModel, capacity: int, use_graph: bool | None = None, eos_check_every: int = 8
+    ) -> None:
+        device, dtype = target.device, target.dtype
+        self.target, self.device, self.dtype = target, device, dtype
+        self.cache = StaticTreeCache(target, capacity)
+        self.use_graph = device.type == "cuda" if use_graph is None else use_graph
+        self.eos_check_every = max(1, eos_check_every)
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=device)  # the token fed this step
+        self.positions = torch.zeros(1, 1, dtype=torch.long, device=device)  # its position ...
+        self.write = torch.zeros(1, dtype=torch.long, device=device)  # ... and cache slot (the same number)
+        # where this step's token goes in `tokens`
+        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)  # generated tokens
+        self.mask = torch.full((1, 1, 1, capacity), torch.finfo(dtype).min, dtype=dtype, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.capture_failed = False
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def step(self) -> None:
+        """One decoding step on the static buffers (the body of the graph)."""
+        self.mask[0, 0, 0].index_fill_(0, self.write, 0)  # the fed token sees itself from now on
+        self.cache.set_write_positions(self.write)
+        logits = self.target(
+            input_ids=self.ids,
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits  # (1, 1, V)
+        next_token = logits[0, -1].argmax()[None]  # (1,)
+        self.tokens.index_copy_(0, self.step_index, next_token)
+        self.ids.copy_(next_token[None])
+        self.positions.add_(1)
+        self.write.add_(1)
+        self.step_index.add_(1)
+
+    def _run_step(self) -> None:
+        if self.use_graph and self.graph is None and not self.capture_failed:
+            state = (self.ids, self.positions, self.write, self.step_index, self.mask)
+            saved = [t.clone() for t in state]
+            self.graph, _ = _try_capture(self.step, "1-token decoding step")
+            self.capture_failed = self.graph is None
+            for tensor, value in zip(state, saved):  # undo the warm-up steps' advances
+                tensor.copy_(value)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step()
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None
+    ) -> torch.Tensor:
+        """Greedy continuation: prompt + new tokens, (1, n + new), like `target.generate(do_sample=False)`.
+
+        Args:
+            input_ids: (1, n) or (n,) prompt.
+            max_new_tokens: new tokens at most.
+            eos_token_id: stop right after it (default: the target's generation config); [] never stops.
+        """
+        if input_ids.dim() not in (1, 2) or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+            raise ValueError(
+                f"input_ids must be (1, n) or (n,) (batch size 1), got shape {tuple(input_ids.shape)}"
+            )
+        prompt = input_ids[0] if input_ids.dim() == 2 else input_ids
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+        n = prompt.shape[0]
+        if n == 0:
+            raise ValueError("the prompt is empty: generation needs at least one token")
+        self.cache.check_room(n + max_new_tokens)
+        if eos_token_id is None:
+            eos_token_id = getattr(self.target.generation_config, "eos_token_id", None)
+        eos = (
+            []
+            if eos_token_id is None
+            else [eos_token_id]
+            if isinstance(eos_token_id, int)
+            else list(eos_token_id)
+        )
+        prompt = prompt.long().to(self.device)
+        if max_new_tokens == 0:
+            return prompt[None].to(input_ids.device)
+
+        # Prefill (eager: prompt lengths vary), then the first token comes from its last logits.
+        positions = torch.arange(n, device=self.device)
+        self.cache.set_write_positions(positions)
+        logits = self.target(
+            input_ids=prompt[None],
+            attention_mask=prefill_mask(n, self.capacity, self.dtype, self.device),
+            position_ids=positions[None],
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits
+        first = logits[0, -1].argmax()
+        self.tokens[0] = first
+        self.ids.copy_(first.view(1, 1))
+        self.positions.fill_(n)
+        self.write.fill_(n)
+        self.step_index.fill_(1)
+        self.mask.fill_(torch.finfo(self.dtype).min)
+        self.mask[..., :n] = 0
+
+        eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
+        produced = 1
+        while produced < max_new_tokens:
+            if eos and bool(torch.isin(self.tokens[:produced], eos_ids).any()):  # one sync per chunk
+                break
+            chunk = min(self.eos_check_every, max_new_tokens - produced)
+            for _ in range(chunk):
+                self._run_step()
+            produced += chunk
+        new = self.tokens[:produced].tolist()
+        for i, token in enumerate(new):
+            if token in eos:
+                new = new[: i + 1]
+                break
+        out = torch.cat([prompt, torch.tensor(new, dtype=torch.long, device=self.device)])
+        return out[None].to(input_ids.device)
+
+
+def plain_greedy_static(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    use_graph: bool | None = None,
+) -> torch.Tensor:
+    """Greedy decoding with a static cache (and a CUDA-graph step on CUDA): equals `target.generate(do_sample=False)`.
+
+    A one-off `StaticGreedyDecoder` sized for this call; keep a decoder yourself to reuse its graph across calls.
+    """
+    length = input_ids.shape[-1] + max_new_tokens
+    return StaticGreedyDecoder(target, _aligned(length), use_graph=use_graph).generate(
+        input_ids, max_new_tokens, eos_token_id
+    )
