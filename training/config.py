@@ -172,6 +172,8 @@ class RunConfig:
         for key, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{key}={value!r} is invalid; expected a positive integer")
+        if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
+            raise ValueError(f"time_limit_minutes={self.time_limit_minutes!r} is invalid; expected minutes > 0 (or null)")
         if self.micro_batch_size > self.global_batch_size:
             raise ValueError(
                 f"micro_batch_size={self.micro_batch_size} is larger than global_batch_size={self.global_batch_size}"

@@ -126,6 +126,23 @@ def test_stop_after_steps_then_resume_is_exact(tmp_path, stories_file, recipe):
         assert torch.equal(ref[name], got[name]), name
 
 
+def test_time_limit_ends_the_run_with_final_heads_and_a_rerun_continues(tmp_path, stories_file):
+    config = str(CONFIGS / "medusa_stories260k.yaml")
+    out = tmp_path / "timed"
+    # a limit of ~0 s: the run stops after its first step, saves a checkpoint and the final heads
+    assert main(["train", config, *overrides(stories_file, out, max_steps=6, save_steps=6, time_limit_minutes=1e-6)]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 1
+    assert (out / "final" / "model.safetensors").is_file() and latest_checkpoint(out).name == "step-00000001"
+    # the same command without the limit resumes and ends where an uninterrupted run ends
+    assert main(["train", config, *overrides(stories_file, out, max_steps=6, save_steps=6)]) == 0
+    assert main(["train", config, *overrides(stories_file, tmp_path / "ref", max_steps=6, save_steps=6)]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 6
+    ref, got = load_file(tmp_path / "ref" / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+    assert main(["train", config, *overrides(stories_file, tmp_path / "bad", time_limit_minutes=-1)]) == 2
+
+
 def test_two_processes_match_one(tmp_path, stories_file):
     config = str(CONFIGS / "eagle_stories260k.yaml")
     common = {"max_steps": 6, "save_steps": 6, "global_batch_size": 8, "micro_batch_size": 2}

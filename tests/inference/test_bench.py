@@ -1,0 +1,70 @@
+"""`specheads bench`: a real run on stories260K (JSON, markdown, plots) and its greedy-identity policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specheads import SpeculativeLM, create_heads, load_target
+from specheads.inference.bench import bench_main, build_parser, run_prompt
+from specheads.inference.prompts import Prompt
+
+
+@pytest.fixture(scope="module")
+def eagle_heads_dir(tmp_path_factory):
+    target, _ = load_target("stories260K")
+    folder = tmp_path_factory.mktemp("heads") / "eagle"
+    create_heads(target, "eagle", tree_depth=3, tree_top_k=2, tree_num_nodes=4).save_pretrained(folder)
+    return folder
+
+
+def test_bench_writes_json_table_and_plots(tmp_path, eagle_heads_dir):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat\n")
+    out = tmp_path / "bench" / "results.json"
+    argv = ["--target", "stories260K", "--heads", str(eagle_heads_dir), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--modes", "greedy,sample", "--prompt-lookup", "2", "--threads", "1",
+            "--out", str(out)]
+    assert bench_main(argv) == 0
+    results = json.loads(out.read_text())
+    assert results["greedy_identical"] is True
+    assert results["environment"]["dtype"] == "float32"
+    assert {r["mode"] for r in results["per_prompt"]} == {"greedy", "sample"}
+    for mode in ("greedy", "sample"):
+        overall = results[mode]["overall"]
+        assert overall["tau"] >= 1.0 and overall["speedup"] > 0
+    greedy_rows = [r for r in results["per_prompt"] if r["mode"] == "greedy"]
+    assert all(r["tokens"] == 12 and r["prompt_lookup_tokens_per_second"] > 0 for r in greedy_rows)
+    assert (out.parent / "results.md").is_file()
+    assert sorted(p.suffix for p in out.parent.glob("*.png")) == [".png", ".png"]
+
+
+class _CorruptingLM:
+    """A SpeculativeLM stand-in whose greedy output differs from the target's at the third new token."""
+
+    def __init__(self, lm: SpeculativeLM) -> None:
+        self.lm, self.target, self.last_stats = lm, lm.target, {}
+
+    def generate(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        out = self.lm.generate(ids, **kwargs)
+        self.last_stats = self.lm.last_stats
+        out[0, ids.shape[1] + 2] = (out[0, ids.shape[1] + 2] + 1) % self.target.config.vocab_size
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_greedy_difference_fails_in_float32_and_is_recorded_in_16_bit(eagle_heads_dir, dtype):
+    lm = SpeculativeLM.from_pretrained("stories260K", eagle_heads_dir, dtype=dtype)
+    ids = lm.tokenizer("Once upon a time", return_tensors="pt").input_ids
+    args = build_parser().parse_args(["--heads", "x", "--prompts", "x", "--max-new-tokens", "8", "--prompt-lookup", "0"])
+    prompt = Prompt("p1", "text", "Once upon a time", ids)
+    assert run_prompt(lm, prompt, "greedy", args, None)["greedy_identical"] is True  # the real engine is exact
+    if dtype == torch.float32:
+        with pytest.raises(RuntimeError, match="prompt p1 at new token 2"):
+            run_prompt(_CorruptingLM(lm), prompt, "greedy", args, None)
+    else:
+        with pytest.warns(UserWarning, match="new token 2"):
+            row = run_prompt(_CorruptingLM(lm), prompt, "greedy", args, None)
+        assert row["greedy_identical"] is False and row["first_difference"] == 2
