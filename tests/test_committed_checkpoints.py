@@ -1,0 +1,26 @@
+"""The heads committed under checkpoints/ load, match their target's shape, and stay within the size budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specheads import load_heads
+
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct-eagle"])
+def test_committed_heads_load_and_fit_the_budget(name):
+    folder = CHECKPOINTS / name
+    heads = load_heads(folder)  # strict: every tensor present, none extra, shapes as the config says
+    config = heads.config
+    assert (config.head_type, config.hidden_size, config.vocab_size) == ("eagle", 576, 49152)
+    assert config.target_name_or_path == "smollm2-135m-instruct"
+    assert len(config.target_embedding_sample) == 16  # refuses a same-shaped other target
+    assert (folder / "model.safetensors").stat().st_size <= 25 * 2**20
+    metrics = json.loads((folder / "training_metrics.json").read_text())
+    assert metrics["steps"] == 3000 and metrics["acc_depth1"] > 0.7
+    assert "How these heads were trained" in (folder / "README.md").read_text()
