@@ -112,3 +112,12 @@ class EagleHeads(DraftHeads):
     def logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
         """Token logits of predicted features through the target's lm_head. (..., h) -> (..., V)"""
         return self.target_parts.lm_head(predicted_features)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Width of `logits`: the target's whole vocabulary (EAGLE-3 heads draft over a reduced one)."""
+        return self.config.vocab_size
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of `logits` indices: the same ids here (EAGLE-3 maps them through its d2t)."""
+        return draft_ids

@@ -157,6 +157,11 @@ class Eagle3Heads(DraftHeads):
             weight = self.target_parts.lm_head.weight  # (V, h)
             self.lm_head.weight.copy_(weight[self.d2t.to(weight.device)])
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """Width of `logits`: the reduced draft vocabulary."""
+        return self.config.draft_vocab_size
+
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target ids of draft ids (any shape)."""
         return self.d2t[draft_ids]

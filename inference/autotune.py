@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.kv_cache import crop_cache
@@ -56,12 +55,14 @@ def verification_cost_ms(lm: SpeculativeLM, input_ids: torch.Tensor, node_counts
 
 def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_tokens: int = 64) -> dict[str, Any]:
     """Try candidate trees on calibration prompts, keep the fastest, and return what was measured."""
-    candidates: list[Any] = MEDUSA_CANDIDATES if isinstance(lm.heads, MedusaHeads) else EAGLE_CANDIDATES
-    if isinstance(lm.heads, Eagle3Heads):  # children per node come from the (reduced) draft vocabulary
-        candidates = [c for c in candidates if c["tree_top_k"] <= lm.heads.config.draft_vocab_size]
+    if isinstance(lm.heads, MedusaHeads):
+        candidates: list[Any] = MEDUSA_CANDIDATES
+    else:  # children per node come from the heads' draft vocabulary (reduced for EAGLE-3)
+        vocab = lm.heads.draft_vocab_size
+        candidates = [c for c in EAGLE_CANDIDATES if c["tree_top_k"] <= vocab]
         if not candidates:
             raise ValueError(
-                f"--tree auto: draft_vocab_size={lm.heads.config.draft_vocab_size} is smaller than every candidate's "
+                f"--tree auto: the heads' draft vocabulary of {vocab} is smaller than every candidate's "
                 f"tree_top_k {[c['tree_top_k'] for c in EAGLE_CANDIDATES]}; give a tree explicitly"
             )
     trials = []

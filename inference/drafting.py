@@ -90,11 +90,8 @@ class EagleDrafter:
                 raise ValueError(f"{name}={value} must be >= 1")
         if not 0 <= stop_prob < 1:
             raise ValueError(f"tree_stop_prob={stop_prob} must be in [0, 1)")
-        self.maps_draft_vocab = isinstance(heads, Eagle3Heads)  # draft ids -> target ids through heads.d2t
-        vocab = heads.config.draft_vocab_size if self.maps_draft_vocab else heads.config.vocab_size
-        if top_k > vocab:
-            what = "draft vocabulary" if self.maps_draft_vocab else "vocabulary"
-            raise ValueError(f"tree_top_k={top_k} exceeds the heads' {what} of {vocab}")
+        if top_k > heads.draft_vocab_size:
+            raise ValueError(f"tree_top_k={top_k} exceeds the heads' draft vocabulary of {heads.draft_vocab_size}")
         self.heads = heads
         self.depth, self.top_k, self.num_nodes = depth, top_k, num_nodes
         self.stop_prob = stop_prob
@@ -119,7 +116,7 @@ class EagleDrafter:
         """
         log_probs = torch.log_softmax(self.heads.logits(predicted).float(), dim=-1)  # (..., V) or (..., V_draft)
         scores, ids = torch.topk(log_probs, self.top_k, dim=-1)
-        return scores, self.heads.d2t[ids] if self.maps_draft_vocab else ids
+        return scores, self.heads.draft_to_target_ids(ids)
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:

@@ -5,7 +5,8 @@ Every verification forward has the same shapes: the drafted tree is padded to a 
 written at cache slots [prefix, prefix + N) of a `StaticTreeCache`, under a (1, 1, N, capacity) mask. On
 CUDA that forward is captured once as a CUDA graph (static input buffers: input_ids (1, N), position_ids
 (1, N), the cache write positions (N,), the mask; static outputs: logits and the heads' features) and
-replayed every round. A round is the same four phases as `SpeculativeLM._generate_row`:
+replayed every round. `SpeculativeLM._generate_row` drives the rounds through `FastPathRunner`'s
+`prefill` / `verify` / `compact`, the same three calls as `verify.DynamicTreeVerifier` (the reference path):
 
     draft    drafter.propose(features, next_tokens)            (the drafter is unchanged)
     verify   load the static buffers, replay the graph          (eager forward on CPU: that is how it is tested)
@@ -29,9 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.accept import accept_tree
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
-from specheads.inference.sampling import SamplingParams
 from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_mask, write_tree_mask
 from specheads.inference.tree import TreeBuffers
 from specheads.inference.verify import sliding_window_of
@@ -213,6 +212,8 @@ class FastPathRunner:
         self.use_graphs = target.device.type == "cuda" if use_graphs is None else use_graphs
         self.verifiers: dict[int, TreeVerifier] = {}
         self.device, self.dtype = target.device, target.dtype
+        self.fixed_slots: int | None = None  # set by use_drafter
+        self.reserve = 0  # tree slots checked at prefill; set by use_drafter (each tree is checked when loaded)
 
     @property
     def capacity(self) -> int:
@@ -226,8 +227,16 @@ class FastPathRunner:
             )
         return self.verifiers[num_slots]
 
-    def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the (n,) prompt into slots [0, n) (eager: prompt lengths vary). Returns last logits (1, V), features (n, h)."""
+    def use_drafter(self, drafter: Drafter) -> None:
+        """Size verification for this drafter's trees (`generate` calls it before each call's rows)."""
+        self.fixed_slots, self.reserve = fixed_tree_slots(drafter), tree_reserve(drafter)
+
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the (n,) prompt into slots [0, n) (eager: prompt lengths vary). Returns last logits (1, V), features (n, h).
+
+        Raises a ValueError first when prompt + max_new_tokens + the drafter's trees do not fit the cache.
+        """
+        self.cache.check_room(prompt.shape[0] + max_new_tokens + self.reserve)
         n = prompt.shape[0]
         positions = torch.arange(n, device=self.device)
         self.cache.set_write_positions(positions)
@@ -244,53 +253,21 @@ class FastPathRunner:
             verifier.reset()
         return out.logits[0, -1:], self.select_features(out.hidden_states)[0]
 
-    @torch.no_grad()
-    def generate_row(
-        self,
-        lm: SpeculativeLM,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        params: SamplingParams,
-        eos: set[int],
-        streamer: Any | None,
-        acceptance: str,
-        stats: dict[str, Any],
-    ) -> list[int]:
-        """`SpeculativeLM._generate_row` on the static cache: same phases, same outputs, same stats."""
-        if max_new_tokens == 0:
-            return []
-        drafter, fixed = lm.drafter, fixed_tree_slots(lm.drafter)
-        self.cache.check_room(prompt.shape[0] + max_new_tokens + tree_reserve(drafter))
-        last_logits, features = self.prefill(prompt)
-        stats["target_forwards"] += 1
-        root = lm._choose(last_logits, params)[0]
-        new_tokens: list[int] = []
-        done = lm._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)
-        next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
-        prefix_length = prompt.shape[0]
-        drafter.reset()
-        while not done:
-            # draft
-            tokens, tree = drafter.propose(features, next_tokens)
-            num_nodes = tokens.shape[0]
-            # verify: padded to a fixed node count; the graph replays on CUDA
-            verifier = self.verifier(padded_slots(num_nodes, fixed))
-            verifier.load(tokens, tree, prefix_length)
-            logits, node_features = verifier.run()
-            stats["target_forwards"] += 1
-            # accept: only the real nodes take part, so padding is never accepted
-            path, bonus = accept_tree(tokens, tree, logits[:num_nodes], params, acceptance)
-            # update
-            self.cache.compact(prefix_length, path)
-            prefix_length += path.shape[0]
-            accepted = torch.cat([tokens[path[1:]], bonus[None]])
-            stats["rounds"] += 1
-            stats["accepted_counts"].append(path.shape[0] - 1)
-            features = node_features[path]  # (L+1, h): a copy, before the next replay overwrites the outputs
-            next_tokens = accepted
-            done = lm._emit(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer)
-        stats["new_tokens"] += len(new_tokens)
-        return new_tokens
+    def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify the (n,) tree padded to a fixed node count (a graph replay on CUDA).
+
+        Returns logits (n, V) and features (n, h) of the real nodes: views of the static outputs, valid until the
+        next `verify` (acceptance reads them first; the features of the path are gathered, i.e. copied).
+        """
+        num_nodes = tokens.shape[0]
+        verifier = self.verifier(padded_slots(num_nodes, self.fixed_slots))
+        verifier.load(tokens, tree, prefix_length)
+        logits, features = verifier.run()
+        return logits[:num_nodes], features[:num_nodes]
+
+    def compact(self, prefix_length: int, path: torch.Tensor) -> None:
+        """Move the accepted path's entries to [prefix, prefix + L + 1) (one gather + index_copy_, all layers)."""
+        self.cache.compact(prefix_length, path)
 
 
 def _aligned(length: int) -> int:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import time
-from functools import partial
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specheads.heads.base import DraftHeads
 from specheads.heads.eagle import EagleHeads
@@ -22,11 +21,10 @@ from specheads.heads.medusa import MedusaHeads
 from specheads.inference.accept import accept_tree
 from specheads.inference.batched import generate_batched
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
-from specheads.inference.fast_path import fast_path_runner
-from specheads.inference.kv_cache import compact_cache
+from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.sampling import SamplingParams, sample_token, target_probs
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
-from specheads.inference.verify import sliding_window_of, verify_tree
+from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
 from specheads.targets import load_target
 
 ACCEPTANCE_RULES = ("exact", "typical")
@@ -65,6 +63,7 @@ class SpeculativeLM:
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
         self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob)
         self.last_stats: dict[str, Any] = {}
+        self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
 
     def configure_tree(
         self,
@@ -180,9 +179,10 @@ class SpeculativeLM:
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": []}
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
-        runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, getattr(self, "_fast_runner", None))
+        runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
+            runner.use_drafter(self.drafter)
         if batched is None:
             batched = len(prompts) > 1 and can_batch and runner is None
         if batched and not can_batch:
@@ -193,12 +193,12 @@ class SpeculativeLM:
             drafters = [self.drafter.fork() for _ in prompts]
             rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats)
         else:
+            verifier = runner if runner is not None else DynamicTreeVerifier(self.target, self.heads.select_features)
             rows = []
             for prompt in prompts:
                 if streamer is not None:
                     streamer.put(prompt.cpu())
-                generate_row = self._generate_row if runner is None else partial(runner.generate_row, self)
-                rows.append(generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats))
+                rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier))
         if streamer is not None:
             streamer.end()
         seconds = time.perf_counter() - start
@@ -215,16 +215,17 @@ class SpeculativeLM:
         streamer: Any | None,
         acceptance: str,
         stats: dict[str, Any],
+        verifier: DynamicTreeVerifier | FastPathRunner,
     ) -> list[int]:
-        """Speculative decoding of one prompt (n,); returns the new token ids."""
+        """Speculative decoding of one prompt (n,); returns the new token ids.
+
+        `verifier` is the target's side of each round: a `DynamicTreeVerifier`, or the GPU fast path's
+        `FastPathRunner` (static cache, CUDA-graph verification); both give the same tokens.
+        """
         if max_new_tokens == 0:
             return []
-        target, heads = self.target, self.heads
-        cache = DynamicCache()
-        out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True, output_hidden_states=True)
+        last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         stats["target_forwards"] += 1
-        features = heads.select_features(out.hidden_states)[0]  # (n, h)
-        last_logits = out.logits[0, -1:]
         root = self._choose(last_logits, params)[0]
         new_tokens: list[int] = []
         done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)
@@ -235,17 +236,17 @@ class SpeculativeLM:
             # draft
             tokens, tree = self.drafter.propose(features, next_tokens)
             # verify
-            logits, hidden_states = verify_tree(target, cache, tokens, tree, prefix_length)
+            logits, node_features = verifier.verify(tokens, tree, prefix_length)  # (N, V), (N, h)
             stats["target_forwards"] += 1
             # accept
             path, bonus = accept_tree(tokens, tree, logits, params, acceptance)
             # update
-            compact_cache(cache, prefix_length, path)
+            verifier.compact(prefix_length, path)
             prefix_length += path.shape[0]
             accepted = torch.cat([tokens[path[1:]], bonus[None]])
             stats["rounds"] += 1
             stats["accepted_counts"].append(path.shape[0] - 1)
-            features = heads.select_features(hidden_states)[path]  # (L+1, h) true features of the path
+            features = node_features[path]  # (L+1, h) true features of the path (a gather: a copy)
             next_tokens = accepted
             done = self._emit(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer)
         stats["new_tokens"] += len(new_tokens)

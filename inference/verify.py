@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specheads.inference.kv_cache import compact_cache
 from specheads.inference.tree import TreeBuffers
 
 
@@ -74,3 +75,35 @@ def verify_tree(
         output_hidden_states=True,
     )
     return out.logits[0], tuple(h[0] for h in out.hidden_states)
+
+
+class DynamicTreeVerifier:
+    """The target's side of a decoding round on a `DynamicCache`: any target, any device (the reference path).
+
+    `SpeculativeLM` drives a sequence through three calls, which the GPU fast path
+    (`fast_path.FastPathRunner`, static cache + CUDA graphs) implements too: `prefill` once, then per round
+    `verify` the drafted tree and `compact` the cache to the accepted path.
+
+    Args:
+        target: the target model.
+        select_features: the heads' `select_features` (hidden_states tuple -> features).
+    """
+
+    def __init__(self, target: PreTrainedModel, select_features) -> None:
+        self.target, self.select_features = target, select_features
+        self.cache = DynamicCache()
+
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the (n,) prompt into a fresh cache. Returns the last logits (1, V) and the features (n, h)."""
+        self.cache = DynamicCache()
+        out = self.target(input_ids=prompt[None], past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        return out.logits[0, -1:], self.select_features(out.hidden_states)[0]
+
+    def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over the (N,) tree tokens. Returns logits (N, V) and features (N, h)."""
+        logits, hidden_states = verify_tree(self.target, self.cache, tokens, tree, prefix_length)
+        return logits, self.select_features(hidden_states)
+
+    def compact(self, prefix_length: int, path: torch.Tensor) -> None:
+        """Keep the prefix plus the accepted path's entries (see `kv_cache.compact_cache`)."""
+        compact_cache(self.cache, prefix_length, path)
