@@ -14,7 +14,44 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specheads import create_heads
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
+
+# --- targets, prompts and heads shared by the generate tests ------------------------------------------------
+TARGETS = ["stories260K", "llama", "qwen2", "mistral"]  # tiny Mistral: window 4096, never reached
+TINY_PROMPT = [1, 5, 9, 33, 7]
+EAGLE_SMALL_TREE = dict(tree_depth=4, tree_top_k=3, tree_num_nodes=10)
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def target_and_prompt(request, stories260k, tiny_target_factory):
+    """(target, prompt ids (1, n)) for the embedded stories260K and each tiny random family."""
+    if request.param == "stories260K":
+        target, tokenizer = stories260k
+        return target, tokenizer("Once upon a time", return_tensors="pt").input_ids
+    return tiny_target_factory(request.param), torch.tensor([TINY_PROMPT])
+
+
+def make_heads(target: PreTrainedModel, head_type: str):
+    """Fresh heads (seed 0); EAGLE heads with a small tree."""
+    torch.manual_seed(0)
+    return create_heads(target, head_type, **(EAGLE_SMALL_TREE if head_type == "eagle" else {}))
+
+
+def hf_greedy(target: PreTrainedModel, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """The reference: transformers' own greedy generate."""
+    return target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+
+
+def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, width) ids and their attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
 
 
 # --- reference greedy decoding ---------------------------------------------------------------------------

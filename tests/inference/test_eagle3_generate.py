@@ -14,32 +14,9 @@ import torch
 from specheads import SpeculativeLM, create_heads
 from specheads.inference.autotune import autotune_tree
 
-TARGETS = ["stories260K", "llama", "qwen2", "mistral"]
-TINY_PROMPT = [1, 5, 9, 33, 7]
+from .conftest import TINY_PROMPT, hf_greedy, left_pad
+
 PROMPTS = [[1, 5, 9], [1, 7, 3, 8, 2, 11, 4], [1, 40], [1, 6, 6, 6, 21]]
-
-
-def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
-
-
-@pytest.fixture(scope="module", params=TARGETS)
-def target_and_prompt(request, stories260k, tiny_target_factory):
-    """(target, prompt ids (1, n)) for the embedded stories260K and each tiny random family."""
-    if request.param == "stories260K":
-        target, tokenizer = stories260k
-        return target, tokenizer("Once upon a time", return_tensors="pt").input_ids
-    return tiny_target_factory(request.param), torch.tensor([TINY_PROMPT])
-
-
-def hf_greedy(target, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
-    return target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
 
 
 def shuffled_vocab_heads(target, draft_vocab_size: int, seed: int = 0, **options):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specheads import HEAD_TYPES, SpeculativeLM, create_heads
+from specheads import HEAD_TYPES, SpeculativeLM
 from specheads.inference.fast_path import (
     FastPathRunner,
     StaticGreedyDecoder,
@@ -30,9 +30,7 @@ from specheads.inference.static_cache import StaticTreeCache, prefill_mask
 from specheads.inference.tree import build_tree_buffers
 from specheads.inference.verify import verify_tree
 
-EAGLE_SMALL_TREE = dict(tree_depth=4, tree_top_k=3, tree_num_nodes=10)
-TARGETS = ["stories260K", "llama", "qwen2", "mistral"]  # tiny Mistral: window 4096, never reached
-TINY_PROMPT = [1, 5, 9, 33, 7]
+from .conftest import TINY_PROMPT, hf_greedy, make_heads
 
 
 def _load_sampling_harness():
@@ -45,23 +43,6 @@ def _load_sampling_harness():
 
 
 sampling_harness = _load_sampling_harness()
-
-
-@pytest.fixture(scope="module", params=TARGETS)
-def target_and_prompt(request, stories260k, tiny_target_factory):
-    if request.param == "stories260K":
-        target, tokenizer = stories260k
-        return target, tokenizer("Once upon a time", return_tensors="pt").input_ids
-    return tiny_target_factory(request.param), torch.tensor([TINY_PROMPT])
-
-
-def make_heads(target, head_type: str):
-    torch.manual_seed(0)
-    return create_heads(target, head_type, **(EAGLE_SMALL_TREE if head_type == "eagle" else {}))
-
-
-def hf_greedy(target, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
-    return target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
 
 
 def oracle_lm(target, ids, greedy_reference, oracle_drafter, max_new_tokens: int, depth: int = 5, **options):

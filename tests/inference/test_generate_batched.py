@@ -14,17 +14,7 @@ from specheads import SpeculativeLM, create_heads
 from specheads.inference.batched import compaction_index, prefill_mask
 
 from ..conftest import build_tiny_target
-
-
-def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
-
+from .conftest import left_pad
 
 PROMPTS = [[1, 5, 9], [1, 7, 3, 8, 2, 11, 4], [1, 40], [1, 6, 6, 6, 21]]
 

@@ -13,27 +13,7 @@ import torch
 from specheads import HEAD_TYPES, SpeculativeLM, create_heads
 from specheads.inference.tree import chain_tree
 
-EAGLE_SMALL_TREE = dict(tree_depth=4, tree_top_k=3, tree_num_nodes=10)
-TARGETS = ["stories260K", "llama", "qwen2", "mistral"]
-TINY_PROMPT = [1, 5, 9, 33, 7]
-
-
-@pytest.fixture(scope="module", params=TARGETS)
-def target_and_prompt(request, stories260k, tiny_target_factory):
-    """(target, prompt ids (1, n)) for the embedded stories260K and each tiny random family."""
-    if request.param == "stories260K":
-        target, tokenizer = stories260k
-        return target, tokenizer("Once upon a time", return_tensors="pt").input_ids
-    return tiny_target_factory(request.param), torch.tensor([TINY_PROMPT])
-
-
-def make_heads(target, head_type: str):
-    torch.manual_seed(0)
-    return create_heads(target, head_type, **(EAGLE_SMALL_TREE if head_type == "eagle" else {}))
-
-
-def hf_greedy(target, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
-    return target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+from .conftest import TINY_PROMPT, hf_greedy, make_heads
 
 
 def check_stats(stats: dict, new_tokens: int) -> None:
