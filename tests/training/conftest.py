@@ -6,11 +6,40 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specheads import load_target
+from specheads.training.config import LossSection
+from specheads.training.data import build_dataset, collate
 from specheads.training.data_cli import regenerate
+from specheads.training.features import online_features
+from specheads.training.losses import eagle3_loss, eagle_loss, medusa_loss
 
 REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs" / "train"
+
+
+def overrides(stories_file: Path, out: Path, **extra) -> list[str]:
+    """`key=value` overrides for a short CLI run on `stories_file` writing to `out` (plus `extra`)."""
+    values = {"output_dir": str(out), "data.source": str(stories_file), "data.max_length": 64, "trackers": "[]",
+              "global_batch_size": 8, "micro_batch_size": 4, "optim.warmup_steps": 2, "log_steps": 5}
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def depth1_accuracy(heads, target, tok, stories_file: Path) -> float:
+    """Depth-1 top-1 agreement with the target over the first 16 stories (teacher-forced), any head type."""
+    batch = collate([build_dataset(stories_file, tok, "text", 64)[i] for i in range(16)])
+    features, logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
+    ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    with torch.no_grad():
+        if heads.config.head_type == "medusa":
+            out = medusa_loss(heads(features), logits, ids, loss_mask, LossSection())
+        elif heads.config.head_type == "eagle3":
+            out = eagle3_loss(heads, features, logits, ids, attention, loss_mask, LossSection(ttt_steps=1))
+        else:
+            out = eagle_loss(heads, features, logits, ids, attention, loss_mask, LossSection(eval_depth=1))
+    return out.metrics["acc_depth1"]
 
 
 @pytest.fixture(scope="session")

@@ -28,8 +28,8 @@ from specheads.training.features import online_features
 from specheads.training.losses import eagle3_loss
 from specheads.training.ttt import ttt_attention_mask, unroll_ttt
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIGS = REPO / "configs" / "train"
+from .conftest import CONFIGS, depth1_accuracy, overrides
+
 NEG = torch.finfo(torch.float32).min
 
 
@@ -246,40 +246,6 @@ def test_recipes_mirror_the_eagle_recipes():
 
 
 # --- real runs through the CLI ----------------------------------------------------------------------------
-def overrides(stories_file: Path, out: Path, **extra) -> list[str]:
-    values = {
-        "output_dir": str(out),
-        "data.source": str(stories_file),
-        "data.max_length": 64,
-        "trackers": "[]",
-        "global_batch_size": 8,
-        "micro_batch_size": 4,
-        "optim.warmup_steps": 2,
-        "log_steps": 5,
-    }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
-
-
-def depth1_accuracy(heads, target, tok, stories_file: Path) -> float:
-    """Depth-1 top-1 agreement with the target over the first 16 stories (teacher-forced)."""
-    batch = collate([build_dataset(stories_file, tok, "text", 64)[i] for i in range(16)])
-    features, logits = online_features(
-        target, batch["input_ids"], batch["attention_mask"], heads.select_features
-    )
-    with torch.no_grad():
-        out = eagle3_loss(
-            heads,
-            features,
-            logits,
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["loss_mask"],
-            LossSection(ttt_steps=1),
-        )
-    return out.metrics["acc_depth1"]
-
-
 @pytest.mark.slow
 def test_short_eagle3_run_learns(tmp_path, stories_file, target_and_tokenizer):
     target, tok = target_and_tokenizer

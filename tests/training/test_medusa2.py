@@ -25,26 +25,10 @@ from specheads.training.joint_lora import JointMedusa, joint_loss, lm_cross_entr
 from specheads.training.train import latest_checkpoint, train
 
 from ..conftest import build_tiny_target
+from .conftest import CONFIGS, overrides
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIGS = REPO / "configs" / "train"
 RECIPE = str(CONFIGS / "medusa2_stories260k.yaml")
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Lily", "One day, a girl"]
-
-
-def overrides(stories_file: Path, out: Path, **extra) -> list[str]:
-    values = {
-        "output_dir": str(out),
-        "data.source": str(stories_file),
-        "data.max_length": 64,
-        "trackers": "[]",
-        "global_batch_size": 8,
-        "micro_batch_size": 4,
-        "optim.warmup_steps": 2,
-        "log_steps": 5,
-    }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
 
 
 @pytest.fixture(scope="module")

@@ -17,37 +17,12 @@ from safetensors.torch import load_file
 
 from specheads import create_heads, load_heads
 from specheads.cli import main
-from specheads.training.config import LossSection, load_run_config
-from specheads.training.data import build_dataset, collate
-from specheads.training.features import online_features
-from specheads.training.losses import eagle_loss, medusa_loss
+from specheads.training.config import load_run_config
 from specheads.training.train import check_world_size, latest_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIGS = REPO / "configs" / "train"
+from .conftest import CONFIGS, REPO, depth1_accuracy, overrides
 
 pytestmark = pytest.mark.slow
-
-
-def overrides(stories_file: Path, out: Path, **extra) -> list[str]:
-    values = {"output_dir": str(out), "data.source": str(stories_file), "data.max_length": 64, "trackers": "[]",
-              "global_batch_size": 8, "micro_batch_size": 4, "optim.warmup_steps": 2, "log_steps": 5}
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
-
-
-def mean_accuracy(heads, target, tok, stories_file: Path) -> float:
-    """Depth-1 top-1 agreement with the target over the first 16 stories (teacher-forced)."""
-    ds = build_dataset(stories_file, tok, "text", 64)
-    batch = collate([ds[i] for i in range(16)])
-    features, logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
-    with torch.no_grad():
-        if heads.config.head_type == "medusa":
-            out = medusa_loss(heads(features), logits, batch["input_ids"], batch["loss_mask"], LossSection())
-        else:
-            out = eagle_loss(heads, features, logits, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                             LossSection(eval_depth=1))
-    return out.metrics["acc_depth1"]
 
 
 @pytest.mark.parametrize("head_type", ["eagle", "medusa"])
@@ -67,7 +42,7 @@ def test_short_run_learns(head_type, tmp_path, stories_file, target_and_tokenize
     assert len(trained.config.target_embedding_sample) == 16  # trained checkpoints can refuse another target
     torch.manual_seed(0)
     fresh = create_heads(target, head_type, **load_run_config(config).head.options)
-    acc_trained, acc_fresh = mean_accuracy(trained, target, tok, stories_file), mean_accuracy(fresh, target, tok, stories_file)
+    acc_trained, acc_fresh = depth1_accuracy(trained, target, tok, stories_file), depth1_accuracy(fresh, target, tok, stories_file)
     assert acc_trained > acc_fresh + 0.05, (acc_trained, acc_fresh)
     # the loss fell: compare the first logged loss with the last (read from the TensorBoard scalars)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
