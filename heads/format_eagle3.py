@@ -72,6 +72,23 @@ def convert_for_export(tensors: dict[str, torch.Tensor], config: HeadsConfig) ->
     tensors["d2t"] = tensors["d2t"] - torch.arange(tensors["d2t"].shape[0], dtype=tensors["d2t"].dtype)
 
 
+def d2t_offsets_to_ids(tensors: dict[str, torch.Tensor]) -> None:
+    """The formats' ``d2t`` offsets (target id - draft id) -> specheads' target ids, in place (1-D d2t only)."""
+    if "d2t" in tensors and tensors["d2t"].dim() == 1:
+        d2t = tensors["d2t"].long()
+        tensors["d2t"] = d2t + torch.arange(d2t.shape[0])
+
+
+def check_target_hidden_size(config: dict[str, Any], hidden_size: int, where: str) -> None:
+    """Refuse a draft that reads target features of another width than its own (``target_hidden_size``)."""
+    target_hidden = config.get("target_hidden_size")
+    if target_hidden is not None and target_hidden != hidden_size:
+        raise ValueError(
+            f"{where}: target_hidden_size={target_hidden} differs from hidden_size={hidden_size}; specheads EAGLE-3 "
+            "heads read target features of their own width"
+        )
+
+
 def layer_family(config: HeadsConfig) -> str:
     """The model_type of the heads' decoder layer."""
     return str(config.draft_layer_config.get("model_type") or config.target_model_type)
@@ -130,19 +147,12 @@ def read_eagle3(
         raise ValueError(
             f"{where}: num_hidden_layers={config['num_hidden_layers']}; specheads EAGLE-3 heads hold one decoder layer"
         )
-    target_hidden = config.get("target_hidden_size")
-    if target_hidden is not None and target_hidden != hidden_size:
-        raise ValueError(
-            f"{where}: target_hidden_size={target_hidden} differs from hidden_size={hidden_size}; specheads EAGLE-3 "
-            "heads read target features of their own width"
-        )
+    check_target_hidden_size(config, hidden_size, where)
     tensors, source = read_tensors(folder, WEIGHT_CANDIDATES, allow_pickle)
     for name in IGNORED_TENSORS:
         tensors.pop(name, None)
     drop_zero_fc_bias(tensors, "fc.bias", source)
-    if "d2t" in tensors and tensors["d2t"].dim() == 1:
-        d2t = tensors["d2t"].long()
-        tensors["d2t"] = d2t + torch.arange(d2t.shape[0])  # offsets -> target ids
+    d2t_offsets_to_ids(tensors)
     model_type = model_type_of(config, None)  # "llama" unless the config names another family
     raw_layer = {k: v for k, v in config.items() if k not in EAGLE3_KEYS + ("tie_word_embeddings",)}
     fields: dict[str, Any] = {

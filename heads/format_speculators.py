@@ -44,8 +44,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specheads.heads import format_eagle3
 from specheads.heads.config import HeadsConfig
 from specheads.heads.eagle import build_layer_config, decoder_classes
@@ -218,19 +216,12 @@ def _read_eagle3(folder: Path, config: dict[str, Any], allow_pickle: bool) -> Fo
     hidden_size = require_field(layer_raw, "hidden_size", int, f"{where} transformer_layer_config")
     vocab_size = require_field(layer_raw, "vocab_size", int, f"{where} transformer_layer_config")
     draft_vocab_size = require_field(config, "draft_vocab_size", int, where)
-    target_hidden = config.get("target_hidden_size")
-    if target_hidden is not None and target_hidden != hidden_size:
-        raise ValueError(
-            f"{where}: target_hidden_size={target_hidden} differs from hidden_size={hidden_size}; specheads EAGLE-3 "
-            "heads read target features of their own width"
-        )
+    format_eagle3.check_target_hidden_size(config, hidden_size, where)
     tensors, source = read_tensors(folder, WEIGHT_CANDIDATES, allow_pickle)
     for name in EAGLE3_IGNORED_TENSORS:
         tensors.pop(name, None)
     format_eagle3.drop_zero_fc_bias(tensors, "fc.bias", source)
-    if "d2t" in tensors and tensors["d2t"].dim() == 1:
-        d2t = tensors["d2t"].long()
-        tensors["d2t"] = d2t + torch.arange(d2t.shape[0])  # offsets -> target ids
+    format_eagle3.d2t_offsets_to_ids(tensors)
     layer_type = model_type_of(layer_raw, config.get("transformer_layer_architecture", "LlamaDecoderLayer"))
     layer_raw = {k: v for k, v in layer_raw.items() if k not in format_eagle3.EAGLE3_KEYS}
     fields: dict[str, Any] = {
