@@ -83,3 +83,9 @@ def any_target(request: pytest.FixtureRequest, stories260k) -> PreTrainedModel:
     if request.param == "stories260K":
         return stories260k[0]
     return build_tiny_target(request.param)
+
+
+@pytest.fixture(scope="module")
+def stories(stories260k):
+    """The embedded stories260K target (model only)."""
+    return stories260k[0]

@@ -1,0 +1,212 @@
+"""Interop with EAGLE-3 checkpoints: synthetic SafeAILab, SGLang and speculators folders import and draft."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from specheads import SpeculativeLM
+from specheads.heads.interop import detect_format, import_heads
+from specheads.inference.drafting import EagleDrafter
+
+from .interop_folders import (
+    eagle3_inputs,
+    eagle_layer_shapes,
+    llama_style_config,
+    random_tensors,
+    write_folder,
+)
+
+
+# --- synthetic EAGLE-3 folders ---------------------------------------------------------------------------------------
+def _eagle3_tensors(config: dict, prefix: str, draft_vocab: torch.Tensor, seed: int = 4) -> dict[str, torch.Tensor]:
+    """EAGLE-3 tensors as the public definitions name and shape them: fc (h, 3h), the layer under `prefix` with
+    2h-wide q/k/v and a hidden_norm, norm, lm_head (draft vocab, h), d2t OFFSETS and t2d."""
+    h, v = config["hidden_size"], config["vocab_size"]
+    shapes = {"fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (draft_vocab.shape[0], h)}
+    for name, shape in eagle_layer_shapes(config).items():
+        shapes[prefix + name] = (shape[0], 2 * h) if name.split(".")[1] in ("q_proj", "k_proj", "v_proj") else shape
+    shapes[prefix + "input_layernorm.weight"] = (h,)
+    shapes[prefix + "hidden_norm.weight"] = (h,)
+    tensors = random_tensors(shapes, seed=seed)
+    for name in ("norm.weight", prefix + "input_layernorm.weight", prefix + "hidden_norm.weight",
+                 prefix + "post_attention_layernorm.weight"):
+        tensors[name] += 1.0
+    tensors["d2t"] = draft_vocab - torch.arange(draft_vocab.shape[0])  # target id = draft id + d2t[draft id]
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[draft_vocab] = True
+    tensors["t2d"] = t2d
+    return tensors
+
+
+def _eagle3_reference(config: dict, tensors: dict, prefix: str, target, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3's draft step from the raw tensors, as the public definitions write it: fc on the 3 fused layers;
+    attention over cat(input_layernorm(embed), hidden_norm(fc_out)) with 2h-wide q/k/v; the residual is the
+    un-normalised fc output; MLP block; then norm -> lm_head. Returns (hidden (B, T, h), logits (B, T, V_draft))."""
+    from transformers import LlamaConfig
+
+    skip = ("architectures", "bias", "torch_dtype", "draft_vocab_size", "eagle_config")
+    layer_config = LlamaConfig(**{k: v for k, v in config.items() if k not in skip})
+    h = config["hidden_size"]
+    layer = LlamaDecoderLayer(layer_config, layer_idx=0).eval()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(layer.self_attn, name, nn.Linear(2 * h, getattr(layer.self_attn, name).out_features, bias=False))
+    own = {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix) and "hidden_norm" not in k}
+    layer.load_state_dict(own, strict=True)
+    hidden_norm, norm = LlamaRMSNorm(h, eps=config["rms_norm_eps"]), LlamaRMSNorm(h, eps=config["rms_norm_eps"])
+    hidden_norm.weight.data.copy_(tensors[prefix + "hidden_norm.weight"])
+    norm.weight.data.copy_(tensors["norm.weight"])
+    rotary = LlamaRotaryEmbedding(config=layer_config)
+    with torch.no_grad():
+        embeds = target.get_input_embeddings()(inputs["input_ids"])
+        fused = F.linear(inputs["features"], tensors["fc.weight"])
+        attn_input = torch.cat([layer.input_layernorm(embeds), hidden_norm(fused)], dim=-1)
+        attn, _ = layer.self_attn(
+            hidden_states=attn_input,
+            attention_mask=inputs["attention_mask"],
+            position_embeddings=rotary(fused, inputs["position_ids"]),
+        )
+        hidden = fused + attn
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden, F.linear(norm(hidden), tensors["lm_head.weight"])
+
+
+def _eagle3_folder(folder: Path, target, fmt: str, weights: str = "model.safetensors", drop: str | None = None):
+    """A synthetic EAGLE-3 folder in `fmt` for `target`, with a shuffled 40-token draft vocabulary."""
+    base = llama_style_config(target)
+    for key in ("bias", "torch_dtype"):
+        base.pop(key)
+    base["architectures"] = ["LlamaForCausalLMEagle3"]
+    vocab = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(8))[:40].sort().values
+    prefix = "midlayer." if fmt == "eagle3" else "layers.0."
+    tensors = _eagle3_tensors(base, prefix, vocab)
+    written = dict(tensors)
+    if fmt == "eagle3":
+        config = dict(base, draft_vocab_size=40)
+    elif fmt == "eagle3-sglang":  # SGLang: tapped layers as outputs of layers 1, 1, 0 = hidden_states 2, 2, 1
+        config = dict(base, draft_vocab_size=40, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 1, 0]})
+        written["embed_tokens.weight"] = target.get_input_embeddings().weight.clone()
+    else:
+        layer_config = {k: v for k, v in base.items() if k != "architectures"}
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.2.0",
+            "transformer_layer_config": layer_config,
+            "draft_vocab_size": 40,
+            "norm_before_residual": False,
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": [2, 3, 4],
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 4}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": "stories260K", "architectures": ["LlamaForCausalLM"]},
+            },
+        }
+        written["embed_tokens.weight"] = target.get_input_embeddings().weight.clone()
+    if drop:
+        written.pop(drop)
+    return write_folder(folder, config, written, weights), base, tensors, vocab
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "eagle3-sglang", "speculators"])
+def test_eagle3_folders_import_and_draft_as_their_tensors_say(fmt, stories, tmp_path, eagle_inputs):
+    folder, config, tensors, vocab = _eagle3_folder(tmp_path / fmt, stories, fmt)
+    assert detect_format(folder) == fmt
+    heads = import_heads(folder, target=stories, out_dir=tmp_path / "ours")
+    assert heads.config.head_type == "eagle3" and heads.config.draft_vocab_size == 40
+    taps = {"eagle3": [2, 2, 2], "eagle3-sglang": [2, 2, 1], "speculators": [2, 3, 4]}  # default / SGLang + 1 / given
+    assert heads.config.feature_layers == taps[fmt]
+    assert torch.equal(heads.d2t, vocab) and torch.equal(heads.t2d.nonzero().squeeze(-1), vocab)
+    inputs = eagle3_inputs(stories, eagle_inputs, seed=12)
+    prefix = "midlayer." if fmt == "eagle3" else "layers.0."
+    hidden, logits = _eagle3_reference(config, tensors, prefix, stories, inputs)
+    with torch.no_grad():
+        ours = heads(**inputs)
+        torch.testing.assert_close(ours, hidden)
+        torch.testing.assert_close(heads.logits(ours), logits)
+    # drafting: the root's children are the target ids (draft id + offset) of the reference's top draft ids
+    drafter = EagleDrafter(heads, depth=2, top_k=4, num_nodes=6, dtype=torch.float32)
+    drafter.reset()
+    tokens, tree = drafter.propose(inputs["features"][0], inputs["input_ids"][0])
+    top = logits[0, -1].topk(4).indices
+    assert set(tokens[tree.parents == 0].tolist()) == set((top + tensors["d2t"][top]).tolist())
+    assert set(tokens[1:].tolist()) <= set(vocab.tolist())
+
+
+def test_pickled_eagle3_release_imports_with_allow_pickle(stories, tmp_path):
+    folder, _, tensors, vocab = _eagle3_folder(tmp_path / "e3", stories, "eagle3", weights="pytorch_model.bin")
+    assert detect_format(folder) == "eagle3"
+    with pytest.raises(ValueError, match="--allow-pickle"):
+        import_heads(folder, target=stories)
+    heads = import_heads(folder, target=stories, allow_pickle=True)
+    assert torch.equal(heads.fc.weight, tensors["fc.weight"]) and torch.equal(heads.d2t, vocab)
+
+
+def test_a_llama_layer_eagle3_draft_serves_a_target_of_another_family(tiny_qwen2, tmp_path):
+    """EAGLE-3 releases for Qwen targets hold Llama layers: the heads keep the Llama layer, record the Qwen2 target,
+    and speculative generation still reproduces the target's greedy output."""
+    folder, _, _, _ = _eagle3_folder(tmp_path / "e3", tiny_qwen2, "eagle3")
+    heads = import_heads(folder, target=tiny_qwen2)
+    assert heads.config.target_model_type == "qwen2" and type(heads.layer).__name__ == "LlamaDecoderLayer"
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    lm = SpeculativeLM(tiny_qwen2, heads, tree_depth=3, tree_top_k=3, tree_num_nodes=8)
+    out = lm.generate(ids, max_new_tokens=20)
+    assert torch.equal(out, tiny_qwen2.generate(ids, max_new_tokens=20, do_sample=False))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "edit", "match"),
+    [
+        ("eagle3", "drop:midlayer.hidden_norm.weight", r"missing tensor 'midlayer\.hidden_norm\.weight'"),
+        ("eagle3-sglang", "drop:t2d", r"missing tensor 't2d'"),
+        ("speculators", "drop:layers.0.self_attn.q_proj.weight", r"missing tensor 'layers\.0\.self_attn\.q_proj"),
+        ("eagle3", "d2t_out_of_range", r"tensor d2t is invalid: .*expected ids in \[0, 512\)"),
+        ("eagle3", "d2t_unsorted", r"tensor d2t is invalid: .*sorted ascending"),
+        ("eagle3-sglang", "fc_bias", r"tensor 'fc\.bias' is a non-zero fc bias"),
+        ("eagle3", "two_layers", "num_hidden_layers=2; specheads EAGLE-3 heads hold one decoder layer"),
+        ("eagle3", "target_hidden_size", "target_hidden_size=128 differs from hidden_size=64"),
+        ("speculators", "norm_before_residual", "norm_before_residual=true"),
+        ("speculators", "no_norm_before_residual", "missing field 'norm_before_residual'"),
+        ("eagle3", "big_draft_vocab", "draft_vocab_size=600 is larger than vocab_size=512"),
+    ],
+)
+def test_broken_eagle3_folders_fail_naming_what_is_wrong(fmt, edit, match, stories, tmp_path):
+    folder, _, _, _ = _eagle3_folder(tmp_path / fmt, stories, fmt, drop=edit.split(":")[1] if ":" in edit else None)
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors")
+    if edit == "d2t_out_of_range":
+        tensors["d2t"][-1] += 1000
+    elif edit == "d2t_unsorted":
+        tensors["d2t"][:2] = tensors["d2t"][:2].flip(0) + torch.tensor([1, -1])  # swaps the first two target ids
+    elif edit == "fc_bias":
+        tensors["fc.bias"] = torch.full((64,), 0.1)
+    elif edit == "two_layers":
+        config["num_hidden_layers"] = 2
+    elif edit == "target_hidden_size":
+        config["target_hidden_size"] = 128
+    elif edit == "norm_before_residual":
+        config["norm_before_residual"] = True
+    elif edit == "no_norm_before_residual":
+        del config["norm_before_residual"]
+    elif edit == "big_draft_vocab":
+        config["draft_vocab_size"] = 600
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        import_heads(folder, target=stories)
+
+
+def test_a_zero_fc_bias_is_dropped(stories, tmp_path):
+    folder, _, tensors, _ = _eagle3_folder(tmp_path / "e3", stories, "eagle3")
+    path = folder / "model.safetensors"
+    save_file(dict(load_file(path), **{"fc.bias": torch.zeros(64)}), str(path))
+    assert torch.equal(import_heads(folder, target=stories).fc.weight, tensors["fc.weight"])
