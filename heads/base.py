@@ -139,6 +139,11 @@ class DraftHeads(PreTrainedModel):
             raise RuntimeError(f"{type(self).__name__} is not attached to a target: call heads.attach_target(target)")
         return self._target_parts
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """How many target tokens the heads can draft: the whole vocabulary unless a subclass reduces it."""
+        return self.config.vocab_size
+
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The target features the heads read, from the target's `hidden_states` tuple. (B, T, h)"""
         return hidden_states[self.config.feature_layers[0]]

@@ -28,6 +28,9 @@ FIELD_HELP: dict[str, str] = {
     "num_layers": "Medusa: residual SiLU blocks per head.",
     "draft_layer_config": "EAGLE: the target family's config (as a dict) for the one decoder layer the head owns.",
     "eagle_input_norm": "EAGLE: keep the decoder layer's input RMSNorm (original EAGLE-1/2 drops it on its one layer).",
+    "eagle_draft_vocab_size": "EAGLE: draft over only this many target tokens (the most frequent in the training "
+    "data; the d2t buffer lists them) through those rows of the target's lm_head: cheaper drafting, same exact "
+    "verification. 0 = the whole vocabulary.",
     "draft_vocab_size": "EAGLE-3: size of the reduced draft vocabulary its lm_head predicts (<= vocab_size; "
     "default min(vocab_size, 32000)); the d2t buffer maps draft ids to target ids.",
     "tree_depth": "Default draft tree depth (EAGLE dynamic trees).",
@@ -83,6 +86,7 @@ class HeadsConfig(PretrainedConfig):
         draft_layer_config: dict[str, Any] | None = None,
         eagle_input_norm: bool = False,
         draft_vocab_size: int | None = None,
+        eagle_draft_vocab_size: int = 0,
         tree_depth: int = 6,
         tree_top_k: int = 8,
         tree_num_nodes: int = 32,
@@ -119,6 +123,7 @@ class HeadsConfig(PretrainedConfig):
         if draft_vocab_size is None:  # a bad vocab_size is reported by validate_values, before this field
             draft_vocab_size = min(vocab_size, 32000) if isinstance(vocab_size, int) else vocab_size
         self.draft_vocab_size = draft_vocab_size
+        self.eagle_draft_vocab_size = eagle_draft_vocab_size
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_num_nodes = tree_num_nodes
@@ -176,6 +181,17 @@ class HeadsConfig(PretrainedConfig):
             raise ValueError(
                 f"HeadsConfig.draft_vocab_size={self.draft_vocab_size} is larger than vocab_size={self.vocab_size}; "
                 f"expected at most vocab_size ({FIELD_HELP['draft_vocab_size']})"
+            )
+        subset = self.eagle_draft_vocab_size
+        if not isinstance(subset, int) or isinstance(subset, bool) or not 0 <= subset <= self.vocab_size:
+            raise ValueError(
+                f"HeadsConfig.eagle_draft_vocab_size={subset!r} is invalid; expected an integer in [0, vocab_size="
+                f"{self.vocab_size}] ({FIELD_HELP['eagle_draft_vocab_size']})"
+            )
+        if subset and self.head_type != "eagle":
+            raise ValueError(
+                f"HeadsConfig.eagle_draft_vocab_size={subset} is set for head_type={self.head_type!r}; it applies to "
+                "eagle heads only (eagle3 heads use draft_vocab_size)"
             )
         if self.head_type == "eagle3" and len(self.feature_layers) != 3:
             raise ValueError(

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 
 from specheads.heads.base import DraftHeads
 from specheads.heads.config import HeadsConfig
-from specheads.heads.eagle import build_layer_config, decoder_classes
+from specheads.heads.eagle import build_layer_config, check_draft_vocab, decoder_classes
 
 
 def default_eagle3_feature_layers(num_hidden_layers: int) -> list[int]:
@@ -134,6 +134,8 @@ class Eagle3Heads(DraftHeads):
         """Draft-vocabulary logits of the head's output. (..., h) -> (..., draft_vocab_size)"""
         return self.lm_head(self.norm(hidden))
 
+    draft_logits = logits  # drafting scores the draft vocabulary, as training does
+
     @torch.no_grad()
     def set_draft_vocab(
         self, draft_to_target: torch.LongTensor, *, init_lm_head_from_target: bool = False
@@ -179,37 +181,3 @@ class Eagle3Heads(DraftHeads):
                 f"{source}: tensor t2d ({self.t2d.dtype}) must be a bool mask of exactly the d2t target ids"
             )
 
-
-def check_draft_vocab(draft_to_target: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
-    """Return `draft_to_target` as a (draft_vocab_size,) long tensor after checking it; raise a ValueError if bad.
-
-    A valid draft vocabulary lists `draft_vocab_size` target ids, sorted ascending (hence unique), each in
-    [0, vocab_size).
-    """
-    integer = isinstance(draft_to_target, torch.Tensor) and not (
-        draft_to_target.dtype.is_floating_point
-        or draft_to_target.dtype.is_complex
-        or draft_to_target.dtype == torch.bool
-    )
-    if not integer:
-        raise ValueError(
-            f"draft vocabulary must be an integer tensor of target ids, got {str(draft_to_target)[:80]}"
-        )
-    ids = draft_to_target.detach().long().cpu()
-    if ids.shape != (draft_vocab_size,):
-        raise ValueError(
-            f"draft vocabulary has shape {tuple(ids.shape)}; expected ({draft_vocab_size},) (draft_vocab_size)"
-        )
-    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(
-            f"draft vocabulary holds target ids in [{ids.min().item()}, {ids.max().item()}]; "
-            f"expected ids in [0, {vocab_size}) (vocab_size)"
-        )
-    steps = ids[1:] - ids[:-1]
-    if (steps <= 0).any():
-        at = int((steps <= 0).nonzero()[0])
-        raise ValueError(
-            f"draft vocabulary must be sorted ascending with unique ids; ids[{at}]={ids[at].item()} is followed by "
-            f"ids[{at + 1}]={ids[at + 1].item()}"
-        )
-    return ids

@@ -57,7 +57,7 @@ def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_to
     """Try candidate trees on calibration prompts, keep the fastest, and return what was measured."""
     if isinstance(lm.heads, MedusaHeads):
         candidates: list[Any] = MEDUSA_CANDIDATES
-    else:  # children per node come from the heads' draft vocabulary (reduced for EAGLE-3)
+    else:  # children per node come from the heads' draft vocabulary (EAGLE-3, or EAGLE with a d2t)
         vocab = lm.heads.draft_vocab_size
         candidates = [c for c in EAGLE_CANDIDATES if c["tree_top_k"] <= vocab]
         if not candidates:

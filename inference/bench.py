@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
     p.add_argument("--prompts", required=True, help="MT-bench style JSONL (first turn) or a text file, one prompt a line")
     p.add_argument("--category", action="append", help="only these categories (repeatable)")
+    p.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", default="greedy", help="comma list of greedy,sample")
@@ -192,7 +193,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype)
-    prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit), lm.tokenizer,
+    prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
+                                              getattr(args, "per_category", None)), lm.tokenizer,
                                chat=False if args.no_chat else None)
     if not prompts:
         raise ValueError(f"no prompts selected from {args.prompts}")

@@ -112,9 +112,10 @@ class EagleDrafter:
     def top_children(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` likeliest next tokens after predicted features (..., h).
 
-        Returns (log-probs, target ids), each (..., k); EAGLE-3 draft ids are mapped to target ids through d2t.
+        Returns (log-probs, target ids), each (..., k); draft ids of a reduced draft vocabulary (EAGLE-3, or EAGLE
+        with `eagle_draft_vocab_size`) are mapped to target ids through d2t.
         """
-        log_probs = torch.log_softmax(self.heads.logits(predicted).float(), dim=-1)  # (..., V) or (..., V_draft)
+        log_probs = torch.log_softmax(self.heads.draft_logits(predicted).float(), dim=-1)  # (..., V_draft)
         scores, ids = torch.topk(log_probs, self.top_k, dim=-1)
         return scores, self.heads.draft_to_target_ids(ids)
 

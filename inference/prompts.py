@@ -20,8 +20,11 @@ class Prompt:
     input_ids: torch.Tensor  # (1, n)
 
 
-def read_prompts(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[dict]:
-    """Raw prompts as dicts {prompt_id, category, text}.
+def read_prompts(
+    path: str | Path, categories: list[str] | None = None, limit: int | None = None, per_category: int | None = None
+) -> list[dict]:
+    """Raw prompts as dicts {prompt_id, category, text}: `per_category` keeps the first N of each category, then
+    `limit` the first N in all.
 
     JSONL lines with `turns` (MT-bench: the first turn is used), `prompt` or `text`; any other file is read
     as one prompt per non-empty line (category "text").
@@ -56,6 +59,16 @@ def read_prompts(path: str | Path, categories: list[str] | None = None, limit: i
         if unknown:
             raise ValueError(f"categories {sorted(unknown)} not in {path}; known: {known}")
         rows = [r for r in rows if r["category"] in categories]
+    if per_category is not None:
+        if per_category < 1:
+            raise ValueError(f"per_category={per_category}; expected at least 1 prompt per category")
+        seen: dict[str, int] = {}
+        kept = []
+        for r in rows:
+            seen[r["category"]] = seen.get(r["category"], 0) + 1
+            if seen[r["category"]] <= per_category:
+                kept.append(r)
+        rows = kept
     return rows[:limit] if limit else rows
 
 

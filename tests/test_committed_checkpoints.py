@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specheads import load_heads
 
@@ -20,6 +21,8 @@ def test_committed_heads_load_and_fit_the_budget(name):
     assert (config.head_type, config.hidden_size, config.vocab_size) == ("eagle", 576, 49152)
     assert config.target_name_or_path == "smollm2-135m-instruct"
     assert len(config.target_embedding_sample) == 16  # refuses a same-shaped other target
+    # drafts over its 8,192 most frequent trained tokens; the special tokens (0-2, EOS = 2) are always draftable
+    assert heads.draft_vocab_size == 8192 and bool(torch.isin(torch.tensor([0, 1, 2]), heads.d2t).all())
     assert (folder / "model.safetensors").stat().st_size <= 25 * 2**20
     metrics = json.loads((folder / "training_metrics.json").read_text())
     assert metrics["steps"] == 3000 and metrics["acc_depth1"] > 0.7

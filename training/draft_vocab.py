@@ -12,6 +12,7 @@ multi-process run computes the same vocabulary without any communication.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,3 +119,36 @@ def special_token_ids(tokenizer: Any, target: Any = None) -> list[int]:
         eos = getattr(config, "eos_token_id", None)
         ids.update([eos] if isinstance(eos, int) else list(eos or []))
     return sorted(int(i) for i in ids)
+
+
+def eagle_heads_with_draft_vocab(heads: Any, draft_to_target: torch.Tensor) -> Any:
+    """A copy of trained EAGLE heads that drafts over `draft_to_target` only (`eagle_draft_vocab_size` = its length).
+
+    EAGLE heads score drafts through the target's lm_head, so the weights are unchanged: only the config and the
+    `d2t` buffer differ. The copy is attached to the same target as `heads`.
+
+    Raises:
+        ValueError: `heads` are not EAGLE heads, or the ids are not a valid vocabulary (sorted, unique, < vocab_size).
+    """
+    from specheads.heads.eagle import EagleHeads
+
+    if type(heads) is not EagleHeads:
+        raise ValueError(
+            f"a draft vocabulary can be added to eagle heads only, not {heads.config.head_type} heads "
+            "(eagle3 heads get theirs when they are trained: head.options.draft_vocab_size)"
+        )
+    config = copy.deepcopy(heads.config)
+    config.eagle_draft_vocab_size = int(draft_to_target.numel())
+    config.validate_values()
+    reduced = EagleHeads(config)
+    weights = {k: v for k, v in heads.state_dict().items() if k != "d2t"}
+    missing, unexpected = reduced.load_state_dict(weights, strict=False)
+    if set(missing) != {"d2t"} or unexpected:  # the same architecture: only d2t may differ
+        raise RuntimeError(f"copying EAGLE heads: missing {missing}, unexpected {unexpected}")
+    param = next(heads.parameters())
+    reduced.to(device=param.device, dtype=param.dtype)
+    reduced.set_draft_vocab(draft_to_target)
+    if heads._target_parts is not None:
+        reduced._target_parts = heads._target_parts
+    reduced.model_card_metrics = dict(heads.model_card_metrics)
+    return reduced.train(heads.training)

@@ -249,10 +249,16 @@ def train(config: RunConfig) -> dict[str, Any]:
                 f"dump-features --head-type eagle3 --feature-layers {','.join(map(str, heads.config.feature_layers))}` "
                 "or train with feature_mode=online"
             )
+    if config.head.type == "eagle3" or heads.draft_vocab_size < heads.config.vocab_size:
+        # the reduced draft vocabulary: a pure function of the data (EAGLE-3's lm_head predicts it; EAGLE heads
+        # with eagle_draft_vocab_size draft over it), so every process computes the same one
         token_counts = trained_token_counts(examples, heads.config.vocab_size)
         if latest_checkpoint(config.output_dir) is None:  # a resumed run gets its vocabulary back with the checkpoint
-            vocab = build_draft_vocab(token_counts, heads.config.draft_vocab_size, special_token_ids(tokenizer, target))
-            heads.set_draft_vocab(vocab.draft_to_target, init_lm_head_from_target=True)
+            vocab = build_draft_vocab(token_counts, heads.draft_vocab_size, special_token_ids(tokenizer, target))
+            if config.head.type == "eagle3":
+                heads.set_draft_vocab(vocab.draft_to_target, init_lm_head_from_target=True)
+            else:
+                heads.set_draft_vocab(vocab.draft_to_target)
     order = BatchOrder(lengths, config.global_batch_size, config.seed, config.data.bucket_by_length)
     params = heads.parameters() if joint is None else joint.param_groups(config.optim.learning_rate,
                                                                          config.joint.head_lr_multiplier)
@@ -279,7 +285,7 @@ def train(config: RunConfig) -> dict[str, Any]:
         accelerator.init_trackers(config.project_name, config=flat_hparams(config), init_kwargs=init_kwargs)
     coverage = None if token_counts is None else vocab_coverage(token_counts, heads.d2t.cpu())
     if coverage is not None:
-        accelerator.print(f"[specheads] draft vocabulary: {heads.config.draft_vocab_size} of {heads.config.vocab_size} "
+        accelerator.print(f"[specheads] draft vocabulary: {heads.draft_vocab_size} of {heads.config.vocab_size} "
                           f"tokens, covering {coverage:.2%} of the trained tokens")
         if config.trackers:
             accelerator.log({"train/draft_vocab_coverage": coverage}, step=start_step)

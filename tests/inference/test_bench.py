@@ -9,7 +9,7 @@ import torch
 
 from specheads import SpeculativeLM, create_heads, load_target
 from specheads.inference.bench import bench_main, build_parser, run_prompt
-from specheads.inference.prompts import Prompt
+from specheads.inference.prompts import Prompt, read_prompts
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +68,15 @@ def test_a_greedy_difference_fails_in_float32_and_is_recorded_in_16_bit(eagle_he
         with pytest.warns(UserWarning, match="new token 2"):
             row = run_prompt(_CorruptingLM(lm), prompt, "greedy", args, None)
         assert row["greedy_identical"] is False and row["first_difference"] == 2
+
+
+def test_prompts_per_category_keeps_the_first_of_each(tmp_path):
+    lines = [{"question_id": i, "category": c, "turns": [f"q{i}"]} for i, c in enumerate("aabbbcab")]
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    picked = read_prompts(path, per_category=2)
+    assert [r["prompt_id"] for r in picked] == ["0", "1", "2", "3", "5"]
+    assert [r["prompt_id"] for r in read_prompts(path, categories=["b"], per_category=1)] == ["2"]
+    assert len(read_prompts(path, per_category=2, limit=3)) == 3
+    with pytest.raises(ValueError, match="per_category=0"):
+        read_prompts(path, per_category=0)
