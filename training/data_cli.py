@@ -296,6 +296,9 @@ def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name
         target_name = config.target_name_or_path
     target, tokenizer = load_target(target_name)
     heads = load_heads(heads_path, target=target)
+    if heads.config.head_type != "eagle":  # fail before tokenizing the data
+        raise ValueError(f"--heads {heads_path} holds {heads.config.head_type} heads; draft-vocab applies to eagle heads "
+                         "(eagle3 heads get their draft vocabulary when they are trained)")
     dataset = build_dataset(data, tokenizer, fmt, max_length)
     counts = count_trained_tokens(dataset["input_ids"], dataset["loss_mask"], heads.config.vocab_size)
     vocab = build_draft_vocab(counts, size, special_token_ids(tokenizer, target))

@@ -51,3 +51,12 @@ def test_draft_vocab_command_adds_a_vocabulary_to_trained_heads(tmp_path, storie
     ids = tok("Lily saw a big", return_tensors="pt").input_ids
     plain = target.generate(ids, max_new_tokens=40, do_sample=False)
     assert torch.equal(SpeculativeLM(target, reduced).generate(ids, max_new_tokens=40), plain)
+
+
+def test_draft_vocab_command_refuses_other_head_types(tmp_path, stories_file, target_and_tokenizer, capsys):
+    target, _ = target_and_tokenizer
+    create_heads(target, "medusa").save_pretrained(tmp_path / "medusa")
+    code = main(["data", "draft-vocab", "--heads", str(tmp_path / "medusa"), "--data", str(stories_file),
+                 "--size", "96", "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert "holds medusa heads; draft-vocab applies to eagle heads" in capsys.readouterr().err
