@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
-from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_mask, write_tree_mask
+from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_static, write_tree_mask
 from specheads.inference.tree import TreeBuffers
 from specheads.inference.verify import sliding_window_of
 
@@ -237,18 +237,8 @@ class FastPathRunner:
         Raises a ValueError first when prompt + max_new_tokens + the drafter's trees do not fit the cache.
         """
         self.cache.check_room(prompt.shape[0] + max_new_tokens + self.reserve)
-        n = prompt.shape[0]
-        positions = torch.arange(n, device=self.device)
-        self.cache.set_write_positions(positions)
-        out = self.target(
-            input_ids=prompt[None],
-            attention_mask=prefill_mask(n, self.capacity, self.dtype, self.device),
-            position_ids=positions[None],
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
-        self.cache.committed_length = n
+        out = prefill_static(self.target, self.cache, prompt, output_hidden_states=True)
+        self.cache.committed_length = prompt.shape[0]
         for verifier in self.verifiers.values():
             verifier.reset()
         return out.logits[0, -1:], self.select_features(out.hidden_states)[0]
@@ -433,15 +423,7 @@ class StaticGreedyDecoder:
             return prompt[None].to(input_ids.device)
 
         # Prefill (eager: prompt lengths vary), then the first token comes from its last logits.
-        positions = torch.arange(n, device=self.device)
-        self.cache.set_write_positions(positions)
-        logits = self.target(
-            input_ids=prompt[None],
-            attention_mask=prefill_mask(n, self.capacity, self.dtype, self.device),
-            position_ids=positions[None],
-            past_key_values=self.cache,
-            use_cache=True,
-        ).logits
+        logits = prefill_static(self.target, self.cache, prompt).logits
         first = logits[0, -1].argmax()
         self.tokens[0] = first
         self.ids.copy_(first.view(1, 1))

@@ -159,6 +159,27 @@ def prefill_mask(length: int, capacity: int, dtype: torch.dtype, device: torch.d
     return mask.masked_fill_(key > query, torch.finfo(dtype).min)[None, None]
 
 
+def prefill_static(
+    target: PreTrainedModel, cache: StaticTreeCache, prompt: torch.Tensor, output_hidden_states: bool = False
+):
+    """Run the (n,) prompt through `target` into slots [0, n) of `cache` (eager: prompt lengths vary).
+
+    Returns the model output (logits (1, n, V), and hidden states when asked). The caller sets its own
+    bookkeeping (`committed_length`, masks) afterwards.
+    """
+    n, device = prompt.shape[0], target.device
+    positions = torch.arange(n, device=device)
+    cache.set_write_positions(positions)
+    return target(
+        input_ids=prompt[None],
+        attention_mask=prefill_mask(n, cache.capacity, target.dtype, device),
+        position_ids=positions[None],
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=output_hidden_states,
+    )
+
+
 def write_tree_mask(
     mask: torch.Tensor, ancestors: torch.Tensor, prefix_length: int, pad_block: torch.Tensor | None = None
 ) -> None:

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specheads import SpeculativeLM, create_heads, load_target
 from specheads.inference.fast_path import StaticGreedyDecoder, TreeVerifier, plain_greedy_static
-from specheads.inference.static_cache import StaticTreeCache, prefill_mask
+from specheads.inference.static_cache import StaticTreeCache, prefill_static
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily saw a bird in the sky"]
@@ -168,16 +168,8 @@ def verify_timing_section(model: torch.nn.Module, prefix: int = 512) -> list[dic
     """One verification forward of a (prefix + N)-token tree: eager vs CUDA-graph replay, per N."""
     cache = StaticTreeCache(model, prefix + max(TREE_SIZES) + 64)
     ids = torch.randint(0, model.config.vocab_size, (prefix,), device="cuda")
-    positions = torch.arange(prefix, device="cuda")
-    cache.set_write_positions(positions)
     with torch.no_grad():
-        model(
-            input_ids=ids[None],
-            attention_mask=prefill_mask(prefix, cache.capacity, model.dtype, "cuda"),
-            position_ids=positions[None],
-            past_key_values=cache,
-            use_cache=True,
-        )
+        prefill_static(model, cache, ids)
     cache.committed_length = prefix
     rows = []
     for n in TREE_SIZES:

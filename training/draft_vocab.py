@@ -125,7 +125,7 @@ def eagle_heads_with_draft_vocab(heads: Any, draft_to_target: torch.Tensor) -> A
     """A copy of trained EAGLE heads that drafts over `draft_to_target` only (`eagle_draft_vocab_size` = its length).
 
     EAGLE heads score drafts through the target's lm_head, so the weights are unchanged: only the config and the
-    `d2t` buffer differ. The copy is attached to the same target as `heads`.
+    `d2t` buffer differ. The copy is not attached to a target (`SpeculativeLM` / `attach_target` do that).
 
     Raises:
         ValueError: `heads` are not EAGLE heads, or the ids are not a valid vocabulary (sorted, unique, < vocab_size).
@@ -148,7 +148,5 @@ def eagle_heads_with_draft_vocab(heads: Any, draft_to_target: torch.Tensor) -> A
     param = next(heads.parameters())
     reduced.to(device=param.device, dtype=param.dtype)
     reduced.set_draft_vocab(draft_to_target)
-    if heads._target_parts is not None:
-        reduced._target_parts = heads._target_parts
     reduced.model_card_metrics = dict(heads.model_card_metrics)
     return reduced.train(heads.training)

@@ -8,15 +8,12 @@ correct draft-id -> target-id mapping (d2t) gets those drafts accepted.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from specheads import SpeculativeLM, create_heads
 from specheads.inference.autotune import autotune_tree
 
-from .conftest import TINY_PROMPT, hf_greedy, left_pad
-
-PROMPTS = [[1, 5, 9], [1, 7, 3, 8, 2, 11, 4], [1, 40], [1, 6, 6, 6, 21]]
+from .conftest import TINY_PROMPT, hf_greedy
 
 
 def shuffled_vocab_heads(target, draft_vocab_size: int, seed: int = 0, **options):
@@ -71,22 +68,6 @@ def test_a_draft_vocabulary_of_the_continuation_accepts_two_tokens_per_round(tar
     assert stats["accepted_per_depth"][:2] == [1.0, 1.0]
     assert stats["target_forwards"] == 1 + -(-(n - 1) // 3)  # prefill + ceil((n - 1) / 3) rounds
     assert stats["mean_accepted"] > 2.5
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_batched_equals_rows_and_solo(family, tiny_target_factory):
-    """batched=True (forked drafters), batched=False and each prompt alone give the same tokens (greedy)."""
-    target = tiny_target_factory(family, seed=5)
-    heads = shuffled_vocab_heads(target, 48, tree_depth=4, tree_top_k=3, tree_num_nodes=10)
-    lm = SpeculativeLM(target, heads)
-    ids, mask = left_pad(PROMPTS)
-    batched = lm.generate(ids, attention_mask=mask, max_new_tokens=30, batched=True)
-    assert lm.last_stats["batched_forwards"] < lm.last_stats["target_forwards"]
-    rows = lm.generate(ids, attention_mask=mask, max_new_tokens=30, batched=False)
-    assert torch.equal(batched, rows)
-    for i, prompt in enumerate(PROMPTS):
-        alone = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)
-        assert torch.equal(batched[i, ids.shape[1] :], alone[0, len(prompt) :]), f"row {i}"
 
 
 def test_autotune_skips_trees_wider_than_the_draft_vocabulary(tiny_llama):

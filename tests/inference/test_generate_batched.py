@@ -19,13 +19,26 @@ from .conftest import left_pad
 PROMPTS = [[1, 5, 9], [1, 7, 3, 8, 2, 11, 4], [1, 40], [1, 6, 6, 6, 21]]
 
 
+def batched_test_heads(target, head_type: str):
+    """Fresh heads with a small tree; EAGLE-3 ones draft over a random 48-token vocabulary (d2t not the identity)."""
+    torch.manual_seed(0)
+    if head_type == "medusa":
+        return create_heads(target, "medusa")
+    tree = dict(tree_depth=4, tree_top_k=3, tree_num_nodes=10)
+    if head_type == "eagle":
+        return create_heads(target, "eagle", **tree)
+    heads = create_heads(target, "eagle3", draft_vocab_size=48, **tree)
+    vocab = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    heads.set_draft_vocab(vocab[:48].sort().values, init_lm_head_from_target=True)
+    return heads
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("head_type", ["medusa", "eagle"])
+@pytest.mark.parametrize("head_type", ["medusa", "eagle", "eagle3"])
 def test_batched_equals_rows_and_solo(family, head_type):
-    """batched=True, batched=False and each prompt alone give the same tokens (greedy)."""
+    """batched=True (forked drafters), batched=False and each prompt alone give the same tokens (greedy)."""
     target = build_tiny_target(family, seed=5)
-    options = dict(tree_depth=4, tree_top_k=3, tree_num_nodes=10) if head_type == "eagle" else {}
-    lm = SpeculativeLM(target, create_heads(target, head_type, **options))
+    lm = SpeculativeLM(target, batched_test_heads(target, head_type))
     ids, mask = left_pad(PROMPTS)
     batched = lm.generate(ids, attention_mask=mask, max_new_tokens=30, batched=True)
     assert lm.last_stats["batched_forwards"] < lm.last_stats["target_forwards"]  # rows really shared forwards
