@@ -119,8 +119,12 @@ class EagleHeads(DraftHeads):
         return out[0] if isinstance(out, tuple) else out
 
     def logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
-        """Token logits of predicted features through the target's lm_head. (..., h) -> (..., V)"""
-        return self.target_parts.lm_head(predicted_features)
+        """Token logits of predicted features through the target's lm_head. (..., h) -> (..., V)
+
+        The features are cast to the lm_head's dtype (heads trained in bf16 under DeepSpeed, frozen target in fp32).
+        """
+        lm_head = self.target_parts.lm_head
+        return lm_head(predicted_features.to(lm_head.weight.dtype))
 
     def draft_logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (the whole one unless `d2t` is set). (..., h) -> (..., draft_vocab_size)"""

@@ -151,13 +151,7 @@ class EagleDrafter:
             if self.stop_prob > 0 and float(best_score) < self.log_stop:
                 break
             fed = fed_ancestors.shape[0]
-            rows = torch.zeros(k, fed + k, dtype=torch.bool, device=device)
-            if fed:
-                rows[:, :fed] = torch.where(parent_fed[:, None] >= 0, fed_ancestors[parent_fed.clamp(min=0)], False)
-            rows[:, fed:] = torch.eye(k, dtype=torch.bool, device=device)
-            fed_ancestors = torch.cat(
-                [torch.cat([fed_ancestors, torch.zeros(fed, k, dtype=torch.bool, device=device)], 1), rows], 0
-            )
+            rows, fed_ancestors = feed_frontier(fed_ancestors, parent_fed)
             mask = torch.zeros(1, 1, k, self.committed + fed + k, dtype=self.dtype, device=device)
             mask[0, 0, :, self.committed :].masked_fill_(~rows, self.neg)
             positions = torch.full((1, k), self.committed + level - 2, device=device)
@@ -175,17 +169,59 @@ class EagleDrafter:
             parent_fed = fed + best // k
             pool_size += k * k
 
-        # 4. Keep the best num_nodes of the pool; a stable sort keeps parents (lower index) first on ties.
-        all_scores, all_tokens, all_parents = torch.cat(pool_scores), torch.cat(pool_tokens), torch.cat(pool_parents)
-        order = torch.sort(all_scores, descending=True, stable=True).indices[: self.num_nodes]
-        keep = torch.sort(order).values  # pool order = topological order
-        remap = torch.full((pool_size,), -1, dtype=torch.long, device=device)
-        remap[keep] = torch.arange(1, keep.shape[0] + 1, device=device)
-        kept_parents = all_parents[keep]
-        # A kept node's parent is always kept: its score is >= the child's, and the stable sort breaks ties
-        # by pool index (parents first), so remap never yields -1 here.
-        tree_parents = torch.where(kept_parents < 0, 0, remap[kept_parents.clamp(min=0)])
-        tree_tokens = torch.cat([next_tokens[-1:], all_tokens[keep]])
-        parents = torch.cat([torch.tensor([-1], device=device), tree_parents])
+        # 4. Keep the best num_nodes of the pool.
+        tree_tokens, parents = best_subtree(pool_tokens, pool_scores, pool_parents, self.num_nodes, next_tokens[-1:])
         return tree_tokens, build_tree_buffers(parents, dtype=self.dtype, check=False)  # valid by construction
+
+
+def feed_frontier(fed_ancestors: torch.Tensor, parent_fed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ancestry of the k frontier nodes fed at the next draft level, among all fed draft entries.
+
+    Args:
+        fed_ancestors: (F, F) bool, entry i's ancestors (itself included) among the F entries fed so far.
+        parent_fed: (k,) fed-entry index of each frontier node's parent, -1 for children of the root.
+
+    Returns:
+        rows: (k, F + k) bool, what each frontier node sees (its parent's ancestors and itself);
+        fed_ancestors: (F + k, F + k) the same matrix with the frontier appended.
+    """
+    fed, k, device = fed_ancestors.shape[0], parent_fed.shape[0], parent_fed.device
+    rows = torch.zeros(k, fed + k, dtype=torch.bool, device=device)
+    if fed:
+        rows[:, :fed] = torch.where(parent_fed[:, None] >= 0, fed_ancestors[parent_fed.clamp(min=0)], False)
+    rows[:, fed:] = torch.eye(k, dtype=torch.bool, device=device)
+    grown = torch.cat([torch.cat([fed_ancestors, torch.zeros(fed, k, dtype=torch.bool, device=device)], 1), rows], 0)
+    return rows, grown
+
+
+def best_subtree(
+    pool_tokens: list[torch.Tensor],
+    pool_scores: list[torch.Tensor],
+    pool_parents: list[torch.Tensor],
+    num_nodes: int,
+    root_token: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `num_nodes` best-scored drafted nodes as a tree under the root (fixed shapes, no host sync).
+
+    Args:
+        pool_tokens, pool_scores, pool_parents: per draft level, each node's token, cumulative log-probability
+            and parent's pool index (-1 = the root), in pool order (parents before children).
+        num_nodes: how many drafted nodes to keep.
+        root_token: (1,) the root's token.
+
+    Returns:
+        (tokens (num_nodes + 1,), parents (num_nodes + 1,)): the root first, then the kept nodes in pool order.
+    """
+    all_scores, all_tokens, all_parents = torch.cat(pool_scores), torch.cat(pool_tokens), torch.cat(pool_parents)
+    device = all_tokens.device
+    order = torch.sort(all_scores, descending=True, stable=True).indices[:num_nodes]
+    keep = torch.sort(order).values  # pool order = topological order
+    remap = torch.full((all_scores.shape[0],), -1, dtype=torch.long, device=device)
+    remap[keep] = torch.arange(1, keep.shape[0] + 1, device=device)
+    kept_parents = all_parents[keep]
+    # A kept node's parent is always kept: its score is >= the child's, and the stable sort breaks ties by pool
+    # index (parents first), so remap never yields -1 here.
+    tree_parents = torch.where(kept_parents < 0, 0, remap[kept_parents.clamp(min=0)])
+    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=device), tree_parents])
+    return torch.cat([root_token, all_tokens[keep]]), parents
 

@@ -23,7 +23,6 @@ Sliding-window targets whose window could be reached fall back to the normal pat
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,9 @@ import torch
 from transformers import PreTrainedModel
 
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
+from specheads.inference.cuda_graphs import try_capture
 from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_static, write_tree_mask
+from specheads.inference.static_drafting import StaticEagleDrafter
 from specheads.inference.tree import TreeBuffers
 from specheads.inference.verify import sliding_window_of
 
@@ -45,36 +46,6 @@ FeatureFn = Callable[[tuple[torch.Tensor, ...]], torch.Tensor]  # hidden_states 
 MIN_BUCKET = 8
 UNKNOWN_TREE_RESERVE = 64
 CAPACITY_ALIGN = 64  # cache slots are allocated in multiples of this (aligned masks, fewer reallocations)
-
-
-def capture_cuda_graph(fn: Callable[[], Any], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Capture `fn` (reading and writing only static tensors) as a CUDA graph, after warm-up on a side stream.
-
-    As the PyTorch CUDA-graph docs prescribe: warm-up iterations run on a side stream (lazy init, autotuning,
-    allocator), then one call is recorded. Returns (graph, fn's outputs, which every replay overwrites).
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
-
-
-def _try_capture(fn: Callable[[], Any], what: str) -> tuple[torch.cuda.CUDAGraph | None, Any]:
-    """`capture_cuda_graph`, or (None, None) with a warning when capture fails (the caller stays eager)."""
-    try:
-        return capture_cuda_graph(fn)
-    except Exception as error:  # noqa: BLE001  (any capture failure: fall back to eager, correct but slower)
-        warnings.warn(
-            f"CUDA graph capture of the {what} failed ({error!r}); running it eagerly", stacklevel=3
-        )
-        torch.cuda.synchronize()
-        return None, None
 
 
 # --- tree sizes --------------------------------------------------------------------------------------------
@@ -178,7 +149,7 @@ class TreeVerifier:
         """Verify the loaded tree: replay the CUDA graph (captured on the first call), or run eagerly."""
         if self.use_graph and self.graph is None and not self.capture_failed:
             # Warm-up runs write the same slots [prefix, prefix + N) that the replay below rewrites: harmless.
-            self.graph, self.graph_outputs = _try_capture(
+            self.graph, self.graph_outputs = try_capture(
                 self.forward, f"{self.num_slots}-node tree verification"
             )
             self.capture_failed = self.graph is None
@@ -214,6 +185,9 @@ class FastPathRunner:
         self.device, self.dtype = target.device, target.dtype
         self.fixed_slots: int | None = None  # set by use_drafter
         self.reserve = 0  # tree slots checked at prefill; set by use_drafter (each tree is checked when loaded)
+        self.static_drafting = True  # EAGLE drafters run as StaticEagleDrafter (one CUDA graph per round)
+        self.drafter: Drafter | None = None  # what drafts on this path; set by use_drafter
+        self.static_drafter: StaticEagleDrafter | None = None  # kept with its graph while the EAGLE drafter stays
 
     @property
     def capacity(self) -> int:
@@ -227,9 +201,19 @@ class FastPathRunner:
             )
         return self.verifiers[num_slots]
 
-    def use_drafter(self, drafter: Drafter) -> None:
-        """Size verification for this drafter's trees (`generate` calls it before each call's rows)."""
+    def use_drafter(self, drafter: Drafter) -> Drafter:
+        """Size verification for this drafter's trees and return the drafter to use on this path (`generate`
+        calls it before each call's rows): an EAGLE drafter without early stopping becomes its fixed-shape,
+        graphed `StaticEagleDrafter` (same trees, kept across calls with its graph); others are used as they are.
+        """
         self.fixed_slots, self.reserve = fixed_tree_slots(drafter), tree_reserve(drafter)
+        if self.static_drafting and isinstance(drafter, EagleDrafter) and drafter.stop_prob == 0:
+            if self.static_drafter is None or self.static_drafter.source is not drafter:
+                self.static_drafter = StaticEagleDrafter(drafter, self.capacity, use_graph=self.use_graphs)
+            self.drafter = self.static_drafter
+        else:
+            self.drafter = drafter
+        return self.drafter
 
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the (n,) prompt into slots [0, n) (eager: prompt lengths vary). Returns last logits (1, V), features (n, h).
@@ -378,7 +362,7 @@ class StaticGreedyDecoder:
         if self.use_graph and self.graph is None and not self.capture_failed:
             state = (self.ids, self.positions, self.write, self.step_index, self.mask)
             saved = [t.clone() for t in state]
-            self.graph, _ = _try_capture(self.step, "1-token decoding step")
+            self.graph, _ = try_capture(self.step, "1-token decoding step")
             self.capture_failed = self.graph is None
             for tensor, value in zip(state, saved):  # undo the warm-up steps' advances
                 tensor.copy_(value)

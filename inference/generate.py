@@ -182,7 +182,9 @@ class SpeculativeLM:
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
-            runner.use_drafter(self.drafter)
+            row_drafter = runner.use_drafter(self.drafter)
+        else:
+            row_drafter = self.drafter
         if batched is None:
             batched = len(prompts) > 1 and can_batch and runner is None
         if batched and not can_batch:
@@ -198,7 +200,9 @@ class SpeculativeLM:
             for prompt in prompts:
                 if streamer is not None:
                     streamer.put(prompt.cpu())
-                rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier))
+                rows.append(self._generate_row(
+                    prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier, row_drafter
+                ))
         if streamer is not None:
             streamer.end()
         seconds = time.perf_counter() - start
@@ -216,11 +220,13 @@ class SpeculativeLM:
         acceptance: str,
         stats: dict[str, Any],
         verifier: DynamicTreeVerifier | FastPathRunner,
+        drafter: Drafter,
     ) -> list[int]:
         """Speculative decoding of one prompt (n,); returns the new token ids.
 
         `verifier` is the target's side of each round: a `DynamicTreeVerifier`, or the GPU fast path's
-        `FastPathRunner` (static cache, CUDA-graph verification); both give the same tokens.
+        `FastPathRunner` (static cache, CUDA-graph verification); both give the same tokens. `drafter` is
+        `self.drafter`, or on the fast path its fixed-shape version (`FastPathRunner.use_drafter`).
         """
         if max_new_tokens == 0:
             return []
@@ -231,10 +237,10 @@ class SpeculativeLM:
         done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)
         next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
         prefix_length = prompt.shape[0]
-        self.drafter.reset()
+        drafter.reset()
         while not done:
             # draft
-            tokens, tree = self.drafter.propose(features, next_tokens)
+            tokens, tree = drafter.propose(features, next_tokens)
             # verify
             logits, node_features = verifier.verify(tokens, tree, prefix_length)  # (N, V), (N, h)
             stats["target_forwards"] += 1

@@ -94,14 +94,18 @@ class StaticTreeCache(Cache):
     explicit `position_ids` (the model then never asks the cache for its length).
 
     Args:
-        target: the model this cache serves (its config gives the number of layers).
+        target: the model this cache serves (its config gives the number of layers), or None with `num_layers`.
         capacity: slots per layer: at least prompt + max_new_tokens + tree nodes.
+        num_layers: layers to hold when there is no `target` (e.g. 1 for an EAGLE head's own cache).
     """
 
-    def __init__(self, target: PreTrainedModel, capacity: int) -> None:
+    def __init__(self, target: PreTrainedModel | None, capacity: int, num_layers: int | None = None) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity={capacity!r} must be a positive integer")
-        num_layers = target.config.get_text_config().num_hidden_layers
+        if num_layers is None:
+            if target is None:
+                raise ValueError("StaticTreeCache needs a target or num_layers")
+            num_layers = target.config.get_text_config().num_hidden_layers
         self.shared = _SharedStorage()
         super().__init__(
             layers=[StaticTreeLayer(i, num_layers, capacity, self.shared) for i in range(num_layers)]

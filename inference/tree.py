@@ -43,7 +43,9 @@ class TreeBuffers:
         return self.parents.shape[0]
 
 
-def build_tree_buffers(parents: torch.Tensor, dtype: torch.dtype = torch.float32, check: bool = True) -> TreeBuffers:
+def build_tree_buffers(
+    parents: torch.Tensor, dtype: torch.dtype = torch.float32, check: bool = True, max_depth: int | None = None
+) -> TreeBuffers:
     """Turn parent indices into the buffers that verify a tree in one forward pass.
 
     Each node attends to the cached prefix (handled by the caller) and to exactly its ancestors and itself;
@@ -53,6 +55,8 @@ def build_tree_buffers(parents: torch.Tensor, dtype: torch.dtype = torch.float32
         parents: (N,) long tensor, parents[0] == -1 and 0 <= parents[i] < i for i > 0.
         dtype: dtype of `attention_bias` (the target's dtype).
         check: validate `parents` (two host syncs); drafters that build valid trees by construction skip it.
+        max_depth: a bound on the tree's depth: then exactly that many passes run, with no host sync (what a
+            CUDA graph needs); None repeats passes until nothing changes (one host sync per level).
 
     Returns:
         The `TreeBuffers` of this tree.
@@ -74,11 +78,12 @@ def build_tree_buffers(parents: torch.Tensor, dtype: torch.dtype = torch.float32
     ancestors = identity
     safe_parents = parents.clamp(min=0)
     has_parent = parents >= 0
-    while True:
+    passes = 0
+    while max_depth is None or passes < max_depth:
         new_ancestors = identity | (ancestors[safe_parents] & has_parent[:, None])
-        if torch.equal(new_ancestors, ancestors):
+        if max_depth is None and torch.equal(new_ancestors, ancestors):
             break
-        ancestors = new_ancestors
+        ancestors, passes = new_ancestors, passes + 1
     depth = ancestors.sum(-1) - 1
 
     attention_bias = torch.zeros(n, n, dtype=dtype, device=parents.device)

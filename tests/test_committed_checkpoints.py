@@ -13,12 +13,12 @@ from specheads import load_heads
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m-instruct-eagle"])
-def test_committed_heads_load_and_fit_the_budget(name):
+@pytest.mark.parametrize("name, head_type", [("smollm2-135m-instruct-eagle", "eagle"), ("smollm2-135m-instruct-eagle3", "eagle3")])
+def test_committed_heads_load_and_fit_the_budget(name, head_type):
     folder = CHECKPOINTS / name
     heads = load_heads(folder)  # strict: every tensor present, none extra, shapes as the config says
     config = heads.config
-    assert (config.head_type, config.hidden_size, config.vocab_size) == ("eagle", 576, 49152)
+    assert (config.head_type, config.hidden_size, config.vocab_size) == (head_type, 576, 49152)
     assert config.target_name_or_path == "smollm2-135m-instruct"
     assert len(config.target_embedding_sample) == 16  # refuses a same-shaped other target
     # drafts over its 8,192 most frequent trained tokens; the special tokens (0-2, EOS = 2) are always draftable

@@ -80,6 +80,20 @@ def make_accelerator(config: RunConfig) -> Accelerator:
     return accelerator
 
 
+def fill_deepspeed_config(accelerator: Accelerator, config: RunConfig) -> None:
+    """Under DeepSpeed, fill the "auto" values accelerate cannot infer here: it reads the micro batch size from a
+    DataLoader, and we batch ourselves. Micro batch size and gradient clipping come from the run config (no-op
+    without DeepSpeed)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    values = plugin.deepspeed_config
+    if values.get("train_micro_batch_size_per_gpu") == "auto":
+        values["train_micro_batch_size_per_gpu"] = config.micro_batch_size
+    if values.get("gradient_clipping") == "auto":
+        values["gradient_clipping"] = config.optim.max_grad_norm  # 0: no clipping, as without DeepSpeed
+
+
 def lr_lambda(config: RunConfig) -> Any:
     """Multiplier of the learning rate at step s: linear warmup, then cosine (to min_lr_ratio) or constant."""
     warmup, total, floor = config.optim.warmup_steps, config.max_steps, config.optim.min_lr_ratio
@@ -168,7 +182,8 @@ def compute_loss(
     else:
         features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
     if heads.config.head_type == "medusa":
-        return medusa_loss(model(features), target_logits, batch["input_ids"], batch["loss_mask"], config.loss)
+        medusa_logits = _HeadsView(model, heads)(features)
+        return medusa_loss(medusa_logits, target_logits, batch["input_ids"], batch["loss_mask"], config.loss)
     noise = None
     if config.loss.input_noise > 0:
         batch_size, seq_len, hidden = features.shape
@@ -185,16 +200,25 @@ def compute_loss(
 
 
 class _HeadsView:
-    """Calls go through the prepared (DDP) model when gradients are on, else through the plain heads."""
+    """Calls go through the prepared (DDP) model when gradients are on, else through the plain heads.
+
+    Float tensors go in at the heads' parameter dtype and come out as float32: DeepSpeed with bf16 turns the
+    prepared heads' weights into bf16 (no autocast), while the frozen target's features and the losses stay
+    float32. Everywhere else the heads are float32 and the casts do nothing.
+    """
 
     def __init__(self, model: torch.nn.Module, heads: torch.nn.Module) -> None:
         self.model, self.heads = model, heads
+        self.dtype = next(heads.parameters()).dtype
+
+    def _inputs(self, args: tuple[Any, ...]) -> list[Any]:
+        return [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
 
     def __call__(self, *args: Any) -> torch.Tensor:
-        return (self.model if torch.is_grad_enabled() else self.heads)(*args)
+        return (self.model if torch.is_grad_enabled() else self.heads)(*self._inputs(args)).float()
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        return self.heads.logits(predicted)
+        return self.heads.logits(*self._inputs((predicted,))).float()
 
     @property
     def d2t(self) -> torch.Tensor:
@@ -267,6 +291,7 @@ def train(config: RunConfig) -> dict[str, Any]:
         weight_decay=config.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+    fill_deepspeed_config(accelerator, config)
     model, optimizer, scheduler = accelerator.prepare(trained, optimizer, scheduler)
     if joint is not None:
         keep_trainable_weights_only(accelerator)  # checkpoints: heads + adapter, not the frozen target

@@ -1,10 +1,10 @@
 # Sourced at the start of every command on a lent GPU machine (no network there).
 # Carried (in .gpu/, git-ignored): wheels missing from its image (whl1: transformers matching ours; whl2: gguf,
-# datasets + deps) and the SmolLM2 GGUF in two parts (98 MB > the 64 MiB one call can carry): part1 in one call,
-# kept in /tmp/persist, part2 in the next one while the machine is still warm.
+# datasets + deps; whl3: deepspeed + deps) and the SmolLM2 GGUF in two parts (98 MB > the 64 MiB one call can
+# carry): part1 in one call, kept in /tmp/persist, part2 in the next one while the machine is still warm.
 export PYTHONUNBUFFERED=1 SPECHEADS_CACHE=/tmp/cache HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ -d .gpu/part1 ]; then mkdir -p /tmp/persist && cp .gpu/part1/gguf.part /tmp/persist/gguf.part1; fi
-for d in .gpu/whl1 .gpu/whl2; do
+for d in .gpu/whl1 .gpu/whl2 .gpu/whl3; do
   if [ -d $d ] && [ ! -f /tmp/site/.done-$(basename $d) ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl \
       && touch /tmp/site/.done-$(basename $d)

@@ -327,12 +327,12 @@ def test_clear_errors_when_the_allocation_is_too_small(stories260k):
         StaticGreedyDecoder(target, capacity=16).generate(ids, max_new_tokens=20)
     lm = SpeculativeLM(target, make_heads(target, "medusa"))
     runner = FastPathRunner(target, lm.heads.select_features, capacity=32)
-    runner.use_drafter(lm.drafter)
+    drafter = runner.use_drafter(lm.drafter)
     stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": []}
     from specheads.inference.sampling import SamplingParams
 
     with pytest.raises(ValueError, match="capacity 32 cannot hold"):
-        lm._generate_row(ids[0], 20, SamplingParams(), set(), None, "exact", stats, runner)
+        lm._generate_row(ids[0], 20, SamplingParams(), set(), None, "exact", stats, runner, drafter)
     with pytest.raises(ValueError, match="max_new_tokens"):
         StaticGreedyDecoder(target, capacity=16).generate(ids, max_new_tokens=-1)
 

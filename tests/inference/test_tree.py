@@ -47,6 +47,9 @@ def test_ancestors_depth_and_mask_match_a_slow_reference(parents):
     assert tree.attention_bias.dtype == torch.float32
     assert bool((tree.attention_bias[expected] == 0).all())
     assert bool((tree.attention_bias[~expected] == torch.finfo(torch.float32).min).all())
+    # A depth bound (fixed passes, no host sync: what CUDA-graph drafting uses) gives the same buffers.
+    bounded = build_tree_buffers(torch.tensor(parents), check=False, max_depth=max(tree.depth.tolist()) + 1)
+    assert torch.equal(bounded.ancestors, expected) and torch.equal(bounded.depth, tree.depth)
 
 
 @given(random_parents())

@@ -155,3 +155,41 @@ def test_offline_features_train_like_online(tmp_path, stories_file):
     a, b = load_file(tmp_path / "online" / "final" / "model.safetensors"), load_file(tmp_path / "offline" / "final" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_deepspeed_auto_values_come_from_the_run_config():
+    """Accelerate reads DeepSpeed's "auto" micro batch size from a DataLoader; we batch ourselves, so the run
+    config fills it (and gradient clipping) before `prepare`. Without DeepSpeed nothing happens."""
+    from specheads.training.train import fill_deepspeed_config
+
+    config = load_run_config(CONFIGS / "eagle_stories260k.yaml")
+    shipped = json.loads((REPO / "configs" / "deepspeed" / "zero2.json").read_text())
+    plugin = SimpleNamespace(deepspeed_config=dict(shipped))
+    fill_deepspeed_config(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)), config)
+    assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == config.micro_batch_size
+    assert plugin.deepspeed_config["gradient_clipping"] == config.optim.max_grad_norm
+    assert plugin.deepspeed_config["zero_optimization"] == shipped["zero_optimization"]
+    fill_deepspeed_config(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)), config)  # no DeepSpeed
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "eagle", "eagle3"])
+def test_heads_in_bf16_train_against_a_float32_target(head_type, stories_file, target_and_tokenizer):
+    """DeepSpeed with bf16 turns the prepared heads' weights into bf16 without autocast, while the frozen target
+    stays float32: the loss still runs (inputs cast to the heads' dtype, outputs back to float32), gradients
+    reach the bf16 weights, and the loss is close to the float32 heads' loss."""
+    from specheads.training.data import build_dataset, collate
+    from specheads.training.train import compute_loss
+
+    target, tokenizer = target_and_tokenizer
+    config = load_run_config(CONFIGS / f"{head_type}_stories260k.yaml")
+    torch.manual_seed(0)
+    heads = create_heads(target, head_type, **config.head.options)
+    batch = collate([build_dataset(stories_file, tokenizer, "text", 64)[i] for i in range(4)])
+    seeds = list(range(4))
+    reference = compute_loss(config, heads, heads, target, batch, seeds).loss
+    heads.to(torch.bfloat16)
+    loss = compute_loss(config, heads, heads, target, batch, seeds).loss
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in heads.parameters() if p.requires_grad)
+    assert abs(loss.item() - reference.item()) < 0.05 * abs(reference.item())

@@ -1,0 +1,39 @@
+"""Capturing a function of static tensors as a CUDA graph (verification, drafting and decoding steps use it)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def capture_cuda_graph(fn: Callable[[], Any], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture `fn` (reading and writing only static tensors) as a CUDA graph, after warm-up on a side stream.
+
+    As the PyTorch CUDA-graph docs prescribe: warm-up iterations run on a side stream (lazy init, autotuning,
+    allocator), then one call is recorded. Returns (graph, fn's outputs, which every replay overwrites).
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
+def try_capture(fn: Callable[[], Any], what: str) -> tuple[torch.cuda.CUDAGraph | None, Any]:
+    """`capture_cuda_graph`, or (None, None) with a warning when capture fails (the caller stays eager)."""
+    try:
+        return capture_cuda_graph(fn)
+    except Exception as error:  # noqa: BLE001  (any capture failure: fall back to eager, correct but slower)
+        warnings.warn(
+            f"CUDA graph capture of the {what} failed ({error!r}); running it eagerly", stacklevel=3
+        )
+        torch.cuda.synchronize()
+        return None, None
