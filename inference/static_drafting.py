@@ -169,16 +169,16 @@ class StaticEagleDrafter:
         Returns (tokens (N+1,), tree buffers), views of static buffers valid until the next `propose`.
         """
         length = features.shape[0]
-        extra = max(0, length - self.commit_rows)
-        if extra:
-            self._commit_eagerly(features[:extra], next_tokens[:extra])
-            features, next_tokens, length = features[extra:], next_tokens[extra:], length - extra
         end = self.committed + length
         if end > self.sequence_capacity:  # then commit rows and draft levels fit the cache too
             raise ValueError(
                 f"the EAGLE head cache of {self.cache.capacity} slots cannot hold {end} positions: the sequence grew "
                 f"past the {self.sequence_capacity} positions it was sized for"
             )
+        extra = max(0, length - self.commit_rows)
+        if extra:
+            self._commit_eagerly(features[:extra], next_tokens[:extra])
+            features, next_tokens, length = features[extra:], next_tokens[extra:], length - extra
         if self.features is None:
             self.features = torch.zeros(
                 self.commit_rows, features.shape[-1], dtype=features.dtype, device=self.device

@@ -118,3 +118,6 @@ def test_a_sequence_longer_than_the_static_drafter_was_sized_for_is_refused(stor
     static.propose(features, tokens)
     with pytest.raises(ValueError, match="head cache of .* slots cannot hold"):
         static.propose(features[:5], tokens[:5])
+    static.reset()
+    with pytest.raises(ValueError, match="cannot hold 9 positions"):  # a prompt too long: refused before any work
+        static.propose(torch.randn(9, heads.config.hidden_size), torch.arange(9))
