@@ -144,6 +144,9 @@ class DraftHeads(PreTrainedModel):
         """How many target tokens the heads can draft: the whole vocabulary unless a subclass reduces it."""
         return self.config.vocab_size
 
+    def check_draft_vocab_buffers(self, source: str) -> None:
+        """Raise a ValueError naming `source` when loaded draft-vocabulary buffers are invalid (none here)."""
+
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The target features the heads read, from the target's `hidden_states` tuple. (B, T, h)"""
         return hidden_states[self.config.feature_layers[0]]

@@ -13,8 +13,8 @@ from transformers import PreTrainedModel
 from specheads.heads import HEAD_CLASSES, HEAD_TYPES
 from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.heads.config import FIELD_HELP, HeadsConfig
-from specheads.heads.eagle import EagleHeads, draft_layer_config_from_target
-from specheads.heads.eagle3 import Eagle3Heads, default_eagle3_feature_layers
+from specheads.heads.eagle import draft_layer_config_from_target
+from specheads.heads.eagle3 import default_eagle3_feature_layers
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -150,8 +150,7 @@ def load_heads(
         )
     if info.get("mismatched_keys"):
         raise ValueError(f"{weights_file}: tensors with the wrong shape: {info['mismatched_keys']}")
-    if isinstance(heads, (EagleHeads, Eagle3Heads)):
-        heads.check_draft_vocab_buffers(str(weights_file))
+    heads.check_draft_vocab_buffers(str(weights_file))
     heads.eval()
     if target is not None:
         heads.to(device=target.device, dtype=target.dtype)

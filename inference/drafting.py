@@ -135,93 +135,98 @@ class EagleDrafter:
 
         # 2. Depth 1: the top-k children of the root.
         scores, tokens = self.top_children(last)  # (k,)
-        pool_tokens, pool_scores = [tokens], [scores]
-        pool_parents = [torch.full((k,), -1, device=device)]  # pool index of each node's parent; -1 = root
-        frontier = torch.arange(k, device=device)  # pool indices of the nodes fed next
-        frontier_tokens, frontier_scores = tokens, scores
-        frontier_features = last.expand(k, -1)  # (k, h) predicted feature each frontier node reads
-        fed_ancestors = torch.zeros(0, 0, dtype=torch.bool, device=device)  # over fed draft entries
-        parent_fed = torch.full((k,), -1, device=device)  # fed-entry index of each frontier node's parent
-        pool_size = k
+        pool = DraftPool(scores, tokens, last)
 
         # 3. Deeper levels: feed the frontier (k nodes) at position committed + d - 2, expand, rerank.
         #    Stop early when even the best frontier path is unlikely: deeper drafts would be wasted work.
-        best_score = scores[0]
         for level in range(2, self.depth + 1):
-            if self.stop_prob > 0 and float(best_score) < self.log_stop:
+            if self.stop_prob > 0 and float(pool.frontier_scores[0]) < self.log_stop:
                 break
-            fed = fed_ancestors.shape[0]
-            rows, fed_ancestors = feed_frontier(fed_ancestors, parent_fed)
+            fed, rows = pool.feed()
             mask = torch.zeros(1, 1, k, self.committed + fed + k, dtype=self.dtype, device=device)
             mask[0, 0, :, self.committed :].masked_fill_(~rows, self.neg)
             positions = torch.full((1, k), self.committed + level - 2, device=device)
-            out = heads(frontier_features[None], frontier_tokens[None], positions, mask, self.cache)[0]
-            child_scores, child_tokens = self.top_children(out)  # (k, k)
-            child_scores = child_scores + frontier_scores[:, None]
-            pool_tokens.append(child_tokens.flatten())
-            pool_scores.append(child_scores.flatten())
-            pool_parents.append(frontier.repeat_interleave(k))
-            frontier_scores, best = torch.topk(child_scores.flatten(), k)  # (k,) next frontier of the k*k children
-            best_score = frontier_scores[0]
-            frontier_tokens = child_tokens.flatten()[best]
-            frontier = pool_size + best
-            frontier_features = out[best // k]
-            parent_fed = fed + best // k
-            pool_size += k * k
+            out = heads(pool.frontier_features[None], pool.frontier_tokens[None], positions, mask, self.cache)[0]
+            pool.expand(out, *self.top_children(out))
 
         # 4. Keep the best num_nodes of the pool.
-        tree_tokens, parents = best_subtree(pool_tokens, pool_scores, pool_parents, self.num_nodes, next_tokens[-1:])
+        tree_tokens, parents = pool.best_subtree(self.num_nodes, next_tokens[-1:])
         return tree_tokens, build_tree_buffers(parents, dtype=self.dtype, check=False)  # valid by construction
 
 
-def feed_frontier(fed_ancestors: torch.Tensor, parent_fed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ancestry of the k frontier nodes fed at the next draft level, among all fed draft entries.
+
+class DraftPool:
+    """The drafted nodes of one EAGLE round and the frontier fed at the next level (both EAGLE drafters use it).
+
+    Node i of the pool has a token, a cumulative log-probability and its parent's pool index (-1 = the root),
+    kept per level in pool order (parents before children). The frontier is the best `k` nodes of the last
+    level: the head is fed them next, each reading the feature its parent predicted. Fed entries (the head's
+    cache beyond the committed positions) follow pool levels; `fed_ancestors` says which of them each one sees.
+    Fixed shapes throughout and no host sync, so a CUDA graph can capture it.
 
     Args:
-        fed_ancestors: (F, F) bool, entry i's ancestors (itself included) among the F entries fed so far.
-        parent_fed: (k,) fed-entry index of each frontier node's parent, -1 for children of the root.
-
-    Returns:
-        rows: (k, F + k) bool, what each frontier node sees (its parent's ancestors and itself);
-        fed_ancestors: (F + k, F + k) the same matrix with the frontier appended.
+        scores: (k,) log-probabilities of the root's top-k children; tokens: (k,) their target ids;
+        root_feature: (h,) the predicted feature at the root's position (what depth-1 nodes read).
     """
-    fed, k, device = fed_ancestors.shape[0], parent_fed.shape[0], parent_fed.device
-    rows = torch.zeros(k, fed + k, dtype=torch.bool, device=device)
-    if fed:
-        rows[:, :fed] = torch.where(parent_fed[:, None] >= 0, fed_ancestors[parent_fed.clamp(min=0)], False)
-    rows[:, fed:] = torch.eye(k, dtype=torch.bool, device=device)
-    grown = torch.cat([torch.cat([fed_ancestors, torch.zeros(fed, k, dtype=torch.bool, device=device)], 1), rows], 0)
-    return rows, grown
 
+    def __init__(self, scores: torch.Tensor, tokens: torch.Tensor, root_feature: torch.Tensor) -> None:
+        k, device = tokens.shape[0], tokens.device
+        self.k = k
+        self.tokens, self.scores = [tokens], [scores]
+        self.parents = [torch.full((k,), -1, device=device)]
+        self.size = k
+        self.frontier = torch.arange(k, device=device)  # pool indices of the nodes fed next
+        self.frontier_tokens, self.frontier_scores = tokens, scores
+        self.frontier_features = root_feature.expand(k, -1)  # (k, h)
+        self.fed_ancestors = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (F, F) over fed entries
+        self.parent_fed = torch.full((k,), -1, device=device)  # fed-entry index of each frontier node's parent
 
-def best_subtree(
-    pool_tokens: list[torch.Tensor],
-    pool_scores: list[torch.Tensor],
-    pool_parents: list[torch.Tensor],
-    num_nodes: int,
-    root_token: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `num_nodes` best-scored drafted nodes as a tree under the root (fixed shapes, no host sync).
+    def feed(self) -> tuple[int, torch.Tensor]:
+        """Append the frontier to the fed entries. Returns (F = entries fed before, rows (k, F + k) bool: what
+        each frontier node sees among the fed entries, i.e. its parent's ancestors and itself)."""
+        fed, k, device = self.fed_ancestors.shape[0], self.k, self.parent_fed.device
+        rows = torch.zeros(k, fed + k, dtype=torch.bool, device=device)
+        if fed:
+            parent_rows = self.fed_ancestors[self.parent_fed.clamp(min=0)]
+            rows[:, :fed] = torch.where(self.parent_fed[:, None] >= 0, parent_rows, False)
+        rows[:, fed:] = torch.eye(k, dtype=torch.bool, device=device)
+        widened = torch.cat([self.fed_ancestors, torch.zeros(fed, k, dtype=torch.bool, device=device)], 1)
+        self.fed_ancestors = torch.cat([widened, rows], 0)
+        return fed, rows
 
-    Args:
-        pool_tokens, pool_scores, pool_parents: per draft level, each node's token, cumulative log-probability
-            and parent's pool index (-1 = the root), in pool order (parents before children).
-        num_nodes: how many drafted nodes to keep.
-        root_token: (1,) the root's token.
+    def expand(self, out: torch.Tensor, child_scores: torch.Tensor, child_tokens: torch.Tensor) -> None:
+        """Add the k x k children of the fed frontier and pick the next frontier (the best k of them).
 
-    Returns:
-        (tokens (num_nodes + 1,), parents (num_nodes + 1,)): the root first, then the kept nodes in pool order.
-    """
-    all_scores, all_tokens, all_parents = torch.cat(pool_scores), torch.cat(pool_tokens), torch.cat(pool_parents)
-    device = all_tokens.device
-    order = torch.sort(all_scores, descending=True, stable=True).indices[:num_nodes]
-    keep = torch.sort(order).values  # pool order = topological order
-    remap = torch.full((all_scores.shape[0],), -1, dtype=torch.long, device=device)
-    remap[keep] = torch.arange(1, keep.shape[0] + 1, device=device)
-    kept_parents = all_parents[keep]
-    # A kept node's parent is always kept: its score is >= the child's, and the stable sort breaks ties by pool
-    # index (parents first), so remap never yields -1 here.
-    tree_parents = torch.where(kept_parents < 0, 0, remap[kept_parents.clamp(min=0)])
-    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=device), tree_parents])
-    return torch.cat([root_token, all_tokens[keep]]), parents
+        Args:
+            out: (k, h) the head's predicted features for the frontier just fed.
+            child_scores, child_tokens: (k, k) each frontier node's top-k children (log-probs, target ids).
+        """
+        k = self.k
+        fed = self.fed_ancestors.shape[0] - k  # the frontier's first fed-entry index
+        child_scores = (child_scores + self.frontier_scores[:, None]).flatten()  # cumulative, (k*k,)
+        child_tokens = child_tokens.flatten()
+        self.tokens.append(child_tokens)
+        self.scores.append(child_scores)
+        self.parents.append(self.frontier[:, None].expand(k, k).reshape(-1))
+        self.frontier_scores, best = torch.topk(child_scores, k)
+        self.frontier_tokens = child_tokens[best]
+        self.frontier = self.size + best
+        self.frontier_features = out[best // k]
+        self.parent_fed = fed + best // k
+        self.size += k * k
 
+    def best_subtree(self, num_nodes: int, root_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `num_nodes` best-scored nodes as a tree under the root: (tokens, parents), each (num_nodes + 1,),
+        the root first (`root_token`, (1,)), then the kept nodes in pool order."""
+        all_scores, all_tokens = torch.cat(self.scores), torch.cat(self.tokens)
+        all_parents, device = torch.cat(self.parents), all_tokens.device
+        order = torch.sort(all_scores, descending=True, stable=True).indices[:num_nodes]
+        keep = torch.sort(order).values  # pool order = topological order
+        remap = torch.full((self.size,), -1, dtype=torch.long, device=device)
+        remap[keep] = torch.arange(1, keep.shape[0] + 1, device=device)
+        kept_parents = all_parents[keep]
+        # A kept node's parent is always kept: its score is >= the child's, and the stable sort breaks ties by pool
+        # index (parents first), so remap never yields -1 here.
+        tree_parents = torch.where(kept_parents < 0, 0, remap[kept_parents.clamp(min=0)])
+        parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=device), tree_parents])
+        return torch.cat([root_token, all_tokens[keep]]), parents

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from specheads.inference.cuda_graphs import try_capture
-from specheads.inference.drafting import EagleDrafter, best_subtree, feed_frontier
+from specheads.inference.drafting import DraftPool, EagleDrafter
 from specheads.inference.static_cache import StaticTreeCache
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
@@ -101,43 +101,24 @@ class StaticEagleDrafter:
         committed = self.base + self.count  # head positions with true features after this round
 
         # 2. Depth 1: the top-k children of the root.
-        scores, tokens = source.top_children(last)  # (k,)
-        pool_tokens, pool_scores = [tokens], [scores]
-        pool_parents = [torch.full((k,), -1, device=device)]
-        frontier = torch.arange(k, device=device)
-        frontier_tokens, frontier_scores = tokens, scores
-        frontier_features = last.expand(k, -1)  # (k, h)
-        fed_ancestors = torch.zeros(0, 0, dtype=torch.bool, device=device)
-        parent_fed = torch.full((k,), -1, device=device)
-        pool_size = k
+        pool = DraftPool(*source.top_children(last), last)
         prefix_visible = self.key_index[None, :] < committed  # (1, C)
 
         # 3. Deeper levels, as EagleDrafter: the k frontier nodes at position committed + level - 2, written at
         #    slots committed + fed + [0, k); each sees the committed prefix and its fed ancestors.
         for level in range(2, self.depth + 1):
-            fed = fed_ancestors.shape[0]
-            rows, fed_ancestors = feed_frontier(fed_ancestors, parent_fed)
+            fed, rows = pool.feed()
             visible = prefix_visible.expand(k, -1).clone()  # (k, C)
             visible.index_copy_(1, committed + torch.arange(fed + k, device=device), rows)
-            write = committed + fed + torch.arange(k, device=device)  # (k,)
-            self.cache.set_write_positions(write)
+            self.cache.set_write_positions(committed + fed + torch.arange(k, device=device))
             level_positions = (committed + level - 2).expand(1, k)
-            out = heads(frontier_features[None], frontier_tokens[None], level_positions, self._visible(visible), self.cache)[0]
-            child_scores, child_tokens = source.top_children(out)  # (k, k)
-            child_scores = child_scores + frontier_scores[:, None]
-            pool_tokens.append(child_tokens.flatten())
-            pool_scores.append(child_scores.flatten())
-            pool_parents.append(frontier[:, None].expand(k, k).reshape(-1))
-            frontier_scores, best = torch.topk(child_scores.flatten(), k)
-            frontier_tokens = child_tokens.flatten()[best]
-            frontier = pool_size + best
-            frontier_features = out[best // k]
-            parent_fed = fed + best // k
-            pool_size += k * k
+            mask = self._visible(visible)
+            out = heads(pool.frontier_features[None], pool.frontier_tokens[None], level_positions, mask, self.cache)[0]
+            pool.expand(out, *source.top_children(out))
 
         # 4. Keep the best num_nodes of the pool (as EagleDrafter), then the tree buffers in fixed passes.
         root_token = self.tokens.index_select(0, (self.count - 1).view(1))
-        tree_tokens, parents = best_subtree(pool_tokens, pool_scores, pool_parents, self.num_nodes, root_token)
+        tree_tokens, parents = pool.best_subtree(self.num_nodes, root_token)
         tree = build_tree_buffers(parents, dtype=self.dtype, check=False, max_depth=self.depth)
         return tree_tokens, tree.parents, tree.depth, tree.ancestors, tree.attention_bias
 
