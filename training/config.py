@@ -127,6 +127,7 @@ class RunConfig:
     project_name: str = "specheads"
     stop_after_steps: int | None = None  # stop (without a final save) after this step: simulates a crash
     time_limit_minutes: float | None = None  # end the run early (final save included) once this much time has passed
+    init_heads: str | None = None  # start from these trained heads (folder or Hub id) instead of a fresh init
     head: HeadSection = field(default_factory=HeadSection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)

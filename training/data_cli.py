@@ -207,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     share.add_argument("--output", required=True, help="JSONL written (atomically)")
     share.add_argument("--limit", type=int, default=None, help="at most this many conversations")
     share.add_argument("--exclude", default=None, help="benchmark prompts to leave out (MT-bench JSONL or text lines)")
+    share.add_argument("--turns", default="first", choices=("first", "all"),
+                       help="first: whole conversations (regenerate answers the first turn); all: every distinct human "
+                       "turn as its own prompt (about 3x the prompts)")
+    share.add_argument("--max-prompt-chars", type=int, default=None, help="leave out longer prompts")
+    share.add_argument("--sort-by-length", action="store_true",
+                       help="shortest prompts first (regenerate batches of similar length run faster)")
     return parser
 
 
@@ -245,7 +251,8 @@ def data_main(argv: list[str]) -> int:
         from specheads.training.sharegpt import write_sharegpt_jsonl
 
         check_writable_file(args.output, "sharegpt --output")
-        written = write_sharegpt_jsonl(args.output, limit=args.limit, exclude_file=args.exclude)
+        written = write_sharegpt_jsonl(args.output, limit=args.limit, exclude_file=args.exclude, turns=args.turns,
+                                       max_prompt_chars=args.max_prompt_chars, sort_by_length=args.sort_by_length)
         print(json.dumps({"output": args.output, "written": written}))
         return 0
     # fail before loading the target when the output cannot be written

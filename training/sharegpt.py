@@ -83,13 +83,68 @@ def load_sharegpt(
     return kept
 
 
-def write_sharegpt_jsonl(out: str | Path, limit: int | None = None, exclude_file: str | Path | None = None) -> int:
-    """Write ShareGPT conversations as JSONL (the format `specheads data regenerate --input` reads)."""
+def turn_prompts(conversations: list[dict], max_prompt_chars: int | None = None) -> list[dict]:
+    """Every distinct human turn of `conversations` as a one-turn prompt record, for `regenerate` to answer.
+
+    A conversation of 4 human turns gives 4 prompts (about 54k from the package's 17.7k conversations, against
+    17.7k first turns): later turns lose their context ("now shorter"), but the target still answers them in its
+    own words, and that text is what draft heads learn from. The first turn keeps the conversation's id (so a
+    file of regenerated first turns resumes into a file of all turns); turn k > 0 gets `{id}:t{k}`. Repeated
+    prompts (whitespace-normalised) and prompts over `max_prompt_chars` characters are dropped.
+    """
+    seen: set[str] = set()
+    prompts = []
+    for conversation in conversations:
+        human_turns = [t for t in conversation["conversations"] if t.get("from") == "human"]
+        for k, turn in enumerate(human_turns):
+            text = str(turn.get("value", ""))
+            key = " ".join(text.split())
+            if not key or key in seen or (max_prompt_chars is not None and len(text) > max_prompt_chars):
+                continue
+            seen.add(key)
+            record_id = conversation["id"] if k == 0 else f"{conversation['id']}:t{k}"
+            prompts.append({"id": record_id, "conversations": [{"from": "human", "value": text}]})
+    return prompts
+
+
+def write_sharegpt_jsonl(
+    out: str | Path,
+    limit: int | None = None,
+    exclude_file: str | Path | None = None,
+    turns: str = "first",
+    max_prompt_chars: int | None = None,
+    sort_by_length: bool = False,
+) -> int:
+    """Write ShareGPT conversations as JSONL (the format `specheads data regenerate --input` reads).
+
+    Args:
+        limit: at most this many records.
+        exclude_file: benchmark prompts (MT-bench JSONL or text lines) whose conversations are left out.
+        turns: "first": whole conversations (`regenerate` answers their first turn); "all": one prompt record per
+            distinct human turn (`turn_prompts`), several times the data to regenerate.
+        max_prompt_chars: leave out records whose first human turn is longer (long prompts make slow batches).
+        sort_by_length: shortest prompts first, so that `regenerate`'s batches hold prompts of similar length.
+    """
+    if turns not in ("first", "all"):
+        raise ValueError(f"turns={turns!r}; expected 'first' or 'all'")
+    if max_prompt_chars is not None and max_prompt_chars <= 0:
+        raise ValueError(f"max_prompt_chars={max_prompt_chars}; expected a positive number of characters")
     exclude = benchmark_prompts(exclude_file) if exclude_file else None
-    rows = load_sharegpt(limit=limit, exclude=exclude)
+    rows = load_sharegpt(limit=None if turns == "all" or max_prompt_chars else limit, exclude=exclude)
+    if turns == "all":
+        rows = turn_prompts(rows, max_prompt_chars)
+    elif max_prompt_chars is not None:
+        rows = [r for r in rows if len(_first_prompt(r)) <= max_prompt_chars]
+    if sort_by_length:
+        rows.sort(key=lambda r: len(_first_prompt(r)))  # stable: ties keep the package's order
+    rows = rows[:limit]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))  # ASCII-escaped: one record per line, always
     tmp.replace(out)  # atomic
     return len(rows)
+
+
+def _first_prompt(record: dict) -> str:
+    return next((str(t.get("value", "")) for t in record["conversations"] if t.get("from") == "human"), "")

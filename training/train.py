@@ -24,7 +24,8 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from specheads import create_heads, load_target
+from specheads import create_heads, load_heads, load_target
+from specheads.heads.base import DraftHeads
 from specheads.training.config import RunConfig, config_to_dict, load_run_config
 from specheads.training.data import BatchOrder, build_dataset, collate, micro_batches_for_process
 from specheads.training.draft_vocab import (
@@ -226,6 +227,25 @@ class _HeadsView:
         return self.heads.d2t
 
 
+def initial_heads(config: RunConfig, target: torch.nn.Module) -> DraftHeads:
+    """Fresh heads of `head.type` / `head.options`, or the trained heads of `init_heads` to train on.
+
+    Heads from `init_heads` keep their architecture and draft vocabulary (more training on new data, a longer
+    schedule); `head.type` and any `head.options` given must agree with them.
+    """
+    if config.init_heads is None:
+        return create_heads(target, config.head.type, **config.head.options)
+    heads = load_heads(config.init_heads, target=target)  # checked against the target, on its device and dtype
+    if heads.config.head_type != config.head.type:
+        raise ValueError(f"init_heads={config.init_heads!r} holds {heads.config.head_type} heads but head.type="
+                         f"{config.head.type!r}: set head.type={heads.config.head_type}")
+    for key, value in config.head.options.items():
+        if getattr(heads.config, key, value) != value:
+            raise ValueError(f"head.options.{key}={value!r} but init_heads={config.init_heads!r} has {key}="
+                             f"{getattr(heads.config, key)!r}: drop the option or make it agree")
+    return heads
+
+
 def trained_token_counts(examples: Any, vocab_size: int) -> torch.Tensor:
     """(V,) counts of the trained tokens of the training examples (a tokenized dataset or an offline dump)."""
     if isinstance(examples, OfflineFeatures):
@@ -249,7 +269,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     accelerator.gradient_accumulation_steps = config.gradient_accumulation_steps(world)
     set_seed(config.seed)
     target, tokenizer = load_target(config.target, device=accelerator.device)
-    heads = create_heads(target, config.head.type, **config.head.options)
+    heads = initial_heads(config, target)
     heads.train()
     # Medusa-2 (joint.enabled): the heads plus a LoRA adapter on the target, trained as one module
     joint = JointMedusa(target, heads, config.joint) if config.joint.enabled else None
@@ -277,7 +297,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         # the reduced draft vocabulary: a pure function of the data (EAGLE-3's lm_head predicts it; EAGLE heads
         # with eagle_draft_vocab_size draft over it), so every process computes the same one
         token_counts = trained_token_counts(examples, heads.config.vocab_size)
-        if latest_checkpoint(config.output_dir) is None:  # a resumed run gets its vocabulary back with the checkpoint
+        # a resumed run gets its vocabulary back with the checkpoint, heads from init_heads keep theirs
+        if latest_checkpoint(config.output_dir) is None and config.init_heads is None:
             vocab = build_draft_vocab(token_counts, heads.draft_vocab_size, special_token_ids(tokenizer, target))
             if config.head.type == "eagle3":
                 heads.set_draft_vocab(vocab.draft_to_target, init_lm_head_from_target=True)
@@ -366,7 +387,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     bar.close()
 
     # save
-    metrics = {**last, "steps": done if config.max_steps > start_step else config.max_steps, "world_size": world, "training_seconds": round(time.time() - started, 2),
+    metrics = {**last, **({"init_heads": config.init_heads} if config.init_heads else {}), "steps": done if config.max_steps > start_step else config.max_steps, "world_size": world, "training_seconds": round(time.time() - started, 2),
                "tokens_seen_this_session": tokens_seen}
     if coverage is not None:  # over the whole training data (the logged per-step value is the batch's)
         metrics["draft_vocab_coverage"] = coverage

@@ -87,3 +87,48 @@ def test_line_separators_inside_text_survive_the_round_trip(tmp_path, monkeypatc
     records = read_records(out)
     assert [r["id"] for r in records] == ["c0", "c1"]
     assert records[0]["conversations"][0]["value"] == "line one\u2028line two"
+
+
+def test_turn_prompts_one_record_per_distinct_human_turn():
+    """--turns all: each distinct human turn becomes a prompt; turn 0 keeps the id, repeats and long turns go."""
+    from specheads.training.sharegpt import turn_prompts
+
+    conversations = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "x"},
+                                      {"from": "human", "value": "continue"}, {"from": "gpt", "value": "y"},
+                                      {"from": "human", "value": "z" * 50}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "hi  there"}, {"from": "gpt", "value": "x"},
+                                      {"from": "human", "value": "continue"}, {"from": "human", "value": " "}]},
+    ]
+    prompts = turn_prompts(conversations, max_prompt_chars=40)
+    assert [p["id"] for p in prompts] == ["a", "a:t1", "b"]
+    assert [p["conversations"] for p in prompts] == [
+        [{"from": "human", "value": "Hi there"}], [{"from": "human", "value": "continue"}],
+        [{"from": "human", "value": "hi  there"}],
+    ]  # "hi  there" differs from "Hi there" by case, so it stays; the second "continue" and the blank turn go
+    assert len(turn_prompts(conversations)) == 4  # no length limit: the long turn stays
+
+
+def test_data_sharegpt_all_turns_sorted_and_capped(tmp_path, monkeypatch):
+    """`--turns all --max-prompt-chars N --sort-by-length` writes short prompts first; bad values are named."""
+    import pytest
+
+    import specheads.training.sharegpt as sharegpt
+    from specheads.cli import main
+
+    entries = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "q" * (14 - i)}, {"from": "gpt", "value": "a"},
+                                                 {"from": "human", "value": f"follow-up {i}"}]} for i in range(3)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(entries))
+    monkeypatch.setattr(sharegpt, "sharegpt_file", lambda: data)
+    out = tmp_path / "turns.jsonl"
+    assert main(["data", "sharegpt", "--output", str(out), "--turns", "all", "--max-prompt-chars", "13",
+                 "--sort-by-length"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # follow-ups have 11 characters, first turns 14/13/12: c0's first turn is over 13; ties keep their order
+    assert [r["id"] for r in rows] == ["c0:t1", "c1:t1", "c2:t1", "c2", "c1"]
+    assert [len(r["conversations"]) for r in rows] == [1] * 5
+    with pytest.raises(ValueError, match="max_prompt_chars=0"):
+        sharegpt.write_sharegpt_jsonl(out, max_prompt_chars=0)
+    with pytest.raises(ValueError, match="turns='some'"):
+        sharegpt.write_sharegpt_jsonl(out, turns="some")

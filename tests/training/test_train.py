@@ -193,3 +193,33 @@ def test_heads_in_bf16_train_against_a_float32_target(head_type, stories_file, t
     loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in heads.parameters() if p.requires_grad)
     assert abs(loss.item() - reference.item()) < 0.05 * abs(reference.item())
+
+
+def test_init_heads_continues_from_trained_heads(tmp_path, stories_file, target_and_tokenizer):
+    """init_heads=FOLDER: training starts from those weights and keeps their draft vocabulary; the heads' type
+    and options must agree with the run config (errors name both values)."""
+    from dataclasses import replace
+
+    from specheads.training.train import initial_heads
+
+    target, _ = target_and_tokenizer
+    config = str(CONFIGS / "eagle3_stories260k.yaml")
+    steps = {"max_steps": 4, "save_steps": 4}
+    assert main(["train", config, *overrides(stories_file, tmp_path / "first", **steps)]) == 0
+    first = tmp_path / "first" / "final"
+    trained = load_file(first / "model.safetensors")
+    run = load_run_config(config, overrides(stories_file, tmp_path / "second", init_heads=str(first), **steps))
+    start = initial_heads(run, target).state_dict()
+    assert trained.keys() <= start.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(start[name], tensor), name
+    assert main(["train", config, *overrides(stories_file, tmp_path / "second", init_heads=str(first),
+                                             **{"optim.learning_rate": 0.05}, **steps)]) == 0
+    second = load_file(tmp_path / "second" / "final" / "model.safetensors")
+    assert torch.equal(second["d2t"], trained["d2t"])  # the vocabulary came with the heads, not from the data
+    assert any(not torch.equal(second[k], trained[k]) for k in trained if k not in ("d2t", "t2d"))  # trained on
+    assert json.loads((tmp_path / "second" / "metrics.json").read_text())["init_heads"] == str(first)
+    with pytest.raises(ValueError, match="holds eagle3 heads but head.type='eagle'"):
+        initial_heads(replace(run, head=replace(run.head, type="eagle")), target)
+    with pytest.raises(ValueError, match=r"head.options.draft_vocab_size=128 .* has draft_vocab_size=256"):
+        initial_heads(replace(run, head=replace(run.head, options={"draft_vocab_size": 128})), target)
