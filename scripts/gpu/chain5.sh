@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# GPU run 5 (after a call that carried .gpu/part1 and .gpu/whl1; carry .gpu/part2 .gpu/whl2 .gpu/data3):
+# SmolLM2 answers more ShareGPT prompts (every distinct human turn, `specheads data sharegpt --turns all`, minus
+# the 8,555 first turns answered in session 2) for REGEN_SECONDS, appended to those 8,555 answers. The training
+# file stays in /tmp/work for the next call (chain6.sh) and comes back gzipped. Results -> $OUT.
+set -u -o pipefail
+source scripts/gpu/setup.sh
+W=/tmp/work; mkdir -p $W
+date; python3 -c "from specheads.smollm2 import smollm2_folder; print(smollm2_folder())" 2>&1 | tail -1
+gunzip -c .gpu/data3/sharegpt_smollm2.jsonl.gz > $W/regen.jsonl
+gunzip -c .gpu/data3/turns_new.jsonl.gz > $W/turns_new.jsonl
+date; timeout ${REGEN_SECONDS:-360} python3 -m specheads data regenerate --target smollm2-135m-instruct \
+  --input $W/turns_new.jsonl --output $W/regen.jsonl --max-new-tokens 256 --batch-size ${BATCH:-1024} \
+  --temperature 0 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -3
+python3 - <<'PY'
+import json
+good = []
+for line in open("/tmp/work/regen.jsonl").read().split("\n"):  # a run stopped by timeout may leave a torn line
+    try:
+        json.loads(line); good.append(line)
+    except json.JSONDecodeError:
+        pass
+open("/tmp/work/train.jsonl", "w").write("\n".join(good) + "\n")
+print("training conversations:", len(good))
+PY
+gzip -c $W/train.jsonl > $OUT/sharegpt_smollm2_turns.jsonl.gz
+date
