@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "identical in float32 (else the run fails); in 16-bit a difference is recorded and warned about")
     p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
                    help="static KV cache + CUDA-graph verification (auto: on for CUDA)")
+    p.add_argument("--graphed-rounds", action="store_true",
+                   help="experimental (GPU fast path, greedy, EAGLE/EAGLE-3 heads): each round as one CUDA graph")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/results.json", help="JSON results; .md table and PNG plots go beside it")
     return p
@@ -184,6 +186,7 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
         "dtype": str(lm.target.dtype).replace("torch.", ""),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "python": platform.python_version(),
+        "graphed_rounds": lm.graphed_rounds,
     }
 
 
@@ -192,7 +195,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
-    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype)
+    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
+                                       graphed_rounds=getattr(args, "graphed_rounds", False))
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
                                               getattr(args, "per_category", None)), lm.tokenizer,
                                chat=False if args.no_chat else None)

@@ -27,10 +27,10 @@ def capture_cuda_graph(fn: Callable[[], Any], warmup: int = 3) -> tuple[torch.cu
     return graph, outputs
 
 
-def try_capture(fn: Callable[[], Any], what: str) -> tuple[torch.cuda.CUDAGraph | None, Any]:
+def try_capture(fn: Callable[[], Any], what: str, warmup: int = 3) -> tuple[torch.cuda.CUDAGraph | None, Any]:
     """`capture_cuda_graph`, or (None, None) with a warning when capture fails (the caller stays eager)."""
     try:
-        return capture_cuda_graph(fn)
+        return capture_cuda_graph(fn, warmup)
     except Exception as error:  # noqa: BLE001  (any capture failure: fall back to eager, correct but slower)
         warnings.warn(
             f"CUDA graph capture of the {what} failed ({error!r}); running it eagerly", stacklevel=3

@@ -13,6 +13,10 @@ replayed every round. `SpeculativeLM._generate_row` drives the rounds through `F
     accept   accept_tree on the real nodes' logits              (the host reads the accepted path here)
     update   StaticTreeCache.compact: one gather + one index_copy_ for all layers, no reallocation
 
+With `SpeculativeLM(graphed_rounds=True)` (experimental), greedy rounds of a `StaticEagleDrafter` skip that
+per-phase loop: the four phases run as ONE graph with the prefix on the device, and the host reads only the
+accepted tokens (inference/graphed_round.py).
+
 `StaticGreedyDecoder` / `plain_greedy_static` is the matching plain (non-speculative) greedy decoder: the
 same static cache, a captured 1-token step (its position, write slot and mask advance inside the graph),
 a host sync only every few tokens to look for EOS. It is the honest "our own compiled plain decoding"
@@ -31,6 +35,7 @@ from transformers import PreTrainedModel
 
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.cuda_graphs import try_capture
+from specheads.inference.graphed_round import GraphedGreedyRound
 from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_static, write_tree_mask
 from specheads.inference.static_drafting import StaticEagleDrafter
 from specheads.inference.tree import TreeBuffers
@@ -188,6 +193,8 @@ class FastPathRunner:
         self.static_drafting = True  # EAGLE drafters run as StaticEagleDrafter (one CUDA graph per round)
         self.drafter: Drafter | None = None  # what drafts on this path; set by use_drafter
         self.static_drafter: StaticEagleDrafter | None = None  # kept with its graph while the EAGLE drafter stays
+        self.graphed_rounds = False  # greedy rounds of the static drafter as one graph (SpeculativeLM(graphed_rounds=))
+        self.greedy_round: GraphedGreedyRound | None = None  # kept with its graph while the static drafter stays
 
     @property
     def capacity(self) -> int:
@@ -214,6 +221,19 @@ class FastPathRunner:
         else:
             self.drafter = drafter
         return self.drafter
+
+    def graphed_round(self, drafter: Drafter) -> GraphedGreedyRound | None:
+        """The whole-round graph for greedy decoding with this drafter (None: the per-phase loop instead).
+
+        Only a `StaticEagleDrafter` (from `use_drafter`) has one; `graphed_rounds = False` turns it off.
+        """
+        if not self.graphed_rounds or not isinstance(drafter, StaticEagleDrafter) or self.fixed_slots is None:
+            return None
+        if self.greedy_round is not None and self.greedy_round.capture_failed:
+            return None  # its capture failed once (warned): the per-phase loop keeps its two graphs
+        if self.greedy_round is None or self.greedy_round.drafter is not drafter:
+            self.greedy_round = GraphedGreedyRound(self.verifier(self.fixed_slots), drafter, self.use_graphs)
+        return self.greedy_round
 
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the (n,) prompt into slots [0, n) (eager: prompt lengths vary). Returns last logits (1, V), features (n, h).

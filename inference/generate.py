@@ -44,6 +44,9 @@ class SpeculativeLM:
         tree_depth, tree_top_k, tree_num_nodes: EAGLE only: dynamic tree shape (default: the checkpoint's).
         tree_stop_prob: EAGLE only: stop drafting deeper once the best path's probability under the head
             falls below this (0 = always draft `tree_depth` levels).
+        graphed_rounds: experimental, GPU fast path only: greedy rounds of EAGLE / EAGLE-3 heads run as ONE CUDA
+            graph each (verify, accept, compact, draft; inference/graphed_round.py) instead of two graphs joined by
+            eager glue. Exact (tested on the CPU, where the round runs eagerly); not yet measured on a GPU.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class SpeculativeLM:
         tree_top_k: int | None = None,
         tree_num_nodes: int | None = None,
         tree_stop_prob: float | None = None,
+        graphed_rounds: bool = False,
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
@@ -64,6 +68,7 @@ class SpeculativeLM:
         self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob)
         self.last_stats: dict[str, Any] = {}
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
+        self.graphed_rounds = graphed_rounds
 
     def configure_tree(
         self,
@@ -182,6 +187,7 @@ class SpeculativeLM:
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
+            runner.graphed_rounds = self.graphed_rounds
             row_drafter = runner.use_drafter(self.drafter)
         else:
             row_drafter = self.drafter
@@ -226,7 +232,10 @@ class SpeculativeLM:
 
         `verifier` is the target's side of each round: a `DynamicTreeVerifier`, or the GPU fast path's
         `FastPathRunner` (static cache, CUDA-graph verification); both give the same tokens. `drafter` is
-        `self.drafter`, or on the fast path its fixed-shape version (`FastPathRunner.use_drafter`).
+        `self.drafter`, or on the fast path its fixed-shape version (`FastPathRunner.use_drafter`). With
+        `graphed_rounds`, greedy decoding with that fixed-shape EAGLE drafter runs each round as one graph
+        (`FastPathRunner.graphed_round`, inference/graphed_round.py); everything else runs the four phases below,
+        the reference.
         """
         if max_new_tokens == 0:
             return []
@@ -238,6 +247,18 @@ class SpeculativeLM:
         next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
         prefix_length = prompt.shape[0]
         drafter.reset()
+        graphed = None
+        if isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact":
+            graphed = verifier.graphed_round(drafter)
+        if graphed is not None and not done:
+            # The whole round (verify, accept, update, draft) is one graph replay; one host read per round.
+            graphed.start(features, next_tokens, prefix_length)  # drafts the first tree
+            while not done:
+                accepted_tokens = graphed.step()  # the (L+1) accepted tokens: L drafted + the bonus
+                stats["target_forwards"] += 1
+                stats["rounds"] += 1
+                stats["accepted_counts"].append(len(accepted_tokens) - 1)
+                done = self._emit(accepted_tokens, new_tokens, max_new_tokens, eos, streamer)
         while not done:
             # draft
             tokens, tree = drafter.propose(features, next_tokens)

