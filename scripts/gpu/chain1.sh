@@ -7,18 +7,8 @@ W=/tmp/work; mkdir -p $W
 date; python3 -c "from specheads.smollm2 import smollm2_folder; print(smollm2_folder())"
 date; timeout 200 python3 -m specheads data regenerate --target smollm2-135m-instruct --input .gpu/data/prompts.jsonl \
   --output $W/regen.jsonl --max-new-tokens 256 --batch-size 512 --temperature 0 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
-python3 - <<'PY'
-import json
-lines = [l for l in open("/tmp/work/regen.jsonl").read().split("\n") if l.strip()]
-good = []
-for l in lines:
-    try:
-        json.loads(l); good.append(l)
-    except json.JSONDecodeError:
-        pass
-open("/tmp/work/sharegpt_smollm2.jsonl", "w").write("\n".join(good) + "\n")
-print("regenerated conversations:", len(good))
-PY
+python3 -c "from pathlib import Path; from specheads.training.data_cli import drop_torn_line; drop_torn_line(Path('/tmp/work/regen.jsonl'))"  # a run stopped by timeout may leave a torn last line
+cp /tmp/work/regen.jsonl /tmp/work/sharegpt_smollm2.jsonl; echo "training conversations: $(wc -l < /tmp/work/sharegpt_smollm2.jsonl)"
 gzip -c $W/sharegpt_smollm2.jsonl > $OUT/sharegpt_smollm2.jsonl.gz
 date; timeout 330 python3 -m specheads train configs/train/eagle_smollm2.yaml output_dir=$W/eagle \
   data.source=$W/sharegpt_smollm2.jsonl feature_mode=online data.features_dir=null max_steps=${STEPS:-1500} \

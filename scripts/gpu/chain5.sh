@@ -10,18 +10,9 @@ date; python3 -c "from specheads.smollm2 import smollm2_folder; print(smollm2_fo
 gunzip -c .gpu/data3/sharegpt_smollm2.jsonl.gz > $W/regen.jsonl
 gunzip -c .gpu/data3/turns_new.jsonl.gz > $W/turns_new.jsonl
 date; timeout ${REGEN_SECONDS:-360} python3 -m specheads data regenerate --target smollm2-135m-instruct \
-  --input $W/turns_new.jsonl --output $W/regen.jsonl --max-new-tokens 256 --batch-size ${BATCH:-1024} \
+  --input $W/turns_new.jsonl --output $W/regen.jsonl --max-new-tokens 256 --batch-size ${BATCH:-512} \
   --temperature 0 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -3
-python3 - <<'PY'
-import json
-good = []
-for line in open("/tmp/work/regen.jsonl").read().split("\n"):  # a run stopped by timeout may leave a torn line
-    try:
-        json.loads(line); good.append(line)
-    except json.JSONDecodeError:
-        pass
-open("/tmp/work/train.jsonl", "w").write("\n".join(good) + "\n")
-print("training conversations:", len(good))
-PY
+python3 -c "from pathlib import Path; from specheads.training.data_cli import drop_torn_line; drop_torn_line(Path('/tmp/work/regen.jsonl'))"  # a run stopped by timeout may leave a torn last line
+cp /tmp/work/regen.jsonl /tmp/work/train.jsonl; echo "training conversations: $(wc -l < /tmp/work/train.jsonl)"
 gzip -c $W/train.jsonl > $OUT/sharegpt_smollm2_turns.jsonl.gz
 date

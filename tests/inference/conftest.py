@@ -230,3 +230,13 @@ def chi_square_test(samples: list, probs: dict, min_expected: float = 5.0) -> Ch
 def chi_square():
     """`chi_square(samples, probs)` -> `ChiSquareResult` (statistic, dof, critical at p=0.001, passed)."""
     return chi_square_test
+
+
+def sharpen_attention(heads):
+    """EAGLE / EAGLE-3 heads whose attention is far from uniform (so positions, masks and cache slots matter)."""
+    with torch.no_grad():
+        attention = heads.layer.self_attn
+        attention.q_proj.weight.mul_(20.0)
+        attention.k_proj.weight.mul_(20.0)
+        attention.v_proj.weight.mul_(10.0)
+    return heads.eval()

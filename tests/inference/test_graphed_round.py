@@ -30,7 +30,7 @@ from specheads.inference.graphed_round import (
 from specheads.inference.static_cache import StaticTreeCache, write_tree_mask
 from specheads.inference.tree import build_tree_buffers
 
-from .conftest import TINY_PROMPT, greedy_continuation, hf_greedy
+from .conftest import TINY_PROMPT, greedy_continuation, hf_greedy, sharpen_attention
 
 LONG_PROMPT = [1, 5, 9, 33, 7, 2, 11, 40, 3, 8, 60, 12]  # longer than the commit rows (depth + 1)
 
@@ -160,12 +160,7 @@ def continuation_heads(target, head_type: str, ids: torch.Tensor, num_tokens: in
     else:
         heads = create_heads(target, "eagle3", draft_vocab_size=vocab.shape[0])
         heads.set_draft_vocab(vocab, init_lm_head_from_target=True)
-    with torch.no_grad():
-        attention = heads.layer.self_attn
-        attention.q_proj.weight.mul_(20.0)
-        attention.k_proj.weight.mul_(20.0)
-        attention.v_proj.weight.mul_(10.0)
-    return heads.eval()
+    return sharpen_attention(heads)
 
 
 def run_both(lm: SpeculativeLM, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> dict[str, tuple]:

@@ -19,7 +19,7 @@ from specheads import SpeculativeLM, create_heads
 from specheads.inference.drafting import EagleDrafter
 from specheads.inference.static_drafting import StaticEagleDrafter
 
-from .conftest import greedy_continuation, hf_greedy
+from .conftest import greedy_continuation, hf_greedy, sharpen_attention
 
 DEPTH, TOP_K, NODES = 4, 3, 10
 
@@ -28,12 +28,7 @@ def sharpened_heads(target, head_type: str, seed: int = 0):
     """Untrained heads whose attention is far from uniform (so positions and masks matter)."""
     torch.manual_seed(seed)
     heads = create_heads(target, head_type)
-    with torch.no_grad():
-        attention = heads.layer.self_attn
-        attention.q_proj.weight.mul_(20.0)
-        attention.k_proj.weight.mul_(20.0)
-        attention.v_proj.weight.mul_(10.0)
-    return heads.eval()
+    return sharpen_attention(heads)
 
 
 def committed_keys_values(drafter, length: int) -> tuple[torch.Tensor, torch.Tensor]:
