@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,8 +27,15 @@ def capture_cuda_graph(fn: Callable[[], Any], warmup: int = 3) -> tuple[torch.cu
     return graph, outputs
 
 
-def try_capture(fn: Callable[[], Any], what: str, warmup: int = 3) -> tuple[torch.cuda.CUDAGraph | None, Any]:
-    """`capture_cuda_graph`, or (None, None) with a warning when capture fails (the caller stays eager)."""
+def try_capture(
+    fn: Callable[[], Any], what: str, warmup: int = 3, restore: Sequence[torch.Tensor] = ()
+) -> tuple[torch.cuda.CUDAGraph | None, Any]:
+    """`capture_cuda_graph`, or (None, None) with a warning when capture fails (the caller stays eager).
+
+    `restore`: state tensors that `fn` advances (a decoding step's position, a round's prefix): saved before and
+    copied back after, so the warm-up calls leave no trace in them.
+    """
+    saved = [t.clone() for t in restore]
     try:
         return capture_cuda_graph(fn, warmup)
     except Exception as error:  # noqa: BLE001  (any capture failure: fall back to eager, correct but slower)
@@ -37,3 +44,6 @@ def try_capture(fn: Callable[[], Any], what: str, warmup: int = 3) -> tuple[torc
         )
         torch.cuda.synchronize()
         return None, None
+    finally:
+        for tensor, value in zip(restore, saved):
+            tensor.copy_(value)

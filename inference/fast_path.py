@@ -193,7 +193,6 @@ class FastPathRunner:
         self.static_drafting = True  # EAGLE drafters run as StaticEagleDrafter (one CUDA graph per round)
         self.drafter: Drafter | None = None  # what drafts on this path; set by use_drafter
         self.static_drafter: StaticEagleDrafter | None = None  # kept with its graph while the EAGLE drafter stays
-        self.graphed_rounds = False  # greedy rounds of the static drafter as one graph (SpeculativeLM(graphed_rounds=))
         self.greedy_round: GraphedGreedyRound | None = None  # kept with its graph while the static drafter stays
 
     @property
@@ -225,9 +224,9 @@ class FastPathRunner:
     def graphed_round(self, drafter: Drafter) -> GraphedGreedyRound | None:
         """The whole-round graph for greedy decoding with this drafter (None: the per-phase loop instead).
 
-        Only a `StaticEagleDrafter` (from `use_drafter`) has one; `graphed_rounds = False` turns it off.
+        Only a `StaticEagleDrafter` (from `use_drafter`) has one (`SpeculativeLM(graphed_rounds=True)` asks for it).
         """
-        if not self.graphed_rounds or not isinstance(drafter, StaticEagleDrafter) or self.fixed_slots is None:
+        if not isinstance(drafter, StaticEagleDrafter) or self.fixed_slots is None:
             return None
         if self.greedy_round is not None and self.greedy_round.capture_failed:
             return None  # its capture failed once (warned): the per-phase loop keeps its two graphs
@@ -380,12 +379,9 @@ class StaticGreedyDecoder:
 
     def _run_step(self) -> None:
         if self.use_graph and self.graph is None and not self.capture_failed:
-            state = (self.ids, self.positions, self.write, self.step_index, self.mask)
-            saved = [t.clone() for t in state]
-            self.graph, _ = try_capture(self.step, "1-token decoding step")
+            state = (self.ids, self.positions, self.write, self.step_index, self.mask)  # undo the warm-up advances
+            self.graph, _ = try_capture(self.step, "1-token decoding step", restore=state)
             self.capture_failed = self.graph is None
-            for tensor, value in zip(state, saved):  # undo the warm-up steps' advances
-                tensor.copy_(value)
         if self.graph is not None:
             self.graph.replay()
         else:

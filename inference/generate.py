@@ -187,7 +187,6 @@ class SpeculativeLM:
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
-            runner.graphed_rounds = self.graphed_rounds
             row_drafter = runner.use_drafter(self.drafter)
         else:
             row_drafter = self.drafter
@@ -248,7 +247,7 @@ class SpeculativeLM:
         prefix_length = prompt.shape[0]
         drafter.reset()
         graphed = None
-        if isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact":
+        if self.graphed_rounds and isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact":
             graphed = verifier.graphed_round(drafter)
         if graphed is not None and not done:
             # The whole round (verify, accept, update, draft) is one graph replay; one host read per round.

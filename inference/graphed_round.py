@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from specheads.inference.cuda_graphs import try_capture
-from specheads.inference.static_cache import StaticTreeCache
 from specheads.inference.static_drafting import StaticEagleDrafter
 
 if TYPE_CHECKING:
@@ -126,21 +125,6 @@ def accept_greedy_padded(
     return path, (length + 1)[0], target_argmax.index_select(0, best)[0]
 
 
-def compact_on_device(cache: StaticTreeCache, prefix: torch.Tensor, path: torch.Tensor) -> None:
-    """`StaticTreeCache.compact` with a device prefix and a padded (P,) path: one gather + one index_copy_.
-
-    Slots prefix + path move to prefix + arange(P). The padding rows (r > L) copy `best` again into slots
-    prefix + L + 1 .. prefix + P - 1, beyond the new committed length prefix + L + 1. That is harmless: the
-    next tree is written at slots [prefix + L + 1, prefix + L + 1 + N) with N >= P, so its forward overwrites
-    those slots before attending to them, and every mask hides slots past the committed prefix except the
-    tree's own. The caller keeps prefix + N <= capacity, so no write leaves the cache.
-    """
-    kv = cache.storage  # (layers, 2, 1, kv_heads, capacity, head_dim)
-    destination = prefix + torch.arange(path.shape[0], device=path.device)
-    # Gather first (a copy), then write: the source and destination ranges may overlap.
-    kv.index_copy_(4, destination, kv.index_select(4, prefix + path))
-
-
 # --- the round and its driver -------------------------------------------------------------------------------
 class GraphedGreedyRound:
     """Greedy speculative rounds of a `StaticEagleDrafter` on a `TreeVerifier`, each one graph replay on CUDA.
@@ -195,7 +179,10 @@ class GraphedGreedyRound:
         accepted = torch.where(torch.arange(rows, device=self.device) < count - 1, after, bonus)
 
         # update: the target cache, the drafter's commit rows (base advances by the previous round's count)
-        compact_on_device(self.cache, self.prefix, path)
+        # Padding rows (r > L) copy `best` again into slots prefix + L + 1 .. prefix + P - 1, past the new committed
+        # length: harmless, the next tree (N >= P nodes) is written at prefix + L + 1 onward before any read, and
+        # every mask hides slots past the committed prefix except the tree's own.
+        self.cache.move_path(self.prefix, path)
         drafter.features[:rows].copy_(node_features.index_select(0, path))  # (P, w) true features of the path
         drafter.tokens[:rows].copy_(accepted)
         drafter.base.add_(drafter.count)
@@ -226,15 +213,11 @@ class GraphedGreedyRound:
         )
 
     def _capture(self) -> None:
-        """Capture `round` (CUDA); the warm-up rounds really run, so the state is saved first and restored after."""
-        saved = [t.clone() for t in self._state()]
-        self.graph, _ = try_capture(self.round, "greedy speculative round", warmup=CAPTURE_WARMUP)
+        """Capture `round` (CUDA). The warm-up rounds really run, so `try_capture` restores the round's buffers:
+        they wrote only at target slots >= prefix and head slots >= the head's committed positions (the next
+        round's base), which the next round rewrites or its masks hide, so that restores the state."""
+        self.graph, _ = try_capture(self.round, "greedy speculative round", warmup=CAPTURE_WARMUP, restore=self._state())
         self.capture_failed = self.graph is None
-        # The warm-up rounds wrote only at target slots >= prefix and head slots >= the head's committed positions
-        # (the next round's base), which the next round rewrites or its masks hide: restoring the buffers
-        # restores the state.
-        for tensor, value in zip(self._state(), saved):
-            tensor.copy_(value)
 
     def _replay(self) -> None:
         if self.use_graph and self.graph is None and not self.capture_failed and self._room_for(CAPTURE_WARMUP + 1):

@@ -146,13 +146,22 @@ class StaticTreeCache(Cache):
         """
         keep = path.shape[0]
         self.check_room(prefix_length + keep)
-        kv = self.shared.kv
-        if kv is not None:
-            source = path.to(kv.device) + prefix_length
-            destination = torch.arange(prefix_length, prefix_length + keep, device=kv.device)
-            # Gather first (a copy), then write: the source and destination ranges may overlap.
-            kv.index_copy_(4, destination, kv.index_select(4, source))
+        self.move_path(prefix_length, path)
         self.committed_length = prefix_length + keep
+
+    def move_path(self, prefix: int | torch.Tensor, path: torch.Tensor) -> None:
+        """Copy slots prefix + path to prefix + arange(P), all layers at once (one gather + one `index_copy_`).
+
+        The data movement of `compact`, without its bookkeeping: `prefix` may be a 0-d device tensor (no host
+        sync, so a CUDA graph can record it) and `path` (P,) may be padded. The caller keeps prefix + P in range.
+        """
+        kv = self.shared.kv
+        if kv is None:
+            return
+        path = path.to(kv.device)
+        destination = prefix + torch.arange(path.shape[0], device=kv.device)
+        # Gather first (a copy), then write: the source and destination ranges may overlap.
+        kv.index_copy_(4, destination, kv.index_select(4, prefix + path))
 
 
 def prefill_mask(length: int, capacity: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

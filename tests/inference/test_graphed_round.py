@@ -17,13 +17,12 @@ import pytest
 import torch
 
 from specheads import SpeculativeLM, create_heads
-from specheads.inference import graphed_round
+from specheads.inference import cuda_graphs, graphed_round
 from specheads.inference.accept import accept_greedy
 from specheads.inference.fast_path import FastPathRunner, TreeVerifier
 from specheads.inference.graphed_round import (
     GraphedGreedyRound,
     accept_greedy_padded,
-    compact_on_device,
     load_tree_on_device,
     tree_mask_on_device,
 )
@@ -127,7 +126,7 @@ def test_device_compaction_equals_static_compaction(tiny_llama, seed):
     path = torch.nonzero(tree.ancestors[best]).squeeze(-1)
     padded = torch.cat([path, path[-1:].expand(rows - path.shape[0])])
     reference.compact(prefix, path)
-    compact_on_device(device_side, torch.tensor(prefix), padded)
+    device_side.move_path(torch.tensor(prefix), padded)
     end = prefix + path.shape[0]
     assert torch.equal(device_side.storage[..., :end, :], reference.storage[..., :end, :])
     assert torch.equal(device_side.storage[..., :prefix, :], before[..., :prefix, :])
@@ -285,13 +284,13 @@ def test_capture_warm_up_rounds_are_undone(tiny_target_factory, monkeypatch):
     little room left for the warm-up rounds, the rounds run eagerly and no capture is tried."""
     captures = []
 
-    def fake_try_capture(fn, what, warmup=3):
+    def fake_capture_cuda_graph(fn, warmup=3):  # inside the real try_capture, which restores the state after
         for _ in range(warmup + 1):
             fn()
-        captures.append(what)
+        captures.append(fn)
         return EagerGraph(fn), None
 
-    monkeypatch.setattr(graphed_round, "try_capture", fake_try_capture)
+    monkeypatch.setattr(cuda_graphs, "capture_cuda_graph", fake_capture_cuda_graph)
     target = tiny_target_factory("llama")
     short = torch.tensor([LONG_PROMPT])
     long = torch.tensor([LONG_PROMPT + greedy_continuation(target, LONG_PROMPT, 18)])  # 30 tokens
@@ -333,7 +332,7 @@ def test_sampling_and_medusa_keep_the_per_phase_loop(tiny_llama):
 def test_a_failed_capture_falls_back_to_the_per_phase_loop(tiny_target_factory, monkeypatch):
     """When capturing the round fails (warned by try_capture), that call finishes with eager rounds and later
     calls take the per-phase loop, whose two graphs are captured separately; outputs stay exact."""
-    monkeypatch.setattr(graphed_round, "try_capture", lambda fn, what, warmup=3: (None, None))
+    monkeypatch.setattr(graphed_round, "try_capture", lambda fn, what, **options: (None, None))
     target = tiny_target_factory("llama")
     ids = torch.tensor([LONG_PROMPT])
     heads = continuation_heads(target, "eagle", ids, 48)
