@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,10 +42,28 @@ def try_capture(
         return capture_cuda_graph(fn, warmup)
     except Exception as error:  # noqa: BLE001  (any capture failure: fall back to eager, correct but slower)
         warnings.warn(
-            f"CUDA graph capture of the {what} failed ({error!r}); running it eagerly", stacklevel=3
+            f"CUDA graph capture of the {what} failed ({error!r}{failing_line(error)}); running it eagerly",
+            stacklevel=3,
         )
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return None, None
     finally:
         for tensor, value in zip(restore, saved):
             tensor.copy_(value)
+
+
+def failing_line(error: BaseException) -> str:
+    """' at file:line (code)' of the innermost specheads frame of `error`'s traceback, or '' when there is none.
+
+    A capture error ("operation not permitted when stream is capturing") names no operation; the line does.
+    """
+    package_root = str(Path(__file__).resolve().parent.parent)  # the folder holding specheads' subpackages
+    frames = [
+        frame for frame in traceback.extract_tb(error.__traceback__)
+        if frame.filename.startswith(package_root) and "site-packages" not in frame.filename[len(package_root):]
+    ]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" at {Path(frame.filename).name}:{frame.lineno} ({frame.line})"

@@ -3,12 +3,15 @@
 # SmolLM2 answers more ShareGPT prompts (every distinct human turn, `specheads data sharegpt --turns all`, minus
 # the 8,555 first turns answered in session 2) for REGEN_SECONDS, appended to those 8,555 answers. The training
 # file stays in /tmp/work for the next call (chain6.sh) and comes back gzipped. Results -> $OUT.
+# Session 6: DATA=.gpu/data4 TURNS=turns_left.jsonl.gz ANSWERS=sharegpt_smollm2_turns.jsonl.gz (the turns session 5
+# left unanswered, appended to its 21,867 answers).
 set -u -o pipefail
 source scripts/gpu/setup.sh
 W=/tmp/work; mkdir -p $W
 date; python3 -c "from specheads.smollm2 import smollm2_folder; print(smollm2_folder())" 2>&1 | tail -1
-gunzip -c .gpu/data3/sharegpt_smollm2.jsonl.gz > $W/regen.jsonl
-gunzip -c .gpu/data3/turns_new.jsonl.gz > $W/turns_new.jsonl
+DATA=${DATA:-.gpu/data3}
+gunzip -c $DATA/${ANSWERS:-sharegpt_smollm2.jsonl.gz} > $W/regen.jsonl
+gunzip -c $DATA/${TURNS:-turns_new.jsonl.gz} > $W/turns_new.jsonl
 date; timeout ${REGEN_SECONDS:-360} python3 -m specheads data regenerate --target smollm2-135m-instruct \
   --input $W/turns_new.jsonl --output $W/regen.jsonl --max-new-tokens 256 --batch-size ${BATCH:-512} \
   --temperature 0 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -3

@@ -345,3 +345,21 @@ def test_a_failed_capture_falls_back_to_the_per_phase_loop(tiny_target_factory, 
     assert runner.graphed_round(runner.drafter) is None
     assert torch.equal(lm.generate(ids, max_new_tokens=30, fast_path=True), hf_greedy(target, ids, 30))
     assert lm._fast_runner is runner
+
+
+def test_a_failed_capture_warns_with_the_failing_line_and_restores_the_state(monkeypatch):
+    """try_capture: the warning names the line of specheads code that broke the capture (CUDA's own message names
+    no operation), and the state tensors get their values back although the warm-up ran."""
+    state = torch.zeros(3)
+
+    def advance():
+        state.add_(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def fake_capture_cuda_graph(fn, warmup=3):
+        fn()
+
+    monkeypatch.setattr(cuda_graphs, "capture_cuda_graph", fake_capture_cuda_graph)
+    with pytest.warns(UserWarning, match=r"capture of the toy round failed .* at test_graphed_round.py:\d+ \(raise Run"):
+        assert cuda_graphs.try_capture(advance, "toy round", restore=[state]) == (None, None)
+    assert torch.equal(state, torch.zeros(3))
