@@ -1,21 +1,25 @@
 """`--tree auto`: pick the draft tree that gives the most tokens per second on THIS device.
 
 Two measurements, both on the device at hand: the target's verification cost against the number of tree
-nodes (reported), and, for a few candidate trees, the tokens/s the heads actually reach on calibration
-prompts (which folds in their measured acceptance and the drafting cost). The best candidate wins.
+nodes (reported; on the path `generate` took: the graphed static-cache verifier on the GPU fast path), and,
+for a few candidate trees, the tokens/s the heads actually reach on calibration prompts (which folds in their
+measured acceptance and the drafting cost). The best candidate wins.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from specheads.heads.medusa import MedusaHeads
+from specheads.inference.fast_path import TreeVerifier
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.kv_cache import crop_cache
+from specheads.inference.static_cache import StaticTreeCache, prefill_static
 from specheads.inference.tree import build_tree_buffers
 from specheads.inference.verify import verify_tree
 
@@ -30,27 +34,65 @@ MEDUSA_CANDIDATES = ["medusa_small", "medusa_default"]
 
 
 @torch.no_grad()
-def verification_cost_ms(lm: SpeculativeLM, input_ids: torch.Tensor, node_counts: list[int], repeats: int = 5) -> dict[int, float]:
-    """Median milliseconds of one verification forward over N tree nodes, after the given prompt."""
+def verification_cost_ms(
+    lm: SpeculativeLM, input_ids: torch.Tensor, node_counts: list[int], repeats: int = 5, fast_path: bool = False
+) -> dict[int, float]:
+    """Median milliseconds of one verification forward over N tree nodes, after the given prompt.
+
+    `fast_path`: time what the fast path runs (a static cache, N padded slots, the CUDA-graph replay on CUDA),
+    else the normal path's forward on a `DynamicCache`. `autotune_tree` times the one that `generate` used.
+    """
+    if fast_path:
+        return _fast_path_verification_ms(lm, input_ids, node_counts, repeats)
     target = lm.target
     cache = DynamicCache()
     target(input_ids=input_ids.to(target.device), past_key_values=cache, use_cache=True)
     prefix = input_ids.shape[1]
     costs = {}
     for n in node_counts:
-        chain = torch.arange(-1, n - 1, device=target.device)  # parents of an n-node chain (root alone for n = 1)
-        tree = build_tree_buffers(chain, dtype=target.dtype)
+        tree = build_tree_buffers(_chain(n, target.device), dtype=target.dtype)
         tokens = input_ids[0, -1:].repeat(n).to(target.device)
-        times = []
-        for _ in range(repeats + 1):  # the first run is a warm-up
-            start = time.perf_counter()
+
+        def verify() -> None:
             verify_tree(target, cache, tokens, tree, prefix)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
             crop_cache(cache, prefix)
-        costs[n] = sorted(times[1:])[len(times[1:]) // 2] * 1000
+
+        costs[n] = _median_ms(verify, repeats)
     return costs
+
+
+def _fast_path_verification_ms(
+    lm: SpeculativeLM, input_ids: torch.Tensor, node_counts: list[int], repeats: int
+) -> dict[int, float]:
+    """`verification_cost_ms` on a static cache: one `TreeVerifier` per N, captured (on CUDA) before timing."""
+    target, prompt = lm.target, input_ids[0].to(lm.target.device)
+    prefix = prompt.shape[0]
+    cache = StaticTreeCache(target, prefix + max(node_counts))
+    prefill_static(target, cache, prompt)
+    cache.committed_length = prefix
+    costs = {}
+    for n in node_counts:
+        verifier = TreeVerifier(target, cache, n, lm.heads.select_features)
+        verifier.load(prompt[-1:].repeat(n), build_tree_buffers(_chain(n, target.device), dtype=target.dtype), prefix)
+        costs[n] = _median_ms(verifier.run, repeats)  # the warm-up run captures the graph
+    return costs
+
+
+def _chain(n: int, device: torch.device) -> torch.Tensor:
+    """Parents of an n-node chain (the root alone for n = 1)."""
+    return torch.arange(-1, n - 1, device=device)
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall milliseconds of `fn` over `repeats` runs after one warm-up run (synchronised on CUDA)."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2] * 1000
 
 
 def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_tokens: int = 64) -> dict[str, Any]:
@@ -71,7 +113,8 @@ def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_to
             lm.configure_tree(tree=candidate)
         else:
             lm.configure_tree(**candidate)
-        lm.generate(calibration[0], max_new_tokens=8)  # warm-up
+        # Warm-up at the timed length: the GPU fast path sizes its cache and captures its graphs here, not below.
+        lm.generate(calibration[0], max_new_tokens=max_new_tokens)
         tokens = forwards = 0
         seconds = 0.0
         for ids in calibration:
@@ -90,5 +133,8 @@ def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_to
     return {
         "chosen": best["tree"],
         "trials": trials,
-        "verification_ms_by_nodes": verification_cost_ms(lm, calibration[0], node_counts),
+        "verification_path": "fast" if lm._fast_runner is not None else "normal",
+        "verification_ms_by_nodes": verification_cost_ms(
+            lm, calibration[0], node_counts, fast_path=lm._fast_runner is not None
+        ),
     }

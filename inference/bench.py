@@ -23,7 +23,11 @@ from tqdm.auto import tqdm
 from specheads.inference.autotune import autotune_tree
 from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.generate import SpeculativeLM
+from specheads.inference.onednn import OneDNNLinear
 from specheads.inference.prompts import Prompt, read_prompts, tokenize_prompts
+
+
+GRAPHED_ROUNDS = {"auto": None, "on": True, "off": False}  # --graphed-rounds -> SpeculativeLM(graphed_rounds=)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,8 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "identical in float32 (else the run fails); in 16-bit a difference is recorded and warned about")
     p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
                    help="static KV cache + CUDA-graph verification (auto: on for CUDA)")
-    p.add_argument("--graphed-rounds", action="store_true",
-                   help="experimental (GPU fast path, greedy, EAGLE/EAGLE-3 heads): each round as one CUDA graph")
+    p.add_argument("--graphed-rounds", choices=["auto", "on", "off"], default="auto",
+                   help="fast path, greedy, EAGLE/EAGLE-3 heads: each round as one CUDA graph (auto: on CUDA; off: "
+                   "the per-phase loop, two graphs a round)")
+    p.add_argument("--cpu-linear", choices=["default", "onednn"], default="default",
+                   help="CPU, float32: 'onednn' runs the target's and heads' linear layers on oneDNN (faster few-row "
+                   "products); the plain `generate` baseline then uses them too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/results.json", help="JSON results; .md table and PNG plots go beside it")
     return p
@@ -107,6 +115,7 @@ def run_prompt(
         "baseline_tokens": base_new, "baseline_seconds": base_s,
         "tokens": spec_new, "seconds": spec_s, "target_forwards": stats["target_forwards"],
         "rounds": stats["rounds"], "tau": stats["mean_accepted"], "accepted_per_depth": stats["accepted_per_depth"],
+        "prefill_seconds": stats["prefill_seconds"], "ms_per_round": stats["ms_per_round"],
         "tokens_per_second": spec_new / spec_s, "baseline_tokens_per_second": base_new / base_s,
     }
     row["speedup"] = row["tokens_per_second"] / row["baseline_tokens_per_second"]
@@ -162,6 +171,10 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "accepted_per_depth": per_depth,
     }
     result["speedup"] = result["tokens_per_second"] / result["baseline_tokens_per_second"]
+    # Where the speculative time went: prompt forwards, then per round (drafting, verification, acceptance).
+    prefill = sum(r.get("prefill_seconds", 0.0) for r in rows)
+    result["prefill_seconds"] = prefill
+    result["ms_per_round"] = 1000 * (seconds - prefill) / rounds
     if rows and all("static_baseline_tokens" in r for r in rows):
         static_tokens = sum(r["static_baseline_tokens"] for r in rows)
         result["static_baseline_tokens_per_second"] = static_tokens / sum(r["static_baseline_seconds"] for r in rows)
@@ -180,13 +193,16 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def environment(lm: SpeculativeLM) -> dict[str, Any]:
-    device = lm.target.device
+    """Device, dtype, versions, and whether the whole-round CUDA graph was in use (captured)."""
+    device, runner = lm.target.device, lm._fast_runner
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
         "dtype": str(lm.target.dtype).replace("torch.", ""),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "python": platform.python_version(),
-        "graphed_rounds": lm.graphed_rounds,
+        "graphed_rounds": {None: "auto", True: "on", False: "off"}[lm.graphed_rounds],
+        "cpu_linear": "onednn" if any(isinstance(m, OneDNNLinear) for m in lm.target.modules()) else "default",
+        "round_graph_captured": runner is not None and getattr(runner.greedy_round, "graph", None) is not None,
     }
 
 
@@ -196,7 +212,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
-                                       graphed_rounds=getattr(args, "graphed_rounds", False))
+                                       graphed_rounds=GRAPHED_ROUNDS[getattr(args, "graphed_rounds", "auto")])
+    if getattr(args, "cpu_linear", "default") == "onednn":
+        lm.use_onednn_linears()
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
                                               getattr(args, "per_category", None)), lm.tokenizer,
                                chat=False if args.no_chat else None)

@@ -44,9 +44,10 @@ class SpeculativeLM:
         tree_depth, tree_top_k, tree_num_nodes: EAGLE only: dynamic tree shape (default: the checkpoint's).
         tree_stop_prob: EAGLE only: stop drafting deeper once the best path's probability under the head
             falls below this (0 = always draft `tree_depth` levels).
-        graphed_rounds: experimental, GPU fast path only: greedy rounds of EAGLE / EAGLE-3 heads run as ONE CUDA
-            graph each (verify, accept, compact, draft; inference/graphed_round.py) instead of two graphs joined by
-            eager glue. Exact (tested on the CPU, where the round runs eagerly); not yet measured on a GPU.
+        graphed_rounds: fast path only: greedy rounds of EAGLE / EAGLE-3 heads run as ONE CUDA graph each
+            (verify, accept, compact, draft; inference/graphed_round.py) instead of two graphs joined by eager
+            glue. None (default): when the fast path captures graphs (CUDA); True: also eagerly on the CPU (how
+            it is tested); False: the per-phase loop. A failed capture falls back to the per-phase graphs.
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class SpeculativeLM:
         tree_top_k: int | None = None,
         tree_num_nodes: int | None = None,
         tree_stop_prob: float | None = None,
-        graphed_rounds: bool = False,
+        graphed_rounds: bool | None = None,
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
@@ -129,6 +130,17 @@ class SpeculativeLM:
         target_model = apply_target_adapter(target_model, heads)  # unchanged for heads without an adapter
         return cls(target_model, load_heads(heads, target=target_model), tokenizer=tokenizer, **kwargs)
 
+    def use_onednn_linears(self) -> int:
+        """CPU, float32: run the target's and the heads' linear layers on oneDNN with prepacked weights, in place.
+
+        Faster few-row products (tree verification, draft levels) on CPUs where the default BLAS is slow at them
+        (inference/onednn.py). Inference only: afterwards neither model can be trained, moved or saved, and the
+        target's own `generate` uses the same layers. Returns the number of layers swapped.
+        """
+        from specheads.inference.onednn import use_onednn_linears
+
+        return use_onednn_linears(self.target) + use_onednn_linears(self.heads)
+
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
@@ -168,7 +180,9 @@ class SpeculativeLM:
 
         After the call, `self.last_stats` holds new_tokens, target_forwards, mean_accepted (tau: new tokens
         per target forward, the bonus token counted, the prefill counted as one forward), rounds,
-        accepted_per_depth (fraction of rounds accepting at least d drafted tokens), seconds, tokens_per_second.
+        accepted_per_depth (fraction of rounds accepting at least d drafted tokens), seconds, tokens_per_second,
+        prefill_seconds (prompt forwards up to the first token; rows decoded one at a time, 0 for batched
+        verification) and ms_per_round (the rest of the time per round: drafting, verification, acceptance).
         """
         params = SamplingParams.resolve(self.target.generation_config, do_sample, temperature, top_p, top_k)
         params.validate()
@@ -181,7 +195,7 @@ class SpeculativeLM:
             raise ValueError(f"streamers support batch size 1 only (as in transformers), got batch size {len(prompts)}")
         eos_list = self._eos_ids(eos_token_id)
         eos = set(eos_list)
-        stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": []}
+        stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0}
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
@@ -238,17 +252,20 @@ class SpeculativeLM:
         """
         if max_new_tokens == 0:
             return []
+        prefill_start = time.perf_counter()
         last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         stats["target_forwards"] += 1
         root = self._choose(last_logits, params)[0]
         new_tokens: list[int] = []
-        done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)
+        done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)  # int(): waits for the prefill
+        stats["prefill_seconds"] += time.perf_counter() - prefill_start
         next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
         prefix_length = prompt.shape[0]
         drafter.reset()
         graphed = None
-        if self.graphed_rounds and isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact":
-            graphed = verifier.graphed_round(drafter)
+        if isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact":
+            wanted = verifier.use_graphs if self.graphed_rounds is None else self.graphed_rounds
+            graphed = verifier.graphed_round(drafter) if wanted else None
         if graphed is not None and not done:
             # The whole round (verify, accept, update, draft) is one graph replay; one host read per round.
             graphed.start(features, next_tokens, prefix_length)  # drafts the first tree
@@ -375,4 +392,5 @@ class SpeculativeLM:
             "accepted_per_depth": [sum(c >= d for c in counts) / rounds for d in range(1, max_depth + 1)],
             "seconds": seconds,
             "tokens_per_second": stats["new_tokens"] / seconds if seconds > 0 else 0.0,
+            "ms_per_round": 1000 * (seconds - stats["prefill_seconds"]) / rounds,
         }

@@ -19,6 +19,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    p.add_argument("--cpu-linear", choices=["default", "onednn"], default="default",
+                   help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some CPUs)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -30,6 +32,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads)
+    if args.cpu_linear == "onednn":
+        lm.use_onednn_linears()
     tokenizer = lm.tokenizer
     if args.chat:
         input_ids = tokenizer.apply_chat_template(

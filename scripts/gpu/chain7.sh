@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU run 7 (after chain6.sh on the same warm machine): `specheads bench` on CUDA (bf16 fast path) of the heads of
 # run 6 with the checkpoint's tree and with `--tree auto` (which measures SmolLM2's verification cost against the
-# tree size on the H100 and prints it). BENCH_ARGS: more bench arguments for both (session 6: --graphed-rounds).
+# tree size on the H100 and prints it). BENCH_ARGS: more bench arguments for both (e.g. --graphed-rounds off).
 # Results -> $OUT.
 set -u -o pipefail
 source scripts/gpu/setup.sh

@@ -30,6 +30,10 @@ def check_stats(stats: dict, new_tokens: int) -> None:
     fractions = stats["accepted_per_depth"]
     assert all(1 >= a >= b >= 0 for a, b in zip(fractions, fractions[1:]))
     assert stats["seconds"] > 0 and stats["tokens_per_second"] > 0
+    # the prompt's forward is timed apart from the rounds (bench reports ms per round from these)
+    assert 0 < stats["prefill_seconds"] < stats["seconds"]
+    rounds = max(stats["rounds"], 1)
+    assert stats["ms_per_round"] == pytest.approx(1000 * (stats["seconds"] - stats["prefill_seconds"]) / rounds)
 
 
 @pytest.mark.parametrize("head_type", HEAD_TYPES)

@@ -174,7 +174,7 @@ def run_both(lm: SpeculativeLM, ids: torch.Tensor, max_new_tokens: int, **kwargs
             lm._fast_runner.greedy_round = None
         streamer = RecordingStreamer()
         out = lm.generate(ids, max_new_tokens=max_new_tokens, fast_path=True, streamer=streamer, **kwargs)
-        stats = {k: v for k, v in lm.last_stats.items() if k not in ("seconds", "tokens_per_second")}
+        stats = {k: v for k, v in lm.last_stats.items() if k not in ("seconds", "tokens_per_second", "prefill_seconds", "ms_per_round")}
         results[mode] = (out, streamer.chunks[2:], stats)  # chunks after the prompt and the root
         runner = lm._fast_runner
         assert isinstance(runner, FastPathRunner)
@@ -363,3 +363,19 @@ def test_a_failed_capture_warns_with_the_failing_line_and_restores_the_state(mon
     with pytest.warns(UserWarning, match=r"capture of the toy round failed .* at test_graphed_round.py:\d+ \(raise Run"):
         assert cuda_graphs.try_capture(advance, "toy round", restore=[state]) == (None, None)
     assert torch.equal(state, torch.zeros(3))
+
+
+def test_graphed_rounds_default_follows_the_fast_paths_graphs(tiny_llama, monkeypatch):
+    """graphed_rounds=None (the default) asks for the whole-round graph exactly when the fast path captures graphs
+    (CUDA); True asks for it on the CPU too, False never."""
+    asked = []
+    monkeypatch.setattr(FastPathRunner, "graphed_round", lambda self, drafter: asked.append(self.use_graphs))
+    ids = torch.tensor([TINY_PROMPT])
+    heads = create_heads(tiny_llama, "eagle", tree_depth=3, tree_top_k=2, tree_num_nodes=5)
+    for setting, use_graphs, expected in ((None, False, []), (None, True, [True]), (True, False, [False]), (False, True, [])):
+        asked.clear()
+        lm = SpeculativeLM(tiny_llama, heads, graphed_rounds=setting)
+        lm._fast_runner = FastPathRunner(tiny_llama, heads.select_features, capacity=64, use_graphs=False)
+        lm._fast_runner.use_graphs = use_graphs  # only the decision reads it: the graphed_round stand-in returns None
+        assert torch.equal(lm.generate(ids, max_new_tokens=6, fast_path=True), hf_greedy(tiny_llama, ids, 6))
+        assert asked == expected, setting

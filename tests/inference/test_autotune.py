@@ -1,0 +1,59 @@
+"""`--tree auto`'s measurements: verification cost on the path `generate` takes, trials timed after warm-up."""
+
+from __future__ import annotations
+
+import torch
+
+from specheads import SpeculativeLM, create_heads
+from specheads.inference import autotune
+from specheads.inference.fast_path import TreeVerifier
+
+from .conftest import TINY_PROMPT
+
+
+def counting(monkeypatch, cls, name):
+    calls = []
+    original = getattr(cls, name)
+
+    def wrapper(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, wrapper)
+    return calls
+
+
+def test_fast_path_verification_cost_times_the_static_verifier(tiny_llama, monkeypatch):
+    """fast_path=True times `TreeVerifier.run` (the graph replay on CUDA) for each N; the normal path does not."""
+    lm = SpeculativeLM(tiny_llama, create_heads(tiny_llama, "eagle"))
+    ids = torch.tensor([TINY_PROMPT])
+    runs = counting(monkeypatch, TreeVerifier, "run")
+    costs = autotune.verification_cost_ms(lm, ids, [1, 4, 9], repeats=3, fast_path=True)
+    assert sorted(costs) == [1, 4, 9] and all(ms > 0 for ms in costs.values())
+    assert [v.num_slots for v in runs] == [1] * 4 + [4] * 4 + [9] * 4  # a warm-up run + 3 timed ones per N
+    runs.clear()
+    normal = autotune.verification_cost_ms(lm, ids, [1, 4], repeats=2)
+    assert sorted(normal) == [1, 4] and not runs
+
+
+def test_autotune_reports_the_fast_path_cost_and_warms_up_at_the_timed_length(tiny_llama, monkeypatch):
+    """With the fast path (as on CUDA), every candidate's warm-up call already has the timed length, so no timed
+    call resizes the runner (a new runner re-captures every graph on a GPU: that time is not the tree's)."""
+    lm = SpeculativeLM(tiny_llama, create_heads(tiny_llama, "eagle"))
+    original_generate = lm.generate
+    runners = []
+
+    def generate_on_the_fast_path(ids, **kwargs):
+        out = original_generate(ids, fast_path=True, **kwargs)
+        runners.append(lm._fast_runner)
+        return out
+
+    monkeypatch.setattr(lm, "generate", generate_on_the_fast_path)
+    calibration = [torch.tensor([TINY_PROMPT]), torch.tensor([TINY_PROMPT[:3]])]
+    report = autotune.autotune_tree(lm, calibration, max_new_tokens=60)  # 5 + 60 + tree > one 64-slot block
+    assert report["verification_path"] == "fast"
+    calls_per_candidate = 1 + len(calibration)
+    assert len(runners) == calls_per_candidate * len(report["trials"])
+    for start in range(0, len(runners), calls_per_candidate):  # the timed calls reuse the warm-up's runner
+        assert len({id(r) for r in runners[start : start + calls_per_candidate]}) == 1
+    assert set(report["verification_ms_by_nodes"]) >= {4, 8, 16, 32, 48, 64}

@@ -1,0 +1,77 @@
+"""oneDNN linear layers (CPU, fp32): the swap, exact greedy decoding on them, the errors, and the bench flag."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from specheads import SpeculativeLM, create_heads
+from specheads.inference.bench import bench_main
+from specheads.inference.onednn import OneDNNLinear, use_onednn_linears
+
+from .conftest import TINY_PROMPT, hf_greedy
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+def count_linears(module: nn.Module) -> tuple[int, int]:
+    modules = list(module.modules())
+    return sum(isinstance(m, nn.Linear) for m in modules), sum(isinstance(m, OneDNNLinear) for m in modules)
+
+
+def test_every_linear_is_swapped_and_computes_the_same_product(tiny_llama):
+    target = copy.deepcopy(tiny_llama)
+    ids = torch.tensor([TINY_PROMPT])
+    with torch.no_grad():
+        before = target(ids).logits
+    linears, _ = count_linears(target)
+    assert linears > 0 and use_onednn_linears(target) == linears
+    assert count_linears(target) == (0, linears)
+    with torch.no_grad():
+        after = target(ids).logits
+    assert not torch.equal(after, torch.zeros_like(after))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)  # the same fp32 product, another kernel
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "eagle", "eagle3"])
+def test_speculative_greedy_on_onednn_layers_equals_the_original_targets(tiny_llama, head_type):
+    """The heads borrowed the target's modules before the swap (EAGLE reads the lm_head weight): still usable."""
+    ids = torch.tensor([TINY_PROMPT])
+    expected = hf_greedy(tiny_llama, ids, 24)
+    target = copy.deepcopy(tiny_llama)
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, head_type))
+    swapped = lm.use_onednn_linears()
+    assert swapped == count_linears(target)[1] + count_linears(lm.heads)[1] and count_linears(lm.heads)[0] == 0
+    assert torch.equal(lm.generate(ids, max_new_tokens=24), expected)
+    assert torch.equal(lm.generate(ids, max_new_tokens=24, fast_path=True), expected)
+    assert torch.equal(target.generate(ids, max_new_tokens=24, do_sample=False), expected)  # the baseline too
+
+
+def test_layers_that_are_not_float32_cpu_are_refused(tiny_llama):
+    bf16 = copy.deepcopy(tiny_llama).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"float32 CPU inference; .*q_proj is torch.bfloat16 on cpu"):
+        use_onednn_linears(bf16)
+    assert count_linears(bf16)[1] == 0  # nothing swapped when one layer is refused
+    with pytest.raises(ValueError, match="not a bare nn.Linear"):
+        use_onednn_linears(nn.Linear(4, 4))
+
+
+def test_bench_cpu_linear_onednn(tmp_path):
+    from specheads import load_target
+
+    target, _ = load_target("stories260K")
+    heads = tmp_path / "heads"
+    create_heads(target, "eagle3", draft_vocab_size=64, tree_depth=3, tree_top_k=2, tree_num_nodes=4).save_pretrained(heads)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    out = tmp_path / "bench" / "results.json"
+    argv = ["--target", "stories260K", "--heads", str(heads), "--prompts", str(prompts), "--max-new-tokens", "10",
+            "--prompt-lookup", "0", "--threads", "1", "--cpu-linear", "onednn", "--out", str(out)]
+    assert bench_main(argv) == 0
+    results = json.loads(out.read_text())
+    assert results["environment"]["cpu_linear"] == "onednn" and results["greedy_identical"] is True
