@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from specheads.inference.autotune import autotune_tree
 from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.generate import SpeculativeLM
-from specheads.inference.onednn import OneDNNLinear
+from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear, wants_onednn
 from specheads.inference.prompts import Prompt, read_prompts, tokenize_prompts
 
 
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphed-rounds", choices=["auto", "on", "off"], default="auto",
                    help="fast path, greedy, EAGLE/EAGLE-3 heads: each round as one CUDA graph (auto: on CUDA; off: "
                    "the per-phase loop, two graphs a round)")
-    p.add_argument("--cpu-linear", choices=["default", "onednn", "auto"], default="default",
+    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="default",
                    help="CPU, float32: 'onednn' runs the target's and heads' linear layers on oneDNN (faster few-row "
                    "products); the plain `generate` baseline then uses them too. 'auto': onednn for a float32 CPU "
                    "target, else default")
@@ -207,15 +207,6 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
     }
 
 
-def _cpu_linear(lm: SpeculativeLM, requested: str) -> str:
-    """--cpu-linear: 'auto' is oneDNN for a float32 CPU target (when PyTorch has oneDNN), else the default."""
-    if requested != "auto":
-        return requested
-    target = lm.target
-    cpu_fp32 = target.device.type == "cpu" and target.dtype == torch.float32
-    return "onednn" if cpu_fp32 and torch.backends.mkldnn.is_available() else "default"
-
-
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -223,7 +214,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
                                        graphed_rounds=GRAPHED_ROUNDS[getattr(args, "graphed_rounds", "auto")])
-    if _cpu_linear(lm, getattr(args, "cpu_linear", "default")) == "onednn":
+    if wants_onednn(getattr(args, "cpu_linear", "default"), lm.target):
         lm.use_onednn_linears()
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
                                               getattr(args, "per_category", None)), lm.tokenizer,

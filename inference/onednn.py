@@ -62,3 +62,17 @@ def use_onednn_linears(module: nn.Module) -> int:
         with torch.no_grad():
             setattr(module.get_submodule(parent_name), attribute, OneDNNLinear(linear))
     return len(linears)
+
+
+CPU_LINEAR_CHOICES = ("default", "onednn", "auto")  # the CLI's --cpu-linear
+
+
+def wants_onednn(choice: str, target: nn.Module) -> bool:
+    """Whether `--cpu-linear CHOICE` means oneDNN layers for `target`: 'onednn' yes, 'default' no, 'auto' for a
+    float32 CPU target when PyTorch has oneDNN (so one command runs on a GPU machine too)."""
+    if choice not in CPU_LINEAR_CHOICES:
+        raise ValueError(f"--cpu-linear {choice!r}; expected one of {CPU_LINEAR_CHOICES}")
+    if choice != "auto":
+        return choice == "onednn"
+    weight = next(target.parameters())
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()

@@ -19,8 +19,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
-    p.add_argument("--cpu-linear", choices=["default", "onednn"], default="default",
-                   help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some CPUs)")
+    p.add_argument("--cpu-linear", choices=["default", "onednn", "auto"], default="default",
+                   help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some "
+                   "CPUs); 'auto': onednn for a float32 CPU target, else default")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -29,10 +30,11 @@ def run_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from specheads.inference.generate import SpeculativeLM
+    from specheads.inference.onednn import wants_onednn
 
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads)
-    if args.cpu_linear == "onednn":
+    if wants_onednn(args.cpu_linear, lm.target):
         lm.use_onednn_linears()
     tokenizer = lm.tokenizer
     if args.chat:

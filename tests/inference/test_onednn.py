@@ -11,7 +11,7 @@ from torch import nn
 
 from specheads import SpeculativeLM, create_heads
 from specheads.inference.bench import bench_main
-from specheads.inference.onednn import OneDNNLinear, use_onednn_linears
+from specheads.inference.onednn import OneDNNLinear, use_onednn_linears, wants_onednn
 
 from .conftest import TINY_PROMPT, hf_greedy
 
@@ -78,11 +78,9 @@ def test_bench_cpu_linear_onednn(tmp_path, choice):
     assert results["environment"]["cpu_linear"] == "onednn" and results["greedy_identical"] is True  # auto: fp32 CPU
 
 
-def test_bench_cpu_linear_auto_keeps_the_default_layers_off_float32_cpu(tiny_llama):
-    from types import SimpleNamespace
-
-    from specheads.inference.bench import _cpu_linear
-
-    assert _cpu_linear(SimpleNamespace(target=tiny_llama), "auto") == "onednn"
-    assert _cpu_linear(SimpleNamespace(target=copy.deepcopy(tiny_llama).to(torch.bfloat16)), "auto") == "default"
-    assert _cpu_linear(SimpleNamespace(target=tiny_llama), "default") == "default"
+def test_cpu_linear_auto_means_onednn_only_for_float32_cpu_targets(tiny_llama):
+    assert wants_onednn("auto", tiny_llama) and wants_onednn("onednn", tiny_llama)
+    assert not wants_onednn("auto", copy.deepcopy(tiny_llama).to(torch.bfloat16))
+    assert not wants_onednn("default", tiny_llama)
+    with pytest.raises(ValueError, match=r"--cpu-linear 'mkl'; expected one of \('default', 'onednn', 'auto'\)"):
+        wants_onednn("mkl", tiny_llama)
