@@ -174,7 +174,8 @@ def run_both(lm: SpeculativeLM, ids: torch.Tensor, max_new_tokens: int, **kwargs
             lm._fast_runner.greedy_round = None
         streamer = RecordingStreamer()
         out = lm.generate(ids, max_new_tokens=max_new_tokens, fast_path=True, streamer=streamer, **kwargs)
-        stats = {k: v for k, v in lm.last_stats.items() if k not in ("seconds", "tokens_per_second", "prefill_seconds", "ms_per_round")}
+        timings = ("seconds", "tokens_per_second", "prefill_seconds", "ms_per_round")
+        stats = {k: v for k, v in lm.last_stats.items() if k not in timings}
         results[mode] = (out, streamer.chunks[2:], stats)  # chunks after the prompt and the root
         runner = lm._fast_runner
         assert isinstance(runner, FastPathRunner)
