@@ -2,11 +2,12 @@
 
 On the CPU, `nn.Linear` runs on the BLAS PyTorch was built with (MKL for the x86 wheels). For the few-row
 products of speculative decoding (a tree of N nodes verified at once, the heads' draft levels) MKL's small-M
-GEMM is slow on some CPUs: on the 2-core AMD EPYC these benchmarks run on, a 576 x 1536 product of 9 rows took
-0.26 ms with MKL and 0.15 ms with oneDNN, SmolLM2's 576 x 49152 lm_head 17.4 ms and 5.2 ms (one row: 8.0 ms and
-4.1 ms). `OneDNNLinear` keeps the weight as a oneDNN tensor and multiplies with oneDNN (`aten.mkldnn_linear`,
-what `torch.utils.mkldnn.MkldnnLinear` runs, without its deprecated TorchScript), in fp32: the same arithmetic up
-to summation order, as between any two GEMM kernels (greedy outputs stay identical in the tests and benchmarks).
+GEMM is slow on some CPUs. On the 2-core AMD EPYC these benchmarks run on, a 9-row product with a 576 x 1536
+layer took 0.24 ms with MKL and 0.06 ms with oneDNN on a prepacked weight, with SmolLM2's 576 x 49152 lm_head
+12.6 ms and 2.4 ms (one row: 7.2 ms and 1.3 ms). `OneDNNLinear` prepacks the weight once into oneDNN's layout
+and multiplies dense inputs with `mkldnn._linear_pointwise` (the op inductor's CPU freezing uses; where this
+PyTorch lacks it, `aten.mkldnn_linear` on oneDNN tensors, 2-3x slower), in fp32: the same arithmetic up to
+summation order, as between any two GEMM kernels (greedy outputs stay identical in the tests and benchmarks).
 
 The swap is in place and for inference only: afterwards the weights are oneDNN buffers, not parameters, so the
 module cannot be trained, moved or saved. The target's own `generate` uses the new layers too, so a benchmark
@@ -20,19 +21,32 @@ import torch
 from torch import nn
 
 
+def _has_prepacked_linear() -> bool:
+    """Whether this PyTorch has oneDNN's dense-input linear on a prepacked weight (what inductor's CPU freezing
+    uses): faster than `aten.mkldnn_linear`, which converts every input and output to and from oneDNN tensors."""
+    return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 class OneDNNLinear(nn.Module):
-    """`nn.Linear`'s product on oneDNN, its weight (and bias) stored as oneDNN tensors (inference only)."""
+    """`nn.Linear`'s product on oneDNN, its weight prepacked in oneDNN's layout (inference only)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.prepacked = _has_prepacked_linear()
+        weight = linear.weight.detach()
+        weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight.to_mkldnn()
         # Not persistent: a state_dict of oneDNN tensors could not be saved anyway (the module is inference-only).
-        self.register_buffer("weight", linear.weight.detach().to_mkldnn(), persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
+        self.register_buffer("weight", weight, persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        if bias is not None and not self.prepacked:
+            bias = bias.to_mkldnn()
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in_features) float32 -> (..., out_features)."""
+        if self.prepacked:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return torch.ops.aten.mkldnn_linear(x.to_mkldnn(), self.weight, self.bias).to_dense()
 
     def extra_repr(self) -> str:

@@ -84,3 +84,19 @@ def test_cpu_linear_auto_means_onednn_only_for_float32_cpu_targets(tiny_llama):
     assert not wants_onednn("default", tiny_llama)
     with pytest.raises(ValueError, match=r"--cpu-linear 'mkl'; expected one of \('default', 'onednn', 'auto'\)"):
         wants_onednn("mkl", tiny_llama)
+
+
+@pytest.mark.parametrize("prepacked", [True, False])
+def test_both_onednn_products_equal_the_linear_layer(prepacked, monkeypatch):
+    """The prepacked dense-input op and the oneDNN-tensor fallback (PyTorch without the former) give nn.Linear's
+    product, with and without bias, on 2-D and 3-D inputs."""
+    from specheads.inference import onednn
+
+    monkeypatch.setattr(onednn, "_has_prepacked_linear", lambda: prepacked)
+    torch.manual_seed(0)
+    for bias in (True, False):
+        linear = nn.Linear(32, 48, bias=bias)
+        swapped = OneDNNLinear(linear)
+        assert swapped.prepacked is prepacked
+        for x in (torch.randn(5, 32), torch.randn(2, 7, 32)):
+            torch.testing.assert_close(swapped(x), linear(x), rtol=1e-5, atol=1e-5)
