@@ -20,7 +20,7 @@ from specheads.inference.fast_path import TreeVerifier
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.kv_cache import crop_cache
 from specheads.inference.static_cache import StaticTreeCache, prefill_static
-from specheads.inference.tree import build_tree_buffers
+from specheads.inference.tree import TreeBuffers, build_tree_buffers
 from specheads.inference.verify import verify_tree
 
 EAGLE_CANDIDATES = [
@@ -53,7 +53,7 @@ def verification_cost_ms(
         tree = build_tree_buffers(_chain(n, target.device), dtype=target.dtype)
         tokens = input_ids[0, -1:].repeat(n).to(target.device)
 
-        def verify() -> None:
+        def verify(tokens: torch.Tensor = tokens, tree: TreeBuffers = tree) -> None:
             verify_tree(target, cache, tokens, tree, prefix)
             crop_cache(cache, prefix)
 
@@ -130,11 +130,10 @@ def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_to
     else:
         lm.configure_tree(**best["candidate"])
     node_counts = sorted({4, 8, 16, 32, 48, 64} | {t["tree"]["nodes"] + 1 for t in trials})
+    fast_path = lm.last_stats["fast_path"]  # the path the trials took (a runner kept from older calls may exist)
     return {
         "chosen": best["tree"],
         "trials": trials,
-        "verification_path": "fast" if lm._fast_runner is not None else "normal",
-        "verification_ms_by_nodes": verification_cost_ms(
-            lm, calibration[0], node_counts, fast_path=lm._fast_runner is not None
-        ),
+        "verification_path": "fast" if fast_path else "normal",
+        "verification_ms_by_nodes": verification_cost_ms(lm, calibration[0], node_counts, fast_path=fast_path),
     }

@@ -26,7 +26,6 @@ from specheads.inference.generate import SpeculativeLM
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear, wants_onednn
 from specheads.inference.prompts import Prompt, read_prompts, tokenize_prompts
 
-
 GRAPHED_ROUNDS = {"auto": None, "on": True, "off": False}  # --graphed-rounds -> SpeculativeLM(graphed_rounds=)
 
 

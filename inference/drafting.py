@@ -154,7 +154,6 @@ class EagleDrafter:
         return tree_tokens, build_tree_buffers(parents, dtype=self.dtype, check=False)  # valid by construction
 
 
-
 class DraftPool:
     """The drafted nodes of one EAGLE round and the frontier fed at the next level (both EAGLE drafters use it).
 

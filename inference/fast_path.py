@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.cuda_graphs import try_capture
+from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.graphed_round import GraphedGreedyRound
 from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_static, write_tree_mask
 from specheads.inference.static_drafting import StaticEagleDrafter

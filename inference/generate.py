@@ -182,7 +182,8 @@ class SpeculativeLM:
         per target forward, the bonus token counted, the prefill counted as one forward), rounds,
         accepted_per_depth (fraction of rounds accepting at least d drafted tokens), seconds, tokens_per_second,
         prefill_seconds (prompt forwards up to the first token; rows decoded one at a time, 0 for batched
-        verification) and ms_per_round (the rest of the time per round: drafting, verification, acceptance).
+        verification), ms_per_round (the rest of the time per round: drafting, verification, acceptance) and
+        fast_path (whether the call ran on the static-cache fast path).
         """
         params = SamplingParams.resolve(self.target.generation_config, do_sample, temperature, top_p, top_k)
         params.validate()
@@ -199,6 +200,7 @@ class SpeculativeLM:
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
+        stats["fast_path"] = runner is not None
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
             row_drafter = runner.use_drafter(self.drafter)

@@ -79,13 +79,21 @@ class ReferenceDrafter:
         return torch.tensor(tokens, device=device), build_tree_buffers(torch.tensor(parents, device=device))
 
 
-def cuda_median_ms(fn: Callable[[], Any], repeats: int = 20, warmup: int = 5) -> float:
-    """Median milliseconds of fn() between CUDA events (host launch time included when the GPU waits on it)."""
+def cuda_median_ms(
+    fn: Callable[[], Any], repeats: int = 20, warmup: int = 5, before: Callable[[], Any] | None = None
+) -> float:
+    """Median milliseconds of fn() between CUDA events (host launch time included when the GPU waits on it).
+
+    `before`, when given, runs untimed ahead of every call (e.g. restoring state that `fn` advances)."""
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -164,7 +172,12 @@ def identity_section(dtype: torch.dtype, max_new_tokens: int = 64) -> dict[str, 
 
 
 def build_one_b() -> torch.nn.Module:
-    config = LlamaConfig(**ONE_B)
+    return build_random_llama(ONE_B)
+
+
+def build_random_llama(shape: dict[str, Any]) -> torch.nn.Module:
+    """A randomly initialised bf16 Llama of this `LlamaConfig` shape on CUDA, for timing (EOS never stops it)."""
+    config = LlamaConfig(**shape)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from gpu_fast_path_check import build_random_llama, cuda_median_ms, wall_seconds  # this folder: the GPU check
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specheads import SpeculativeLM, create_heads
 from specheads.inference.fast_path import StaticGreedyDecoder
@@ -51,21 +49,6 @@ TREES = [(4, 4, 8), (5, 8, 24), (6, 8, 32), (8, 10, 60)]  # (depth, top-k, nodes
 PROMPT_TOKENS, NEW_TOKENS = 128, 128
 
 
-def event_median_ms(fn: Callable[[], Any], before: Callable[[], Any] | None = None, repeats: int = 30) -> float:
-    """Median milliseconds of `fn` on the GPU (CUDA events), `before` (untimed) ahead of each call."""
-    times = []
-    for _ in range(repeats + 3):  # 3 warm-up calls
-        if before is not None:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[3:])
-
-
 def kernel_count(fn: Callable[[], Any]) -> int:
     """GPU operations (kernels, memsets, copies) that one eager call of `fn` launches."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -74,29 +57,16 @@ def kernel_count(fn: Callable[[], Any]) -> int:
     return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def build_target() -> torch.nn.Module:
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = None  # timing: never stop early
-    return model.eval().requires_grad_(False)
-
-
 @torch.no_grad()
 def plain_section(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
     """Our plain greedy decoding: wall ms per token of `StaticGreedyDecoder.generate` (best of 3), and one replay
     of its captured 1-token step (each replay advances one position: the cache has 64 slots spare for them)."""
     decoder = StaticGreedyDecoder(model, -(-(ids.shape[1] + NEW_TOKENS + 64) // 64) * 64)
     decoder.generate(ids, 8, eos_token_id=[])  # warm-up + capture
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        decoder.generate(ids, NEW_TOKENS, eos_token_id=[])
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+    best = min(wall_seconds(lambda: decoder.generate(ids, NEW_TOKENS, eos_token_id=[]))[1] for _ in range(3))
     return {
         "ms_per_token": 1000 * best / NEW_TOKENS,
-        "step_ms": event_median_ms(decoder.graph.replay) if decoder.graph is not None else None,
+        "step_ms": cuda_median_ms(decoder.graph.replay) if decoder.graph is not None else None,
         "step_kernels": kernel_count(decoder.step),
     }
 
@@ -126,9 +96,9 @@ def tree_section(model: torch.nn.Module, ids: torch.Tensor, depth: int, top_k: i
         "tree": lm.tree_description(),
         "graphs_captured": {"verify": verifier.graph is not None, "draft": drafter.graph is not None,
                             "round": whole.graph is not None},
-        "verify_ms": event_median_ms(verifier.graph.replay) if verifier.graph is not None else None,
-        "draft_ms": event_median_ms(drafter.graph.replay) if drafter.graph is not None else None,
-        "round_ms": event_median_ms(whole.graph.replay, before=restore) if whole.graph is not None else None,
+        "verify_ms": cuda_median_ms(verifier.graph.replay) if verifier.graph is not None else None,
+        "draft_ms": cuda_median_ms(drafter.graph.replay) if drafter.graph is not None else None,
+        "round_ms": cuda_median_ms(whole.graph.replay, before=restore) if whole.graph is not None else None,
         "generate_ms_per_round": 1000 * best,
     }
     result["kernels"] = {
@@ -151,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this script times CUDA graphs")
         return 2
-    model = build_target()
+    model = build_random_llama(SMOLLM2_135M)
     trees = [tuple(int(x) for x in tree.split(",")) for tree in args.trees]
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "shape": SMOLLM2_135M, "new_tokens": NEW_TOKENS, "runs": []}

@@ -57,3 +57,13 @@ def test_autotune_reports_the_fast_path_cost_and_warms_up_at_the_timed_length(ti
     for start in range(0, len(runners), calls_per_candidate):  # the timed calls reuse the warm-up's runner
         assert len({id(r) for r in runners[start : start + calls_per_candidate]}) == 1
     assert set(report["verification_ms_by_nodes"]) >= {4, 8, 16, 32, 48, 64}
+
+
+def test_autotune_reports_the_path_its_trials_took_not_an_older_runner(tiny_llama):
+    """A runner kept from an earlier fast-path call does not make the CPU trials' report claim the fast path."""
+    lm = SpeculativeLM(tiny_llama, create_heads(tiny_llama, "eagle"))
+    ids = torch.tensor([TINY_PROMPT])
+    lm.generate(ids, max_new_tokens=4, fast_path=True)
+    assert lm._fast_runner is not None and lm.last_stats["fast_path"] is True
+    report = autotune.autotune_tree(lm, [ids], max_new_tokens=6)  # default fast_path: the normal path on the CPU
+    assert lm.last_stats["fast_path"] is False and report["verification_path"] == "normal"
