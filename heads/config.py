@@ -37,6 +37,9 @@ FIELD_HELP: dict[str, str] = {
     "tree_top_k": "Default children expanded per node (EAGLE dynamic trees).",
     "tree_num_nodes": "Default number of draft nodes kept after global reranking (EAGLE dynamic trees).",
     "tree_stop_prob": "Default early stop of EAGLE drafting: no deeper level once the best path's draft probability is below it.",
+    "tree_min_prob": "Default pruning of EAGLE trees: only nodes whose path's draft probability is at least this are verified "
+    "(the best node always is); fewer nodes when the heads are unsure, for targets whose verification cost grows with "
+    "the node count (CPUs).",
     "static_tree": "Default static tree (a name under configs/trees/ or a path) for Medusa heads.",
     "initializer_range": "Std of the normal init of fresh weights.",
     "target_embedding_sample": "16 values of the target's input embedding at fixed positions; refuses heads on a "
@@ -91,6 +94,7 @@ class HeadsConfig(PretrainedConfig):
         tree_top_k: int = 8,
         tree_num_nodes: int = 32,
         tree_stop_prob: float = 0.0,
+        tree_min_prob: float = 0.0,
         static_tree: str = "medusa_default",
         initializer_range: float = 0.02,
         target_embedding_sample: list[float] | None = None,
@@ -128,6 +132,7 @@ class HeadsConfig(PretrainedConfig):
         self.tree_top_k = tree_top_k
         self.tree_num_nodes = tree_num_nodes
         self.tree_stop_prob = tree_stop_prob
+        self.tree_min_prob = tree_min_prob
         self.static_tree = static_tree
         self.initializer_range = initializer_range
         self.target_embedding_sample = (
@@ -155,8 +160,10 @@ class HeadsConfig(PretrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"HeadsConfig.{name}={value!r} is invalid; expected a positive integer ({FIELD_HELP[name]})")
-        if not isinstance(self.tree_stop_prob, (int, float)) or not 0 <= self.tree_stop_prob < 1:
-            raise ValueError(f"HeadsConfig.tree_stop_prob={self.tree_stop_prob!r}; expected a probability in [0, 1)")
+        for name in ("tree_stop_prob", "tree_min_prob"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+                raise ValueError(f"HeadsConfig.{name}={value!r}; expected a probability in [0, 1) ({FIELD_HELP[name]})")
         if not all(isinstance(i, int) and i >= 0 for i in self.feature_layers):
             raise ValueError(f"HeadsConfig.feature_layers={self.feature_layers!r}; expected non-negative layer indices")
         sample = self.target_embedding_sample

@@ -29,6 +29,8 @@ EAGLE_CANDIDATES = [
     {"tree_depth": 6, "tree_top_k": 8, "tree_num_nodes": 24},
     {"tree_depth": 7, "tree_top_k": 8, "tree_num_nodes": 32},
     {"tree_depth": 8, "tree_top_k": 10, "tree_num_nodes": 60},
+    # pruned to the nodes the heads find likely (a tree of varying size): pays where each node costs (CPUs)
+    {"tree_depth": 5, "tree_top_k": 8, "tree_num_nodes": 24, "tree_stop_prob": 0.05, "tree_min_prob": 0.05},
 ]
 MEDUSA_CANDIDATES = ["medusa_small", "medusa_default"]
 

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
-    p.add_argument("--tree", default=None, help="'auto', a static tree name/path (Medusa), or depth,top_k,nodes (EAGLE)")
+    p.add_argument("--tree", default=None, help="'auto', a static tree name/path (Medusa), or depth,top_k,nodes[,stop_prob[,min_prob]] (EAGLE)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--prompt-lookup", type=int, default=10, help="peer: transformers prompt-lookup tokens (0: skip)")
     p.add_argument("--assistant", default=None, help="peer: a draft model for transformers assisted generation")
@@ -73,6 +73,22 @@ def _timed(fn) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
+def parse_eagle_tree(spec: str) -> dict[str, Any]:
+    """'depth,top_k,nodes[,stop_prob[,min_prob]]' -> `SpeculativeLM.configure_tree` keyword arguments."""
+    parts = spec.split(",")
+    try:
+        if not 3 <= len(parts) <= 5:
+            raise ValueError
+        values: dict[str, Any] = {"tree_depth": int(parts[0]), "tree_top_k": int(parts[1]), "tree_num_nodes": int(parts[2])}
+        for name, text in zip(("tree_stop_prob", "tree_min_prob"), parts[3:]):
+            values[name] = float(text)
+    except ValueError:
+        raise ValueError(
+            f"--tree {spec!r}: expected depth,top_k,nodes[,stop_prob[,min_prob]] (e.g. 5,8,24 or 6,6,16,0.05,0.03)"
+        ) from None
+    return values
+
+
 def _configure_tree(lm: SpeculativeLM, tree: str | None, calibration: list[torch.Tensor]) -> dict[str, Any] | None:
     if tree is None:
         return None
@@ -81,8 +97,7 @@ def _configure_tree(lm: SpeculativeLM, tree: str | None, calibration: list[torch
         print(f"[specheads bench] --tree auto chose {report['chosen']}")
         return report
     if "," in tree:
-        depth, top_k, nodes = (int(x) for x in tree.split(","))
-        lm.configure_tree(tree_depth=depth, tree_top_k=top_k, tree_num_nodes=nodes)
+        lm.configure_tree(**parse_eagle_tree(tree))
     else:
         lm.configure_tree(tree=tree)
     return None

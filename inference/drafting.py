@@ -69,7 +69,9 @@ class EagleDrafter:
     target's true features, then drafts `depth` levels: at each level the `top_k` frontier nodes (best by
     cumulative log-probability) are fed in one head forward under a tree mask, each proposing `top_k`
     children. Finally the best `num_nodes` nodes of the whole pool are kept (a node's score never exceeds
-    its parent's, so the kept set is a tree).
+    its parent's, so the kept set is a tree). With `min_prob`, nodes whose path probability under the head is below
+    it are dropped too (the best node is always kept): a tree as large as the heads' confidence, for devices where
+    each verified node costs time (CPUs).
 
     EAGLE-3 heads (`Eagle3Heads`) go through the same loop: their first forward fuses the target's 3-layer
     features, deeper levels read their own outputs, and they score a reduced draft vocabulary whose ids are
@@ -84,18 +86,22 @@ class EagleDrafter:
         num_nodes: int,
         dtype: torch.dtype,
         stop_prob: float = 0.0,
+        min_prob: float = 0.0,
     ) -> None:
         for name, value in (("tree_depth", depth), ("tree_top_k", top_k), ("tree_num_nodes", num_nodes)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
-        if not 0 <= stop_prob < 1:
-            raise ValueError(f"tree_stop_prob={stop_prob} must be in [0, 1)")
+        for name, value in (("tree_stop_prob", stop_prob), ("tree_min_prob", min_prob)):
+            if not 0 <= value < 1:
+                raise ValueError(f"{name}={value} must be in [0, 1)")
         if top_k > heads.draft_vocab_size:
             raise ValueError(f"tree_top_k={top_k} exceeds the heads' draft vocabulary of {heads.draft_vocab_size}")
         self.heads = heads
         self.depth, self.top_k, self.num_nodes = depth, top_k, num_nodes
         self.stop_prob = stop_prob
         self.log_stop = math.log(stop_prob) if stop_prob > 0 else -math.inf
+        self.min_prob = min_prob
+        self.log_min = math.log(min_prob) if min_prob > 0 else None
         self.dtype = dtype
         self.neg = torch.finfo(dtype).min
         self.cache = DynamicCache()
@@ -107,7 +113,7 @@ class EagleDrafter:
 
     def fork(self) -> EagleDrafter:
         """A drafter with the same heads and tree shape and its own (empty) draft cache."""
-        return EagleDrafter(self.heads, self.depth, self.top_k, self.num_nodes, self.dtype, self.stop_prob)
+        return EagleDrafter(self.heads, self.depth, self.top_k, self.num_nodes, self.dtype, self.stop_prob, self.min_prob)
 
     def top_children(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` likeliest next tokens after predicted features (..., h).
@@ -149,8 +155,8 @@ class EagleDrafter:
             out = heads(pool.frontier_features[None], pool.frontier_tokens[None], positions, mask, self.cache)[0]
             pool.expand(out, *self.top_children(out))
 
-        # 4. Keep the best num_nodes of the pool.
-        tree_tokens, parents = pool.best_subtree(self.num_nodes, next_tokens[-1:])
+        # 4. Keep the best num_nodes of the pool (those likely enough, with min_prob).
+        tree_tokens, parents = pool.best_subtree(self.num_nodes, next_tokens[-1:], self.log_min)
         return tree_tokens, build_tree_buffers(parents, dtype=self.dtype, check=False)  # valid by construction
 
 
@@ -214,12 +220,18 @@ class DraftPool:
         self.parent_fed = fed + best // k
         self.size += k * k
 
-    def best_subtree(self, num_nodes: int, root_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `num_nodes` best-scored nodes as a tree under the root: (tokens, parents), each (num_nodes + 1,),
-        the root first (`root_token`, (1,)), then the kept nodes in pool order."""
+    def best_subtree(
+        self, num_nodes: int, root_token: torch.Tensor, min_log_prob: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `num_nodes` best-scored nodes as a tree under the root: (tokens, parents), each (M + 1,), the root
+        first (`root_token`, (1,)), then the kept nodes in pool order. M = num_nodes, or with `min_log_prob` the
+        number of those scoring at least it (at least 1; one host sync)."""
         all_scores, all_tokens = torch.cat(self.scores), torch.cat(self.tokens)
         all_parents, device = torch.cat(self.parents), all_tokens.device
-        order = torch.sort(all_scores, descending=True, stable=True).indices[:num_nodes]
+        ranked = torch.sort(all_scores, descending=True, stable=True)
+        order = ranked.indices[:num_nodes]
+        if min_log_prob is not None:  # scores fall along `order`, so the likely nodes are a prefix of it
+            order = order[: max(1, int((ranked.values[:num_nodes] >= min_log_prob).sum()))]
         keep = torch.sort(order).values  # pool order = topological order
         remap = torch.full((self.size,), -1, dtype=torch.long, device=device)
         remap[keep] = torch.arange(1, keep.shape[0] + 1, device=device)

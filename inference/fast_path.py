@@ -213,7 +213,7 @@ class FastPathRunner:
         graphed `StaticEagleDrafter` (same trees, kept across calls with its graph); others are used as they are.
         """
         self.fixed_slots, self.reserve = fixed_tree_slots(drafter), tree_reserve(drafter)
-        if self.static_drafting and isinstance(drafter, EagleDrafter) and drafter.stop_prob == 0:
+        if self.static_drafting and isinstance(drafter, EagleDrafter) and drafter.stop_prob == drafter.min_prob == 0:
             if self.static_drafter is None or self.static_drafter.source is not drafter:
                 self.static_drafter = StaticEagleDrafter(drafter, self.capacity, use_graph=self.use_graphs)
             self.drafter = self.static_drafter

@@ -44,6 +44,9 @@ class SpeculativeLM:
         tree_depth, tree_top_k, tree_num_nodes: EAGLE only: dynamic tree shape (default: the checkpoint's).
         tree_stop_prob: EAGLE only: stop drafting deeper once the best path's probability under the head
             falls below this (0 = always draft `tree_depth` levels).
+        tree_min_prob: EAGLE only: verify only the drafted nodes whose path probability under the head is at
+            least this (the best one always; 0 = always `tree_num_nodes`). Pays where each verified node costs
+            time (CPUs); such drafters run eagerly on the GPU fast path.
         graphed_rounds: fast path only: greedy rounds of EAGLE / EAGLE-3 heads run as ONE CUDA graph each
             (verify, accept, compact, draft; inference/graphed_round.py) instead of two graphs joined by eager
             glue. None (default): when the fast path captures graphs (CUDA); True: also eagerly on the CPU (how
@@ -60,13 +63,14 @@ class SpeculativeLM:
         tree_top_k: int | None = None,
         tree_num_nodes: int | None = None,
         tree_stop_prob: float | None = None,
+        tree_min_prob: float | None = None,
         graphed_rounds: bool | None = None,
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
-        self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob)
+        self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob, tree_min_prob)
         self.last_stats: dict[str, Any] = {}
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
         self.graphed_rounds = graphed_rounds
@@ -78,6 +82,7 @@ class SpeculativeLM:
         tree_top_k: int | None = None,
         tree_num_nodes: int | None = None,
         tree_stop_prob: float | None = None,
+        tree_min_prob: float | None = None,
     ) -> None:
         """Choose the draft tree: a static tree for Medusa, a dynamic tree shape for EAGLE (None = checkpoint default)."""
         heads, config = self.heads, self.heads.config
@@ -88,13 +93,17 @@ class SpeculativeLM:
             self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
         elif isinstance(heads, (EagleHeads, Eagle3Heads)):
             if tree is not None:
-                raise ValueError("EAGLE heads draft dynamic trees: use tree_depth / tree_top_k / tree_num_nodes, not tree")
+                raise ValueError(
+                    "EAGLE heads draft dynamic trees: use tree_depth / tree_top_k / tree_num_nodes (/ tree_stop_prob / "
+                    "tree_min_prob), not tree"
+                )
             self.drafter = EagleDrafter(
                 heads,
                 depth=config.tree_depth if tree_depth is None else tree_depth,
                 top_k=config.tree_top_k if tree_top_k is None else tree_top_k,
                 num_nodes=config.tree_num_nodes if tree_num_nodes is None else tree_num_nodes,
                 stop_prob=config.tree_stop_prob if tree_stop_prob is None else tree_stop_prob,
+                min_prob=config.tree_min_prob if tree_min_prob is None else tree_min_prob,
                 dtype=self.target.dtype,
             )
         else:
@@ -107,7 +116,7 @@ class SpeculativeLM:
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
                     "depth": drafter.tree.max_depth}
         return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes,
-                "stop_prob": drafter.stop_prob}
+                "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob}
 
     @classmethod
     def from_pretrained(

@@ -17,7 +17,8 @@ replayed:
 - the tree buffers come from `build_tree_buffers(..., max_depth=depth)`: fixed passes, no host sync.
 
 Outside the graph: the prompt's first positions (a prompt is longer than P) are committed eagerly, once per
-sequence. Early stopping (`tree_stop_prob`) needs a host decision per level, so such drafters stay eager.
+sequence. Early stopping (`tree_stop_prob`) needs a host decision per level and pruning (`tree_min_prob`) varies
+the tree's size, so such drafters stay eager.
 On the CPU the same round runs eagerly; that is how it is tested against `EagleDrafter`.
 """
 
@@ -51,6 +52,10 @@ class StaticEagleDrafter:
         if drafter.stop_prob > 0:
             raise ValueError(
                 f"tree_stop_prob={drafter.stop_prob} decides on the host at every level; fixed-shape drafting needs 0"
+            )
+        if drafter.min_prob > 0:
+            raise ValueError(
+                f"tree_min_prob={drafter.min_prob} gives trees of varying size; fixed-shape drafting needs 0"
             )
         self.source = drafter
         self.heads = drafter.heads

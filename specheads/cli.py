@@ -1,4 +1,4 @@
-"""The `specheads` command line: demo, train, data, generate, bench, export, import."""
+"""The `specheads` command line: demo, train, data, generate, bench, eval, export, import."""
 
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ def _dispatch(argv: list[str] | None) -> int:
     _add_generate(sub)
 
     sub.add_parser("bench", help="benchmark speculative vs plain decoding (JSON out)", add_help=False)
+    sub.add_parser("eval", help="score heads on held-out text: per-depth accuracy, simulated tau (JSON out)",
+                   add_help=False)
 
     from specheads.heads.interop import FORMATS
 
@@ -111,7 +113,7 @@ def _dispatch(argv: list[str] | None) -> int:
     imp.add_argument("--allow-pickle", action="store_true", help="read .bin/.pt weights (torch.load weights_only=True)")
 
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command not in ("data", "bench"):
+    if rest and args.command not in ("data", "bench", "eval"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         from specheads.training.demo import run_demo
@@ -134,6 +136,10 @@ def _dispatch(argv: list[str] | None) -> int:
         from specheads.inference.bench import bench_main
 
         return bench_main(rest)
+    if args.command == "eval":
+        from specheads.training.eval_cli import eval_main
+
+        return eval_main(rest)
     if args.command == "export":
         from specheads.heads.interop import export_heads
 

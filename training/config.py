@@ -36,6 +36,8 @@ class DataSection:
     max_length: int = 512  # tokens per example (longer examples are truncated)
     bucket_by_length: bool = True  # group examples of similar length into the same batches
     features_dir: str | None = None  # offline features (`specheads data dump-features`); needs feature_mode=offline
+    eval_fraction: float = 0.0  # hold out this seeded share of the examples: evaluated, never trained on
+    eval_source: str = ""  # or evaluate on this separate JSON/JSONL file / dataset folder (target features online)
 
 
 @dataclass
@@ -123,6 +125,7 @@ class RunConfig:
     micro_batch_size: int = 8  # sequences per forward on one process; accumulation is derived
     feature_mode: str = "online"  # online (target runs in the step) | offline (read dumped features)
     log_steps: int = 10
+    eval_steps: int = 0  # evaluate the held-out data every this many steps (0: once, at the end)
     trackers: list[str] = field(default_factory=list)  # tensorboard, wandb
     project_name: str = "specheads"
     stop_after_steps: int | None = None  # stop (without a final save) after this step: simulates a crash
@@ -173,6 +176,12 @@ class RunConfig:
         for key, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{key}={value!r} is invalid; expected a positive integer")
+        if self.eval_steps < 0:
+            raise ValueError(f"eval_steps={self.eval_steps!r} is invalid; expected steps >= 0 (0: evaluate at the end)")
+        if not 0 <= self.data.eval_fraction < 1:
+            raise ValueError(f"data.eval_fraction={self.data.eval_fraction!r} is invalid; expected a fraction in [0, 1)")
+        if self.data.eval_fraction > 0 and self.data.eval_source:
+            raise ValueError("data.eval_fraction and data.eval_source are both set; hold out a fraction OR name a file")
         if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
             raise ValueError(f"time_limit_minutes={self.time_limit_minutes!r} is invalid; expected minutes > 0 (or null)")
         if self.micro_batch_size > self.global_batch_size:

@@ -11,17 +11,20 @@ same weights as one (up to float summation order).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.utils.data import Subset
 from tqdm.auto import tqdm
 
 from specheads import create_heads, load_heads, load_target
@@ -34,6 +37,7 @@ from specheads.training.draft_vocab import (
     special_token_ids,
     vocab_coverage,
 )
+from specheads.training.evaluate import evaluate, split_eval_indices
 from specheads.training.features import OfflineFeatures, collate_offline, online_features
 from specheads.training.joint_lora import JointMedusa, joint_loss, keep_trainable_weights_only
 from specheads.training.losses import LossOutput, eagle3_loss, eagle_loss, medusa_loss, uniform_noise
@@ -246,13 +250,50 @@ def initial_heads(config: RunConfig, target: torch.nn.Module) -> DraftHeads:
     return heads
 
 
-def trained_token_counts(examples: Any, vocab_size: int) -> torch.Tensor:
-    """(V,) counts of the trained tokens of the training examples (a tokenized dataset or an offline dump)."""
+def trained_token_counts(examples: Any, vocab_size: int, indices: list[int] | None = None) -> torch.Tensor:
+    """(V,) counts of the trained tokens of the training examples (a tokenized dataset or an offline dump), or
+    of those at `indices` (the examples left after the held-out split)."""
     if isinstance(examples, OfflineFeatures):
         ids, masks = examples.token_columns()
     else:
         ids, masks = examples["input_ids"], examples["loss_mask"]
+    if indices is not None:
+        ids, masks = [ids[i] for i in indices], [masks[i] for i in indices]
     return count_trained_tokens(ids, masks, vocab_size)
+
+
+def held_out_examples(
+    config: RunConfig, examples: Any, tokenizer: Any, make_batch: Callable[..., dict[str, torch.Tensor]]
+) -> tuple[list[int], Any, Callable[..., dict[str, torch.Tensor]]]:
+    """(training indices into `examples`, eval examples or None, the eval batches' collate function).
+
+    `data.eval_fraction` holds out a seeded share of the training examples (offline features included);
+    `data.eval_source` names another file, tokenized like the training data, whose features the target
+    computes online. Neither: every example trains and nothing is evaluated.
+    """
+    if config.data.eval_source:
+        eval_examples = build_dataset(config.data.eval_source, tokenizer, config.data.format, config.data.max_length)
+        return list(range(len(examples))), eval_examples, collate
+    train_indices, eval_indices = split_eval_indices(len(examples), config.data.eval_fraction, config.seed)
+    return train_indices, (Subset(examples, eval_indices) if eval_indices else None), make_batch
+
+
+def evaluate_during_training(
+    config: RunConfig, model: torch.nn.Module, heads: DraftHeads, target: torch.nn.Module, eval_examples: Any,
+    make_batch: Callable[..., dict[str, torch.Tensor]], pad_id: int, device: torch.device,
+) -> dict[str, float]:
+    """The held-out metrics, with the trained module in eval mode and no input noise (each process scores all of
+    them: the same numbers everywhere, no collective calls)."""
+    quiet = dataclasses.replace(config, loss=dataclasses.replace(config.loss, input_noise=0.0))
+    model.eval()
+    try:
+        metrics = evaluate(
+            lambda batch: compute_loss(quiet, model, heads, target, batch, []),
+            eval_examples, lambda rows: make_batch(rows, pad_id), config.micro_batch_size, device, progress=False,
+        )
+    finally:
+        model.train()
+    return {f"eval_{k}": v for k, v in metrics.items()}
 
 
 # --- the run --------------------------------------------------------------------------------------------
@@ -284,6 +325,11 @@ def train(config: RunConfig) -> dict[str, Any]:
     else:
         examples = build_dataset(config.data.source, tokenizer, config.data.format, config.data.max_length)
         lengths, make_batch = list(examples["length"]), collate
+    train_indices, eval_examples, eval_collate = held_out_examples(config, examples, tokenizer, make_batch)
+    if eval_examples is not None:
+        accelerator.print(f"[specheads] evaluating on {len(eval_examples)} held-out examples "
+                          f"({'data.eval_source' if config.data.eval_source else 'data.eval_fraction'}), "
+                          f"training on {len(train_indices)}")
     token_counts = None
     if config.head.type == "eagle3":
         if config.feature_mode == "offline" and examples.tapped_layers != heads.config.feature_layers:
@@ -296,7 +342,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     if config.head.type == "eagle3" or heads.draft_vocab_size < heads.config.vocab_size:
         # the reduced draft vocabulary: a pure function of the data (EAGLE-3's lm_head predicts it; EAGLE heads
         # with eagle_draft_vocab_size draft over it), so every process computes the same one
-        token_counts = trained_token_counts(examples, heads.config.vocab_size)
+        token_counts = trained_token_counts(examples, heads.config.vocab_size, train_indices)
         # a resumed run gets its vocabulary back with the checkpoint, heads from init_heads keep theirs
         if latest_checkpoint(config.output_dir) is None and config.init_heads is None:
             vocab = build_draft_vocab(token_counts, heads.draft_vocab_size, special_token_ids(tokenizer, target))
@@ -304,7 +350,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                 heads.set_draft_vocab(vocab.draft_to_target, init_lm_head_from_target=True)
             else:
                 heads.set_draft_vocab(vocab.draft_to_target)
-    order = BatchOrder(lengths, config.global_batch_size, config.seed, config.data.bucket_by_length)
+    order = BatchOrder([lengths[i] for i in train_indices], config.global_batch_size, config.seed,
+                       config.data.bucket_by_length)
     params = heads.parameters() if joint is None else joint.param_groups(config.optim.learning_rate,
                                                                          config.joint.head_lr_multiplier)
     optimizer = torch.optim.AdamW(
@@ -345,7 +392,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         micro_batches = micro_batches_for_process(order.global_batch(step), config.micro_batch_size, rank, world)
         sums: dict[str, float] = {}
         for indices in micro_batches:
-            batch = {k: v.to(accelerator.device) for k, v in make_batch([examples[j] for j in indices], pad_id).items()}
+            rows = [examples[train_indices[j]] for j in indices]
+            batch = {k: v.to(accelerator.device) for k, v in make_batch(rows, pad_id).items()}
             seeds = [(config.seed * 1_000_003 + step * 100_003 + j) % 2**62 for j in indices]
             # accumulate: gradients are all-reduced and the optimizer steps only on the last micro-batch,
             # and backward divides the loss by the accumulation steps (DeepSpeed handles it the same way)
@@ -370,6 +418,13 @@ def train(config: RunConfig) -> dict[str, Any]:
         bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tau=f"{last['sim_tau']:.2f}")
         if config.trackers and (done % config.log_steps == 0 or done == config.max_steps):
             accelerator.log({f"train/{k}": v for k, v in last.items()}, step=done)
+        if eval_examples is not None and config.eval_steps and done % config.eval_steps == 0 and done < config.max_steps:
+            held_out = evaluate_during_training(config, model, heads, target, eval_examples, eval_collate, pad_id,
+                                                accelerator.device)
+            accelerator.print(f"[specheads] step {done} held-out: acc {held_out['eval_acc']:.3f}, "
+                              f"sim_tau {held_out['eval_sim_tau']:.2f}")
+            if config.trackers:
+                accelerator.log({f"eval/{k[5:]}": v for k, v in held_out.items()}, step=done)
         out_of_time = False
         if config.time_limit_minutes is not None:  # decided together: every process must stop at the same step
             late = float(time.time() - started > 60 * config.time_limit_minutes)
@@ -391,6 +446,13 @@ def train(config: RunConfig) -> dict[str, Any]:
                "tokens_seen_this_session": tokens_seen}
     if coverage is not None:  # over the whole training data (the logged per-step value is the batch's)
         metrics["draft_vocab_coverage"] = coverage
+    if eval_examples is not None:  # the held-out scores of the final heads
+        metrics.update(evaluate_during_training(config, model, heads, target, eval_examples, eval_collate, pad_id,
+                                                accelerator.device))
+        accelerator.print(f"[specheads] held-out: acc {metrics['eval_acc']:.3f}, sim_tau {metrics['eval_sim_tau']:.2f} "
+                          f"(last training batch: acc {last.get('acc', float('nan')):.3f})")
+        if config.trackers:
+            accelerator.log({f"eval/{k[5:]}": v for k, v in metrics.items() if k.startswith("eval_")}, step=done)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final = accelerator.unwrap_model(model)

@@ -3,6 +3,7 @@
 # not tracked, and .gpu/whl3): the committed EAGLE-3 heads train on, on the larger data of run 5, under DeepSpeed
 # ZeRO-2 (one GPU, fp32: bf16 autocast was slower on this model) with `init_heads=`; plain single-GPU training if
 # DeepSpeed fails to start. The heads stay in /tmp/work/e3 for chain7.sh and come back as tar parts.
+# EXTRA: more overrides, e.g. EXTRA="data.eval_fraction=0.01 eval_steps=500" (held-out scores in metrics.json).
 set -u -o pipefail
 source scripts/gpu/setup.sh
 W=/tmp/work
@@ -13,7 +14,7 @@ run() {  # $1 minutes, $2... launcher arguments
     -m specheads train configs/train/eagle3_smollm2.yaml output_dir=$W/e3 data.source=$W/train.jsonl \
     feature_mode=online data.features_dir=null micro_batch_size=16 init_heads=checkpoints/smollm2-135m-instruct-eagle3 \
     max_steps=${STEPS:-3400} save_steps=500 optim.learning_rate=${LR:-5e-4} optim.warmup_steps=50 \
-    time_limit_minutes=$minutes trackers=[] 2>&1 | tr '\r' '\n' | grep -v "it/s" | tail -6
+    time_limit_minutes=$minutes trackers=[] ${EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "it/s" | tail -6
 }
 date; run ${MINUTES:-8.4} --config_file configs/accelerate/deepspeed_zero2.yaml
 if [ ! -f $W/e3/metrics.json ]; then

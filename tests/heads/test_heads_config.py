@@ -143,3 +143,11 @@ def test_from_dict_validates():
     data["num_heads"] = -2
     with pytest.raises(ValueError, match="num_heads"):
         HeadsConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("field", ["tree_stop_prob", "tree_min_prob"])
+@pytest.mark.parametrize("value", [-0.1, 1.0, "0.5", True])
+def test_tree_probabilities_must_be_in_0_1(field, value):
+    with pytest.raises(ValueError, match=rf"HeadsConfig\.{field}={value!r}; expected a probability in \[0, 1\)"):
+        HeadsConfig(**{field: value})
+    assert getattr(HeadsConfig(**{field: 0.25}), field) == 0.25

@@ -80,3 +80,14 @@ def test_prompts_per_category_keeps_the_first_of_each(tmp_path):
     assert len(read_prompts(path, per_category=2, limit=3)) == 3
     with pytest.raises(ValueError, match="per_category=0"):
         read_prompts(path, per_category=0)
+
+
+def test_eagle_tree_specs_parse_with_optional_probabilities():
+    from specheads.inference.bench import parse_eagle_tree
+
+    assert parse_eagle_tree("5,8,24") == {"tree_depth": 5, "tree_top_k": 8, "tree_num_nodes": 24}
+    assert parse_eagle_tree("6,6,16,0.05") == {"tree_depth": 6, "tree_top_k": 6, "tree_num_nodes": 16, "tree_stop_prob": 0.05}
+    assert parse_eagle_tree("6,6,16,0,0.03")["tree_min_prob"] == 0.03
+    for bad in ("5,8", "5,8,24,0.1,0.1,0.1", "5,x,24", "5,8,24,high"):
+        with pytest.raises(ValueError, match=rf"--tree '{bad}': expected depth,top_k,nodes\[,stop_prob\[,min_prob\]\]"):
+            parse_eagle_tree(bad)

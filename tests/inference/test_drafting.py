@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -102,3 +104,66 @@ def test_medusa_drafter_refuses_a_tree_deeper_than_its_heads(tiny_llama):
     heads = create_heads(tiny_llama, "medusa", num_heads=2)
     with pytest.raises(ValueError, match="depth 3.*2 heads"):
         MedusaDrafter(heads, chain_tree(3), dtype=torch.float32)
+
+
+def test_best_subtree_with_min_prob_keeps_exactly_the_likely_nodes():
+    """A hand-made pool: with a threshold, exactly the nodes whose path log-probability reaches it are kept (in
+    pool order, a valid tree); with a threshold above every node, the best one alone."""
+    from specheads.inference.drafting import DraftPool
+
+    log = torch.log
+    pool = DraftPool(log(torch.tensor([0.6, 0.3])), torch.tensor([10, 11]), torch.zeros(4))  # depth 1
+    pool.feed()
+    # Frontier (10, 11) each proposes 2 children: conditional probabilities below, cumulative 0.6*0.5 = 0.3 ...
+    pool.expand(torch.zeros(2, 4), log(torch.tensor([[0.5, 0.1], [0.9, 0.05]])), torch.tensor([[20, 21], [22, 23]]))
+    path_probs = {10: 0.6, 11: 0.3, 20: 0.3, 21: 0.06, 22: 0.27, 23: 0.015}
+    root = torch.tensor([1])
+    for threshold in (0.25, 0.05, 0.01):
+        tokens, parents = pool.best_subtree(6, root, math.log(threshold))
+        expected = {t for t, p in path_probs.items() if p >= threshold}
+        assert set(tokens[1:].tolist()) == expected
+        build_tree_buffers(parents)  # a valid topological tree rooted at 0
+        for node in range(1, tokens.shape[0]):  # every kept child hangs under its real parent
+            parent_token = int(tokens[int(parents[node])])
+            assert parent_token == {20: 10, 21: 10, 22: 11, 23: 11}.get(int(tokens[node]), 1)
+    tokens, _ = pool.best_subtree(3, root, math.log(0.05))  # num_nodes still caps the tree
+    assert tokens.tolist() == [1, 10, 11, 20]
+    tokens, parents = pool.best_subtree(6, root, math.log(0.9))
+    assert tokens.tolist() == [1, 10] and parents.tolist() == [-1, 0]
+
+
+def test_eagle_drafter_with_min_prob_drafts_a_pruned_version_of_the_same_tree(tiny_llama):
+    """Same heads and inputs: the pruned tree is the unpruned one's most likely nodes, at least one, and smaller."""
+    torch.manual_seed(0)
+    heads = create_heads(tiny_llama, "eagle")
+    full = EagleDrafter(heads, depth=4, top_k=3, num_nodes=20, dtype=torch.float32)
+    pruned = EagleDrafter(heads, depth=4, top_k=3, num_nodes=20, dtype=torch.float32, min_prob=0.002)
+    generator = torch.Generator().manual_seed(2)
+    sizes = []
+    for length in (6, 2, 1, 3):
+        features = torch.randn(length, tiny_llama.config.hidden_size, generator=generator)
+        next_tokens = torch.randint(0, 97, (length,), generator=generator)
+        full_tokens, full_tree = full.propose(features, next_tokens)
+        tokens, tree = pruned.propose(features, next_tokens)
+
+        def paths(tokens, tree):  # every node as its token path from the root
+            out = []
+            for node in range(tree.num_nodes):
+                path, n = [], node
+                while n >= 0:
+                    path.append(int(tokens[n]))
+                    n = int(tree.parents[n])
+                out.append(tuple(reversed(path)))
+            return out
+
+        assert 2 <= tree.num_nodes <= full_tree.num_nodes
+        assert set(paths(tokens, tree)) <= set(paths(full_tokens, full_tree))
+        sizes.append(tree.num_nodes)
+    assert min(sizes) < 21, "untrained heads are unsure: some round drops nodes"
+
+
+@pytest.mark.parametrize("min_prob", [-0.1, 1.0])
+def test_eagle_drafter_rejects_a_min_prob_outside_0_1(tiny_llama, min_prob):
+    heads = create_heads(tiny_llama, "eagle")
+    with pytest.raises(ValueError, match=f"tree_min_prob={min_prob}"):
+        EagleDrafter(heads, depth=3, top_k=2, num_nodes=5, dtype=torch.float32, min_prob=min_prob)

@@ -75,6 +75,19 @@ def test_eagle_with_early_stopping(stories260k):
     assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
 
 
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_eagle_with_pruned_trees(stories260k, head_type):
+    """Trees pruned to the likely nodes (tree_min_prob: their size changes from round to round) with early
+    stopping still reproduce greedy output."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Lily saw a bird", return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, head_type), tree_depth=5, tree_top_k=3, tree_num_nodes=12,
+                       tree_min_prob=0.01, tree_stop_prob=0.001)
+    assert lm.tree_description()["min_prob"] == 0.01
+    assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
+
+
 def test_eagle_with_its_default_tree(stories260k):
     """EAGLE heads with the checkpoint's default (larger) dynamic tree."""
     target, tokenizer = stories260k

@@ -159,9 +159,12 @@ def test_oracle_drafts_sample_the_exact_joint_law(six_token_target, chi_square, 
 
 def untrained_eagle_heads(target, head_type: str):
     """Untrained EAGLE heads; EAGLE-3 ones (and EAGLE ones with `eagle_draft_vocab_size`, head_type "eagle-vocab")
-    draft from a reduced vocabulary without token 2 (d2t not the identity)."""
+    draft from a reduced vocabulary without token 2 (d2t not the identity); "eagle-pruned" ones verify only the
+    nodes the heads find likely enough (trees of varying size)."""
     torch.manual_seed(0)
     tree = dict(tree_depth=3, tree_top_k=3, tree_num_nodes=8)
+    if head_type == "eagle-pruned":
+        return create_heads(target, "eagle", tree_min_prob=0.04, **tree)
     if head_type == "eagle":
         return create_heads(target, "eagle", **tree)
     if head_type == "eagle-vocab":
@@ -175,17 +178,28 @@ def untrained_eagle_heads(target, head_type: str):
 
 @pytest.mark.parametrize(
     ("setting", "head_type"),
-    [*((setting, "eagle") for setting in SETTINGS), ("T=0.7,top_p=0.9", "eagle3"), ("T=1.0", "eagle-vocab")],
+    [*((setting, "eagle") for setting in SETTINGS), ("T=0.7,top_p=0.9", "eagle3"), ("T=1.0", "eagle-vocab"),
+     ("T=1.0", "eagle-pruned")],
 )
 def test_untrained_eagle_heads_sample_the_exact_joint_law(six_token_target, chi_square, setting, head_type):
     """Untrained EAGLE / EAGLE-3 heads (top-3 siblings cover half the vocabulary, so they often hit): same law."""
     sampling = SETTINGS[setting]
     law = ExactLaw(six_token_target, **sampling)
     lm = SpeculativeLM(six_token_target, untrained_eagle_heads(six_token_target, head_type))
+    tree_sizes: set[int] = set()
+    propose = lm.drafter.propose
+
+    def recording_propose(*args):
+        tokens, tree = propose(*args)
+        tree_sizes.add(tree.num_nodes)
+        return tokens, tree
+
+    lm.drafter.propose = recording_propose
     samples = sample_first_three(lm, 1200, seed=1, **sampling)  # EAGLE drafting is slower: fewer runs
     result = chi_square(samples, law.joint())
     assert result.passed, result
     assert lm.accepted_drafts > 0.2 * len(samples)
+    assert (len(tree_sizes) > 1) == (head_type == "eagle-pruned"), tree_sizes  # pruning varies the trees
 
 
 def test_top_k_sampling_follows_the_exact_law(six_token_target, chi_square):

@@ -105,6 +105,16 @@ def test_early_stopping_keeps_the_eager_drafter_on_the_fast_path(stories260k):
         StaticEagleDrafter(lm.drafter, capacity=64)
 
 
+def test_pruned_trees_keep_the_eager_drafter_on_the_fast_path(stories260k):
+    target, tokenizer = stories260k
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    lm = SpeculativeLM(target, sharpened_heads(target, "eagle3"), tree_min_prob=0.05)
+    assert torch.equal(lm.generate(ids, max_new_tokens=30, fast_path=True), hf_greedy(target, ids, 30))
+    assert lm._fast_runner.drafter is lm.drafter
+    with pytest.raises(ValueError, match="tree_min_prob=0.05"):
+        StaticEagleDrafter(lm.drafter, capacity=64)
+
+
 def test_a_sequence_longer_than_the_static_drafter_was_sized_for_is_refused(stories260k):
     target, _ = stories260k
     heads = sharpened_heads(target, "eagle")

@@ -1,0 +1,97 @@
+"""`specheads eval`: score trained heads on held-out text with the training metrics (no timing, no tree).
+
+    specheads eval --target smollm2-135m-instruct --heads checkpoints/smollm2-135m-instruct-eagle3 \\
+        --prompts configs/prompts/mt_bench_questions.jsonl --max-new-tokens 128 --limit 16
+
+With `--prompts`, the target first answers each prompt greedily (chat template applied), and the heads are scored
+on those answers: what greedy speculative decoding of those prompts will accept, minutes faster than a benchmark.
+With `--data`, conversations (the training formats) are scored as they are: e.g. a held-out file of the target's
+own answers. Per-depth top-1 accuracy (the head's argmax equals the target's), simulated tau, loss, and the share of
+answer tokens inside the draft vocabulary (EAGLE-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from specheads.training.config import RunConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specheads eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="stories260K", help="target path, Hub id or alias (default: stories260K)")
+    p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="conversations (JSON/JSONL in the training formats, or a saved dataset folder)")
+    source.add_argument("--prompts", help="prompts (MT-bench JSONL or text lines): the target answers them first")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="--prompts: length of the target's greedy answers")
+    p.add_argument("--category", action="append", default=None, help="--prompts: only these categories (repeatable)")
+    p.add_argument("--limit", type=int, default=None, help="score the first N examples / prompts only")
+    p.add_argument("--max-length", type=int, default=768, help="tokens per example (longer ones are truncated)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--ttt-steps", type=int, default=None, help="EAGLE-3: depths scored (default: the training default)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: where load_target puts the target)")
+    p.add_argument("--out", default=None, help="also write the metrics as JSON here")
+    return p
+
+
+def answer_prompts(target: Any, tokenizer: Any, path: str, args: argparse.Namespace) -> list[dict[str, list[int]]]:
+    """The target's greedy answers to the prompts, as rows {input_ids, loss_mask} scored on the answer only."""
+    from specheads.inference.prompts import read_prompts, tokenize_prompts
+
+    prompts = tokenize_prompts(read_prompts(path, categories=args.category, limit=args.limit), tokenizer)
+    rows = []
+    for prompt in tqdm(prompts, desc="target answers", unit="prompt"):
+        ids = prompt.input_ids.to(target.device)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                              do_sample=False)[0, : args.max_length].tolist()
+        n = ids.shape[1]
+        rows.append({"input_ids": out, "loss_mask": [0] * n + [1] * (len(out) - n)})
+    return rows
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    """Entry point of `specheads eval`: prints (and with --out writes) the held-out metrics as JSON."""
+    from specheads import load_heads, load_target
+    from specheads.training.data import build_dataset, collate
+    from specheads.training.evaluate import evaluate
+    from specheads.training.train import compute_loss
+
+    args = build_parser().parse_args(argv)
+    for name in ("max_new_tokens", "max_length", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}; expected a positive integer")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target, device=args.device)
+    heads = load_heads(args.heads, target=target).to(device=target.device, dtype=target.dtype).eval()
+    if args.prompts:
+        rows: Any = answer_prompts(target, tokenizer, args.prompts, args)
+    else:
+        rows = build_dataset(args.data, tokenizer, "auto", args.max_length)
+        if args.limit:
+            rows = rows.select(range(min(args.limit, len(rows))))
+    config = RunConfig(target=args.target)
+    config.head.type = heads.config.head_type
+    config.loss.input_noise = 0.0
+    if args.ttt_steps is not None:
+        config.loss.ttt_steps = args.ttt_steps
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    metrics = evaluate(
+        lambda batch: compute_loss(config, heads, heads, target, batch, []),
+        rows, lambda batch_rows: collate(batch_rows, pad_id), args.batch_size, target.device,
+    )
+    report = {"heads": str(args.heads), "target": str(args.target), "source": args.prompts or args.data,
+              "examples": len(rows), **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}}
+    print(json.dumps(report, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
