@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="--prompts: length of the target's greedy answers")
     p.add_argument("--category", action="append", default=None, help="--prompts: only these categories (repeatable)")
     p.add_argument("--limit", type=int, default=None, help="score the first N examples / prompts only")
-    p.add_argument("--max-length", type=int, default=768, help="tokens per example (longer ones are truncated)")
+    p.add_argument("--max-length", type=int, default=768, help="--data: tokens per example (longer ones are cut)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--ttt-steps", type=int, default=None, help="EAGLE-3: depths scored (default: the training default)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -50,8 +50,9 @@ def answer_prompts(target: Any, tokenizer: Any, path: str, args: argparse.Namesp
     rows = []
     for prompt in tqdm(prompts, desc="target answers", unit="prompt"):
         ids = prompt.input_ids.to(target.device)
+        # not cut to --max-length: the heads are scored on the whole answer in the context the target answered in
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                              do_sample=False)[0, : args.max_length].tolist()
+                              do_sample=False)[0].tolist()
         n = ids.shape[1]
         rows.append({"input_ids": out, "loss_mask": [0] * n + [1] * (len(out) - n)})
     return rows

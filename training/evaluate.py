@@ -3,7 +3,7 @@ heads did not train on, with no gradients, no input noise and no dropout.
 
 Training metrics are measured on the batch just trained on, so they say how well heads fit their data, not how
 well they draft elsewhere: SmolLM2's EAGLE-3 heads score acc_depth1 0.80 on their training answers but 0.66 on
-ShareGPT prompts they never saw and 0.55 on MT-bench answers. `train` evaluates a held-out split
+ShareGPT prompts they never saw and 0.56 on MT-bench answers. `train` evaluates a held-out split
 (`data.eval_fraction`) or file (`data.eval_source`) every `eval_steps`; `specheads eval` scores trained heads on a
 conversation file or on the target's own greedy answers to benchmark prompts.
 """

@@ -268,14 +268,22 @@ def held_out_examples(
     """(training indices into `examples`, eval examples or None, the eval batches' collate function).
 
     `data.eval_fraction` holds out a seeded share of the training examples (offline features included);
-    `data.eval_source` names another file, tokenized like the training data, whose features the target
-    computes online. Neither: every example trains and nothing is evaluated.
+    `data.eval_source` names another file (format detected), tokenized like the training data, whose features
+    the target computes online. Neither: every example trains and nothing is evaluated.
     """
     if config.data.eval_source:
-        eval_examples = build_dataset(config.data.eval_source, tokenizer, config.data.format, config.data.max_length)
-        return list(range(len(examples))), eval_examples, collate
-    train_indices, eval_indices = split_eval_indices(len(examples), config.data.eval_fraction, config.seed)
-    return train_indices, (Subset(examples, eval_indices) if eval_indices else None), make_batch
+        # its own format, detected: a held-out file need not be written like the training data
+        eval_examples: Any = build_dataset(config.data.eval_source, tokenizer, "auto", config.data.max_length)
+        train_indices, make_eval_batch = list(range(len(examples))), collate
+    else:
+        train_indices, eval_indices = split_eval_indices(len(examples), config.data.eval_fraction, config.seed)
+        eval_examples, make_eval_batch = (Subset(examples, eval_indices) if eval_indices else None), make_batch
+    if eval_examples is not None:  # fail now rather than after training: evaluate() needs trained tokens
+        masks = (eval_examples[i]["loss_mask"] for i in range(len(eval_examples)))
+        if not any(int(torch.as_tensor(mask).sum()) for mask in masks):
+            where = config.data.eval_source or f"the data.eval_fraction={config.data.eval_fraction} split"
+            raise ValueError(f"the held-out examples ({where}) have no trained (assistant) tokens to evaluate on")
+    return train_indices, eval_examples, make_eval_batch
 
 
 def evaluate_during_training(
@@ -446,7 +454,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                "tokens_seen_this_session": tokens_seen}
     if coverage is not None:  # over the whole training data (the logged per-step value is the batch's)
         metrics["draft_vocab_coverage"] = coverage
-    if eval_examples is not None:  # the held-out scores of the final heads
+    if eval_examples is not None:  # the held-out scores of the final heads (checked to be scorable at the start)
         metrics.update(evaluate_during_training(config, model, heads, target, eval_examples, eval_collate, pad_id,
                                                 accelerator.device))
         accelerator.print(f"[specheads] held-out: acc {metrics['eval_acc']:.3f}, sim_tau {metrics['eval_sim_tau']:.2f} "

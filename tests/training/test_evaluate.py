@@ -85,6 +85,16 @@ def test_training_reports_held_out_metrics_of_the_final_heads(tmp_path, stories_
     assert "eval_acc" in (out / "final" / "README.md").read_text()
 
 
+def test_held_out_data_without_answers_fails_before_training(tmp_path, stories_file, capsys):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"messages": [{"role": "user", "content": "Tell me a story."}]}) + "\n")
+    out = tmp_path / "run"
+    extra = {"max_steps": 2, "save_steps": 2, "data.eval_source": str(questions)}
+    assert main(["train", str(CONFIGS / "eagle_stories260k.yaml"), *overrides(stories_file, out, **extra)]) == 2
+    assert "has no assistant tokens to train on" in capsys.readouterr().err  # named by build_dataset
+    assert not (out / "checkpoints").exists()
+
+
 def test_eval_source_and_eval_fraction_are_exclusive():
     config = RunConfig(target="stories260K")
     config.data.source, config.data.eval_source, config.data.eval_fraction = "a.jsonl", "b.jsonl", 0.1
@@ -114,9 +124,25 @@ def test_eval_cli_scores_heads_on_a_file_and_on_the_targets_answers(tmp_path, st
     prompts.write_text("Once upon a time\nThe cat sat\n")
     out2 = tmp_path / "eval2.json"
     assert main(["eval", "--heads", str(eagle_heads), "--prompts", str(prompts), "--max-new-tokens", "20",
-                 "--out", str(out2)]) == 0
+                 "--max-length", "4", "--out", str(out2)]) == 0  # --max-length cuts --data only: whole answers here
     report = json.loads(out2.read_text())
     assert report["examples"] == 2 and 2 <= report["tokens"] <= 40
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "eagle3"])
+def test_eval_cli_scores_every_head_type(tmp_path, stories_file, target_and_tokenizer, head_type):
+    from specheads import create_heads
+
+    target, _ = target_and_tokenizer
+    torch.manual_seed(0)
+    create_heads(target, head_type).save_pretrained(tmp_path / head_type)
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--heads", str(tmp_path / head_type), "--data", str(stories_file), "--limit", "4",
+                 "--ttt-steps", "3", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["examples"] == 4 and report["tokens"] > 0 and "acc_depth1" in report
+    if head_type == "eagle3":
+        assert "acc_depth3" in report and "acc_depth4" not in report and 0 < report["draft_vocab_coverage"] <= 1
 
 
 def test_eval_cli_errors_are_one_line(tmp_path, capsys, eagle_heads):

@@ -157,6 +157,25 @@ def test_offline_features_train_like_online(tmp_path, stories_file):
         torch.testing.assert_close(b[name], a[name], atol=1e-4, rtol=1e-4, msg=name)
 
 
+def test_offline_and_online_runs_hold_out_the_same_examples(tmp_path, stories_file):
+    """data.eval_fraction on offline features: the same split, weights and held-out scores as online."""
+    features = tmp_path / "features"
+    assert main(["data", "dump-features", "--target", "stories260K", "--data", str(stories_file), "--out", str(features),
+                 "--max-length", "64"]) == 0
+    config = str(CONFIGS / "medusa_stories260k.yaml")
+    steps = {"max_steps": 4, "save_steps": 4, "data.eval_fraction": 0.25}
+    assert main(["train", config, *overrides(stories_file, tmp_path / "online", **steps)]) == 0
+    assert main(["train", config, *overrides(stories_file, tmp_path / "offline", feature_mode="offline",
+                                             **{"data.features_dir": str(features)}, **steps)]) == 0
+    online = json.loads((tmp_path / "online" / "metrics.json").read_text())
+    offline = json.loads((tmp_path / "offline" / "metrics.json").read_text())
+    assert online["eval_tokens"] == offline["eval_tokens"] > 0
+    assert offline["eval_acc"] == pytest.approx(online["eval_acc"], abs=1e-3)
+    a, b = load_file(tmp_path / "online" / "final" / "model.safetensors"), load_file(tmp_path / "offline" / "final" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_deepspeed_auto_values_come_from_the_run_config():
     """Accelerate reads DeepSpeed's "auto" micro batch size from a DataLoader; we batch ourselves, so the run
     config fills it (and gradient clipping) before `prepare`. Without DeepSpeed nothing happens."""
