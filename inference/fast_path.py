@@ -209,7 +209,7 @@ class FastPathRunner:
 
     def use_drafter(self, drafter: Drafter) -> Drafter:
         """Size verification for this drafter's trees and return the drafter to use on this path (`generate`
-        calls it before each call's rows): an EAGLE drafter without early stopping becomes its fixed-shape,
+        calls it before each call's rows): an EAGLE drafter without early stopping or pruning becomes its fixed-shape,
         graphed `StaticEagleDrafter` (same trees, kept across calls with its graph); others are used as they are.
         """
         self.fixed_slots, self.reserve = fixed_tree_slots(drafter), tree_reserve(drafter)

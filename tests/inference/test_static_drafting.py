@@ -95,23 +95,15 @@ def test_the_fast_path_drafts_with_the_static_drafter_and_stays_exact(target_and
     assert lm._fast_runner.drafter is drafter
 
 
-def test_early_stopping_keeps_the_eager_drafter_on_the_fast_path(stories260k):
+@pytest.mark.parametrize(("head_type", "option", "value"), [("eagle", "tree_stop_prob", 0.2), ("eagle3", "tree_min_prob", 0.05)])
+def test_early_stopping_and_pruning_keep_the_eager_drafter_on_the_fast_path(stories260k, head_type, option, value):
+    """Trees whose depth (stop_prob) or size (min_prob) is decided on the host cannot be drafted in fixed shapes."""
     target, tokenizer = stories260k
     ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
-    lm = SpeculativeLM(target, sharpened_heads(target, "eagle"), tree_stop_prob=0.2)
+    lm = SpeculativeLM(target, sharpened_heads(target, head_type), **{option: value})
     assert torch.equal(lm.generate(ids, max_new_tokens=30, fast_path=True), hf_greedy(target, ids, 30))
     assert lm._fast_runner.drafter is lm.drafter
-    with pytest.raises(ValueError, match="tree_stop_prob=0.2"):
-        StaticEagleDrafter(lm.drafter, capacity=64)
-
-
-def test_pruned_trees_keep_the_eager_drafter_on_the_fast_path(stories260k):
-    target, tokenizer = stories260k
-    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
-    lm = SpeculativeLM(target, sharpened_heads(target, "eagle3"), tree_min_prob=0.05)
-    assert torch.equal(lm.generate(ids, max_new_tokens=30, fast_path=True), hf_greedy(target, ids, 30))
-    assert lm._fast_runner.drafter is lm.drafter
-    with pytest.raises(ValueError, match="tree_min_prob=0.05"):
+    with pytest.raises(ValueError, match=f"{option}={value}"):
         StaticEagleDrafter(lm.drafter, capacity=64)
 
 
