@@ -1,0 +1,74 @@
+"""Compare EAGLE draft trees side by side in ONE process: for every prompt, each tree runs right after its own
+plain `generate` baseline, so machine noise hits all trees alike (separate `specheads bench` runs drift by
+10-15% in absolute speed on a shared 2-core machine). Greedy outputs are checked identical.
+
+    python scripts/tree_sweep.py --per-category 2 4,4,8 6,6,16 6,6,16,0.05,0.03 5,8,24,0.05,0.05
+
+Trees are `depth,top_k,nodes[,stop_prob[,min_prob]]` as for `specheads bench --tree`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from specheads.inference.bench import parse_eagle_tree
+from specheads.inference.generate import SpeculativeLM
+from specheads.inference.onednn import CPU_LINEAR_CHOICES, wants_onednn
+from specheads.inference.prompts import read_prompts, tokenize_prompts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trees", nargs="+", help="depth,top_k,nodes[,stop_prob[,min_prob]]")
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-eagle3")
+    p.add_argument("--prompts", default="configs/prompts/mt_bench_questions.jsonl")
+    p.add_argument("--per-category", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = p.parse_args()
+    trees = {spec: parse_eagle_tree(spec) for spec in args.trees}  # bad specs fail before any loading
+    torch.set_num_threads(args.threads)
+    lm = SpeculativeLM.from_pretrained(args.target, args.heads)
+    if wants_onednn(args.cpu_linear, lm.target):
+        lm.use_onednn_linears()
+    prompts = tokenize_prompts(read_prompts(args.prompts, per_category=args.per_category), lm.tokenizer)
+    lm.generate(prompts[0].input_ids, max_new_tokens=16)  # warm-up
+    totals = {spec: {"tokens": 0, "forwards": 0, "seconds": 0.0, "baseline_seconds": 0.0} for spec in trees}
+    for number, prompt in enumerate(prompts, start=1):
+        ids = prompt.input_ids.to(lm.target.device)
+        for spec, tree in trees.items():
+            start = time.perf_counter()
+            reference = lm.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                           do_sample=False)
+            baseline = time.perf_counter() - start
+            lm.configure_tree(**tree)
+            out = lm.generate(ids, max_new_tokens=args.max_new_tokens)
+            if not torch.equal(out.cpu(), reference.cpu()):
+                raise SystemExit(f"tree {spec}: greedy output differs from generate on prompt {prompt.prompt_id}")
+            stats, total = lm.last_stats, totals[spec]
+            total["tokens"] += stats["new_tokens"]
+            total["forwards"] += stats["target_forwards"]
+            total["seconds"] += stats["seconds"]
+            total["baseline_seconds"] += baseline
+        print(f"[tree_sweep] {number}/{len(prompts)} prompts", flush=True)
+    results = {spec: {"tau": t["tokens"] / t["forwards"], "tokens_per_second": t["tokens"] / t["seconds"],
+                      "baseline_tokens_per_second": t["tokens"] / t["baseline_seconds"],
+                      "speedup": t["baseline_seconds"] / t["seconds"]} for spec, t in totals.items()}
+    print("| tree | tau | tokens/s | baseline tokens/s | speedup |\n|---|---|---|---|---|")
+    for spec, r in results.items():
+        print(f"| {spec} | {r['tau']:.2f} | {r['tokens_per_second']:.1f} | {r['baseline_tokens_per_second']:.1f} | "
+              f"{r['speedup']:.2f}x |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "trees": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
