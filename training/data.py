@@ -44,6 +44,9 @@ def read_records(source: str | Path) -> list[dict[str, Any]]:
     return data
 
 
+FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "text": "text"}  # the field each format reads
+
+
 def detect_format(record: dict[str, Any]) -> str:
     """'sharegpt', 'openai' or 'text', from the keys of one record."""
     if "conversations" in record:
@@ -137,6 +140,14 @@ def build_dataset(
     if not records:
         raise ValueError(f"data source {str(source)!r} holds no records")
     fmt = detect_format(records[0]) if fmt == "auto" else fmt
+    field = FORMAT_FIELDS.get(fmt)
+    if field is None:
+        raise ValueError(f"data format {fmt!r} is unknown; expected one of {sorted(FORMAT_FIELDS)} or 'auto'")
+    for number, record in enumerate(records):
+        if not isinstance(record, dict) or field not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"data source {str(source)!r}, record {number}: the {fmt} format needs a {field!r} field, "
+                             f"found {keys} (data.format=auto detects the format from the first record)")
     rows = [tokenize_record(tokenizer, r, fmt, max_length) for r in records]
     rows = [r for r in rows if len(r["input_ids"]) >= 3]
     if not rows or sum(sum(r["loss_mask"]) for r in rows) == 0:

@@ -88,6 +88,19 @@ def test_no_assistant_turns_is_an_error(tmp_path, target_and_tokenizer):
         build_dataset(tmp_path / "missing.jsonl", tok)
 
 
+def test_a_record_without_its_formats_field_is_named(tmp_path, chat_file, target_and_tokenizer):
+    """A given format that does not fit the file (or a record unlike the first) names the record and the field."""
+    _, tok = target_and_tokenizer
+    with pytest.raises(ValueError, match=r"record 0: the text format needs a 'text' field, found \['conversations', 'id'\]"):
+        build_dataset(chat_file, tok, "text")
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(chat_file.read_text().splitlines()[0] + "\n" + json.dumps({"text": "a story"}) + "\n")
+    with pytest.raises(ValueError, match=r"record 1: the sharegpt format needs a 'conversations' field, found \['text'\]"):
+        build_dataset(mixed, tok)
+    with pytest.raises(ValueError, match="data format 'csv' is unknown"):
+        build_dataset(chat_file, tok, "csv")
+
+
 def test_collate_pads_right_and_masks_padding():
     rows = [{"input_ids": [1, 5, 6], "loss_mask": [0, 1, 1]}, {"input_ids": [1, 7], "loss_mask": [0, 1]}]
     batch = collate(rows, pad_token_id=0)
