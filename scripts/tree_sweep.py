@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
-from specheads.inference.bench import parse_eagle_tree
+from specheads.inference.bench import aggregate, parse_eagle_tree, run_prompt
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, wants_onednn
 from specheads.inference.prompts import read_prompts, tokenize_prompts
@@ -40,34 +39,22 @@ def main() -> None:
         lm.use_onednn_linears()
     prompts = tokenize_prompts(read_prompts(args.prompts, per_category=args.per_category), lm.tokenizer)
     lm.generate(prompts[0].input_ids, max_new_tokens=16)  # warm-up
-    totals = {spec: {"tokens": 0, "forwards": 0, "seconds": 0.0, "baseline_seconds": 0.0} for spec in trees}
+    # each tree's run of a prompt is `specheads bench`'s: the baseline, then speculation, checked identical
+    bench_args = argparse.Namespace(max_new_tokens=args.max_new_tokens, prompt_lookup=0)
+    rows: dict[str, list[dict]] = {spec: [] for spec in trees}
     for number, prompt in enumerate(prompts, start=1):
-        ids = prompt.input_ids.to(lm.target.device)
         for spec, tree in trees.items():
-            start = time.perf_counter()
-            reference = lm.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                           do_sample=False)
-            baseline = time.perf_counter() - start
             lm.configure_tree(**tree)
-            out = lm.generate(ids, max_new_tokens=args.max_new_tokens)
-            if not torch.equal(out.cpu(), reference.cpu()):
-                raise SystemExit(f"tree {spec}: greedy output differs from generate on prompt {prompt.prompt_id}")
-            stats, total = lm.last_stats, totals[spec]
-            total["tokens"] += stats["new_tokens"]
-            total["forwards"] += stats["target_forwards"]
-            total["seconds"] += stats["seconds"]
-            total["baseline_seconds"] += baseline
+            rows[spec].append(run_prompt(lm, prompt, "greedy", bench_args, assistant=None))
         print(f"[tree_sweep] {number}/{len(prompts)} prompts", flush=True)
-    results = {spec: {"tau": t["tokens"] / t["forwards"], "tokens_per_second": t["tokens"] / t["seconds"],
-                      "baseline_tokens_per_second": t["tokens"] / t["baseline_seconds"],
-                      "speedup": t["baseline_seconds"] / t["seconds"]} for spec, t in totals.items()}
+    results = {spec: aggregate(spec_rows) for spec, spec_rows in rows.items()}
     print("| tree | tau | tokens/s | baseline tokens/s | speedup |\n|---|---|---|---|---|")
     for spec, r in results.items():
         print(f"| {spec} | {r['tau']:.2f} | {r['tokens_per_second']:.1f} | {r['baseline_tokens_per_second']:.1f} | "
               f"{r['speedup']:.2f}x |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "trees": results}, f, indent=2)
+            json.dump({"max_new_tokens": args.max_new_tokens, "trees": results}, f, indent=2)
 
 
 if __name__ == "__main__":

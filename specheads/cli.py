@@ -9,6 +9,10 @@ import sys
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
+    from specheads.inference.onednn import (
+        CPU_LINEAR_CHOICES,  # torch is loaded by now (the package imports it)
+    )
+
     p = sub.add_parser("generate", help="speculative generation: streams text, prints tau and tokens/s")
     p.add_argument("--target", default="stories260K", help="target path, Hub id or alias (default: stories260K)")
     p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
@@ -19,7 +23,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
-    p.add_argument("--cpu-linear", choices=["default", "onednn", "auto"], default="default",
+    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="default",
                    help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some "
                    "CPUs); 'auto': onednn for a float32 CPU target, else default")
     p.add_argument("--seed", type=int, default=0)

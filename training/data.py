@@ -48,13 +48,10 @@ FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "text": "tex
 
 
 def detect_format(record: dict[str, Any]) -> str:
-    """'sharegpt', 'openai' or 'text', from the keys of one record."""
-    if "conversations" in record:
-        return "sharegpt"
-    if "messages" in record:
-        return "openai"
-    if "text" in record:
-        return "text"
+    """'sharegpt', 'openai' or 'text', from the keys of one record (the first of FORMAT_FIELDS' fields it has)."""
+    for fmt, field in FORMAT_FIELDS.items():
+        if field in record:
+            return fmt
     raise ValueError(f"cannot tell the data format of a record with keys {sorted(record)}; "
                      "expected 'conversations' (ShareGPT), 'messages' (OpenAI) or 'text'")
 
