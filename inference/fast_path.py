@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 from specheads.inference.cuda_graphs import try_capture
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.graphed_round import GraphedGreedyRound
+from specheads.inference.lookup import LookupDrafter
 from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_static, write_tree_mask
 from specheads.inference.static_drafting import StaticEagleDrafter
 from specheads.inference.tree import TreeBuffers
@@ -60,6 +61,9 @@ def fixed_tree_slots(drafter: Drafter) -> int | None:
         return drafter.buffers.num_nodes
     if isinstance(drafter, EagleDrafter):
         return drafter.num_nodes + 1
+    if isinstance(drafter, LookupDrafter):
+        heads_slots = fixed_tree_slots(drafter.drafter)
+        return None if heads_slots is None else heads_slots + drafter.num_tokens
     return None
 
 
@@ -211,7 +215,13 @@ class FastPathRunner:
         """Size verification for this drafter's trees and return the drafter to use on this path (`generate`
         calls it before each call's rows): an EAGLE drafter without early stopping or pruning becomes its fixed-shape,
         graphed `StaticEagleDrafter` (same trees, kept across calls with its graph); others are used as they are.
+        Prompt lookup (`LookupDrafter`) wraps what its heads' drafter becomes; its graft runs eagerly.
         """
+        if isinstance(drafter, LookupDrafter):
+            heads_drafter = self.use_drafter(drafter.drafter)
+            self.fixed_slots, self.reserve = fixed_tree_slots(drafter), tree_reserve(drafter)
+            self.drafter = drafter if heads_drafter is drafter.drafter else drafter.around(heads_drafter)
+            return self.drafter
         self.fixed_slots, self.reserve = fixed_tree_slots(drafter), tree_reserve(drafter)
         if self.static_drafting and isinstance(drafter, EagleDrafter) and drafter.stop_prob == drafter.min_prob == 0:
             if self.static_drafter is None or self.static_drafter.source is not drafter:

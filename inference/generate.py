@@ -22,6 +22,7 @@ from specheads.inference.accept import accept_tree
 from specheads.inference.batched import generate_batched
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
+from specheads.inference.lookup import LookupDrafter
 from specheads.inference.sampling import SamplingParams, sample_token, target_probs
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
@@ -51,6 +52,10 @@ class SpeculativeLM:
             (verify, accept, compact, draft; inference/graphed_round.py) instead of two graphs joined by eager
             glue. None (default): when the fast path captures graphs (CUDA); True: also eagerly on the CPU (how
             it is tested); False: the per-phase loop. A failed capture falls back to the per-phase graphs.
+        lookup_tokens: prompt lookup in the tree (inference/lookup.py): each round, the tokens that followed the
+            latest earlier occurrence of the context's last `lookup_max_ngram` (down to 2) tokens, at most this
+            many, are grafted onto the heads' tree as one more branch (0 = off). Any heads; exact either way.
+        lookup_max_ngram: the longest context suffix prompt lookup matches.
     """
 
     def __init__(
@@ -65,12 +70,16 @@ class SpeculativeLM:
         tree_stop_prob: float | None = None,
         tree_min_prob: float | None = None,
         graphed_rounds: bool | None = None,
+        lookup_tokens: int = 0,
+        lookup_max_ngram: int = 3,
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
+        self.lookup_tokens, self.lookup_max_ngram = 0, lookup_max_ngram
         self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob, tree_min_prob)
+        self.configure_lookup(lookup_tokens, lookup_max_ngram)
         self.last_stats: dict[str, Any] = {}
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
         self.graphed_rounds = graphed_rounds
@@ -84,7 +93,9 @@ class SpeculativeLM:
         tree_stop_prob: float | None = None,
         tree_min_prob: float | None = None,
     ) -> None:
-        """Choose the draft tree: a static tree for Medusa, a dynamic tree shape for EAGLE (None = checkpoint default)."""
+        """Choose the draft tree: a static tree for Medusa, a dynamic tree shape for EAGLE (None = checkpoint default).
+
+        The prompt-lookup branch (`configure_lookup`) stays as it was."""
         heads, config = self.heads, self.heads.config
         if isinstance(heads, MedusaHeads):
             static = tree if isinstance(tree, StaticTree) else load_static_tree(tree or config.static_tree)
@@ -108,15 +119,33 @@ class SpeculativeLM:
             )
         else:
             raise TypeError(f"no drafter for head type {config.head_type!r}")
+        self.configure_lookup(self.lookup_tokens, self.lookup_max_ngram)  # re-graft prompt lookup, if on
+
+    def configure_lookup(self, lookup_tokens: int, lookup_max_ngram: int = 3) -> None:
+        """Graft prompt lookup's guess of up to `lookup_tokens` tokens onto every draft tree (0 = off; see the class
+        docstring and inference/lookup.py). Kept when `configure_tree` changes the heads' tree."""
+        if not isinstance(lookup_tokens, int) or lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens={lookup_tokens!r} must be an integer >= 0 (0 = no prompt lookup)")
+        if not isinstance(lookup_max_ngram, int) or lookup_max_ngram < 1:
+            raise ValueError(f"lookup_max_ngram={lookup_max_ngram!r} must be an integer >= 1")
+        heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
+        if lookup_tokens:  # suffixes of 2+ tokens (1 only when asked for): single tokens recur too often to guess from
+            self.drafter = LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram, min(2, lookup_max_ngram))
+        else:
+            self.drafter = heads_drafter
+        self.lookup_tokens, self.lookup_max_ngram = lookup_tokens, lookup_max_ngram
 
     def tree_description(self) -> dict[str, Any]:
-        """The current tree, for logs and benchmark JSON."""
-        drafter = self.drafter
+        """The current tree, for logs and benchmark JSON (`lookup_tokens`: the prompt-lookup branch, 0 = none)."""
+        drafter, lookup = self.drafter, {"lookup_tokens": 0}
+        if isinstance(drafter, LookupDrafter):
+            lookup = {"lookup_tokens": drafter.num_tokens, "lookup_max_ngram": drafter.index.max_ngram}
+            drafter = drafter.drafter
         if isinstance(drafter, MedusaDrafter):
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
-                    "depth": drafter.tree.max_depth}
+                    "depth": drafter.tree.max_depth, **lookup}
         return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes,
-                "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob}
+                "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob, **lookup}
 
     @classmethod
     def from_pretrained(

@@ -3,8 +3,10 @@ plain `generate` baseline, so machine noise hits all trees alike (separate `spec
 10-15% in absolute speed on a shared 2-core machine). Greedy outputs are checked identical.
 
     python scripts/tree_sweep.py --per-category 2 4,4,8 6,6,16 6,6,16,0.05,0.03 5,8,24,0.05,0.05
+    python scripts/tree_sweep.py --per-category 2 --lookup-tokens 0 10 4,4,8
 
-Trees are `depth,top_k,nodes[,stop_prob[,min_prob]]` as for `specheads bench --tree`.
+Trees are `depth,top_k,nodes[,stop_prob[,min_prob]]` as for `specheads bench --tree`; with several
+`--lookup-tokens` values every tree runs with each (prompt lookup grafted onto it, 0 = off).
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto")
+    p.add_argument("--lookup-tokens", type=int, nargs="+", default=[0], help="prompt-lookup tokens (0 = off)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
-    trees = {spec: parse_eagle_tree(spec) for spec in args.trees}  # bad specs fail before any loading
+    trees = {}  # bad specs fail before any loading
+    for spec in args.trees:
+        for lookup in args.lookup_tokens:
+            trees[spec if lookup == 0 else f"{spec} +lookup {lookup}"] = (parse_eagle_tree(spec), lookup)
     torch.set_num_threads(args.threads)
     lm = SpeculativeLM.from_pretrained(args.target, args.heads)
     if wants_onednn(args.cpu_linear, lm.target):
@@ -43,8 +49,9 @@ def main() -> None:
     bench_args = argparse.Namespace(max_new_tokens=args.max_new_tokens, prompt_lookup=0)
     rows: dict[str, list[dict]] = {spec: [] for spec in trees}
     for number, prompt in enumerate(prompts, start=1):
-        for spec, tree in trees.items():
+        for spec, (tree, lookup) in trees.items():
             lm.configure_tree(**tree)
+            lm.configure_lookup(lookup)
             rows[spec].append(run_prompt(lm, prompt, "greedy", bench_args, assistant=None))
         print(f"[tree_sweep] {number}/{len(prompts)} prompts", flush=True)
     results = {spec: aggregate(spec_rows) for spec, spec_rows in rows.items()}

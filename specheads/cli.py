@@ -26,6 +26,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="default",
                    help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some "
                    "CPUs); 'auto': onednn for a float32 CPU target, else default")
+    p.add_argument("--lookup-tokens", type=int, default=0,
+                   help="graft a prompt-lookup guess of up to N tokens onto each draft tree (0: off)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -37,7 +39,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from specheads.inference.onednn import wants_onednn
 
     torch.manual_seed(args.seed)
-    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads)
+    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens)
     if wants_onednn(args.cpu_linear, lm.target):
         lm.use_onednn_linears()
     tokenizer = lm.tokenizer

@@ -69,6 +69,16 @@ def test_generate_on_onednn_linear_layers_streams_the_same_text(stories260k_eagl
     assert "20 tokens" in err
 
 
+def test_generate_with_prompt_lookup_streams_the_same_text(stories260k_eagle_dir, capfd):
+    """`--lookup-tokens` grafts prompt lookup's guess onto the trees: still the target's greedy text."""
+    code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+                 "--max-new-tokens", "20", "--lookup-tokens", "5"])
+    assert code == 0
+    out, err = capfd.readouterr()
+    assert out.removeprefix("<s>").lstrip().startswith("Once upon a time, there was a little girl named Lily")
+    assert "20 tokens" in err
+
+
 def test_generate_streams_no_special_tokens(stories260k_eagle_dir, capfd):
     """The streamed text is the prompt and its continuation, without special tokens such as <s>."""
     out, _ = _generate(stories260k_eagle_dir, capfd)

@@ -41,6 +41,21 @@ def test_bench_writes_json_table_and_plots(tmp_path, eagle_heads_dir):
     assert sorted(p.suffix for p in out.parent.glob("*.png")) == [".png", ".png"]
 
 
+def test_bench_with_lookup_and_tree_auto_records_both(tmp_path, eagle_heads_dir):
+    """--lookup-tokens stays on through --tree auto's trials and is recorded with the chosen tree."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Tom had a red ball. Tom had a red ball. Tom had a\nThe cat sat\n")
+    out = tmp_path / "bench" / "results.json"
+    argv = ["--target", "stories260K", "--heads", str(eagle_heads_dir), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--prompt-lookup", "0", "--threads", "1", "--tree", "auto",
+            "--lookup-tokens", "6", "--out", str(out)]
+    assert bench_main(argv) == 0
+    results = json.loads(out.read_text())
+    assert results["greedy_identical"] is True
+    assert results["tree"]["lookup_tokens"] == 6
+    assert all(trial["tree"]["lookup_tokens"] == 6 for trial in results["tree_autotune"]["trials"])
+
+
 class _CorruptingLM:
     """A SpeculativeLM stand-in whose greedy output differs from the target's at the third new token."""
 

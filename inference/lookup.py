@@ -1,0 +1,133 @@
+"""Prompt lookup as one more branch of the draft tree.
+
+Small chat models repeat their prompt and themselves (lists, code, quoted names, loops). Where the last few
+committed tokens occurred earlier in the context, the tokens that followed them there are a free guess of
+what follows now: prompt lookup decoding (transformers' `prompt_lookup_num_tokens`). Alone it rarely pays
+(a guess is only available in some rounds, and then often wrong after a token or two); next to trained heads
+it covers exactly the rounds they miss, long verbatim runs, and costs no model call. `LookupDrafter` wraps
+any drafter and grafts the guess onto its tree like a word into a trie: the part the heads already drafted
+reuses their nodes, the rest becomes a chain of new nodes. The target verifies the merged tree in the same
+forward and the usual rules accept from it, so greedy outputs stay identical and sampling stays exact (both
+hold for any tree of deterministic candidates: inference/accept.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specheads.inference.drafting import Drafter
+from specheads.inference.tree import TreeBuffers, build_tree_buffers
+
+
+class NgramIndex:
+    """A growing token sequence and, for each n-gram in it, where it last started with a token after it.
+
+    `continuation(k)` matches the sequence's last `max_ngram` tokens, then fewer down to `min_ngram`, against
+    earlier positions (the most recent occurrence wins: in loops and lists it is the best predictor) and
+    returns up to k tokens that followed it. O(max_ngram) dictionary updates per token, one lookup per n.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"lookup n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        # last_start[n][gram] = start of gram's latest occurrence that has a token after it
+        self.last_start: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens; each one gives the n-grams ending just before it a (newer) continuation."""
+        for token in tokens:
+            end = len(self.tokens)
+            for n, starts in self.last_start.items():
+                if end >= n:
+                    starts[tuple(self.tokens[end - n :])] = end - n
+            self.tokens.append(token)
+
+    def continuation(self, num_tokens: int) -> list[int]:
+        """Up to `num_tokens` tokens that followed the latest earlier occurrence of the longest matching suffix
+        (at least `min_ngram` tokens long); [] when no suffix occurred before."""
+        end = len(self.tokens)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if end < n:
+                continue
+            start = self.last_start[n].get(tuple(self.tokens[end - n :]))
+            if start is not None:
+                return self.tokens[start + n : start + n + num_tokens]
+        return []
+
+
+def graft_chain(
+    tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Insert `chain` (tokens that would follow the root) into a tree as into a trie.
+
+    Args:
+        tokens, parents: (N,) the tree (node 0 the root, parents before children).
+        chain: the guessed continuation after the root.
+
+    Returns:
+        (tokens, parents), (N + m,): the same N nodes first, then m new nodes for the part of the chain the tree
+        lacks (m = 0 when the tree already holds it), each the child of the one before.
+    """
+    tree_tokens, tree_parents = tokens.tolist(), parents.tolist()
+    children: dict[tuple[int, int], int] = {}  # (parent, token) -> node; the first one when siblings repeat
+    for node in range(len(tree_tokens) - 1, 0, -1):
+        children[(tree_parents[node], tree_tokens[node])] = node
+    node, matched = 0, 0
+    while matched < len(chain) and (node, chain[matched]) in children:
+        node = children[(node, chain[matched])]
+        matched += 1
+    rest = chain[matched:]
+    if not rest:
+        return tokens, parents
+    n = len(tree_tokens)
+    new_parents = [node] + list(range(n, n + len(rest) - 1))
+    device = tokens.device
+    return (
+        torch.cat([tokens, torch.tensor(rest, dtype=tokens.dtype, device=device)]),
+        torch.cat([parents, torch.tensor(new_parents, dtype=parents.dtype, device=device)]),
+    )
+
+
+class LookupDrafter:
+    """A drafter whose trees also hold the prompt-lookup guess (see the module docstring).
+
+    Args:
+        drafter: the heads' drafter (Medusa, EAGLE, EAGLE-3; any `Drafter`).
+        num_tokens: the longest guess grafted per round (its new nodes are verified with the tree).
+        max_ngram, min_ngram: suffix lengths matched against the context, longest first.
+
+    The context is every token the drafter is told about: the prompt from its second token on (the first has no
+    feature before it) and everything generated.
+    """
+
+    def __init__(self, drafter: Drafter, num_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        if num_tokens < 1:
+            raise ValueError(f"lookup_tokens={num_tokens} must be >= 1 (0 turns prompt lookup off)")
+        self.drafter = drafter
+        self.num_tokens = num_tokens
+        self.index = NgramIndex(max_ngram, min_ngram)  # validates the n-gram sizes
+
+    def reset(self) -> None:
+        self.drafter.reset()
+        self.index = NgramIndex(self.index.max_ngram, self.index.min_ngram)
+
+    def around(self, drafter: Drafter) -> LookupDrafter:
+        """The same prompt lookup around another drafter (with a fresh context)."""
+        return LookupDrafter(drafter, self.num_tokens, self.index.max_ngram, self.index.min_ngram)
+
+    def fork(self) -> LookupDrafter:
+        """An independent drafter for another row of a batch (the inner drafter forked, a fresh context)."""
+        return self.around(self.drafter.fork())
+
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        tokens, tree = self.drafter.propose(features, next_tokens)
+        self.index.extend(next_tokens.tolist())  # its last token is this round's root
+        chain = self.index.continuation(self.num_tokens)
+        if not chain:
+            return tokens, tree
+        tokens, parents = graft_chain(tokens, tree.parents, chain)
+        if parents.shape[0] == tree.num_nodes:
+            return tokens, tree  # the heads had drafted the whole guess
+        return tokens, build_tree_buffers(parents, dtype=tree.attention_bias.dtype, check=False)

@@ -1,0 +1,228 @@
+"""Prompt lookup grafted onto the draft tree (inference/lookup.py): the n-gram index, the trie graft, and exactness
+of every decoding path with it (greedy identity on several targets, the fast path, batches, the sampling law)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from specheads import HEAD_TYPES, SpeculativeLM, create_heads
+from specheads.inference.lookup import LookupDrafter, NgramIndex, graft_chain
+from specheads.inference.tree import build_tree_buffers
+
+from ..conftest import build_tiny_target
+from .conftest import TINY_PROMPT, hf_greedy, left_pad, make_heads
+
+
+# --- the n-gram index ---------------------------------------------------------------------------------------
+def test_the_latest_occurrence_of_the_longest_suffix_wins():
+    index = NgramIndex(max_ngram=3, min_ngram=2)
+    index.extend([1, 2, 3, 9, 9, 2, 3, 7, 8, 5, 1, 2, 3])
+    # suffix (1, 2, 3) occurred at 0 (followed by 9 9 2 ...); the shorter (2, 3) more recently at 5 (7 8 ...):
+    # the longest match wins
+    assert index.continuation(4) == [9, 9, 2, 3]
+    index.extend([4, 2, 3])  # now (4, 2, 3) never occurred before: (2, 3) last started at 11, followed by 4 2 3
+    assert index.continuation(2) == [4, 2]
+    assert index.continuation(10) == [4, 2, 3]  # the continuation stops at the sequence's end
+
+
+def test_no_guess_without_a_long_enough_match():
+    index = NgramIndex(max_ngram=3, min_ngram=2)
+    assert index.continuation(5) == []
+    index.extend([1, 2, 3, 4])
+    assert index.continuation(5) == []  # (3, 4) and (2, 3, 4) never occurred before
+    index.extend([9, 4])
+    assert index.continuation(5) == []  # the single token 4 recurs, but min_ngram is 2
+    unigrams = NgramIndex(max_ngram=1, min_ngram=1)
+    unigrams.extend([1, 2, 3, 4, 9, 4])
+    assert unigrams.continuation(3) == [9, 4]
+
+
+def test_loops_are_followed():
+    index = NgramIndex(max_ngram=3, min_ngram=2)
+    index.extend([5, 6, 7, 5, 6, 7, 5, 6])
+    assert index.continuation(6) == [7, 5, 6]  # the latest (5, 6, 7, 5, 6) match overlaps the suffix
+
+
+@pytest.mark.parametrize(("max_ngram", "min_ngram"), [(2, 3), (3, 0)])
+def test_bad_ngram_sizes_are_refused(max_ngram, min_ngram):
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        NgramIndex(max_ngram, min_ngram)
+
+
+# --- the graft ----------------------------------------------------------------------------------------------
+def test_the_guess_reuses_drafted_nodes_and_extends_the_deepest_match():
+    # root 10 -> {11 -> {13}, 12}
+    tokens, parents = torch.tensor([10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1])
+    new_tokens, new_parents = graft_chain(tokens, parents, [11, 13, 14, 15])
+    assert new_tokens.tolist() == [10, 11, 12, 13, 14, 15]
+    assert new_parents.tolist() == [-1, 0, 0, 1, 3, 4]  # 14 hangs under the drafted 13
+    build_tree_buffers(new_parents)  # a valid topologically ordered tree (check=True raises otherwise)
+    new_tokens, new_parents = graft_chain(tokens, parents, [12, 11])
+    assert new_tokens.tolist() == [10, 11, 12, 13, 11] and new_parents.tolist() == [-1, 0, 0, 1, 2]
+    new_tokens, new_parents = graft_chain(tokens, parents, [16])
+    assert new_tokens.tolist() == [10, 11, 12, 13, 16] and new_parents.tolist() == [-1, 0, 0, 1, 0]
+
+
+def test_a_guess_the_heads_drafted_adds_nothing():
+    tokens, parents = torch.tensor([10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1])
+    new_tokens, new_parents = graft_chain(tokens, parents, [11, 13])
+    assert new_tokens is tokens and new_parents is parents
+
+
+class FixedTreeDrafter:
+    """Always drafts root -> {11, 12}; records nothing (stands in for the heads' drafter)."""
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, features, next_tokens):
+        tokens = torch.cat([next_tokens[-1:], torch.tensor([11, 12])])
+        return tokens, build_tree_buffers(torch.tensor([-1, 0, 0]))
+
+
+def test_the_drafter_reads_every_committed_token():
+    """The context is what propose is told: prompt[1:] on the first call, then the accepted tokens."""
+    drafter = LookupDrafter(FixedTreeDrafter(), num_tokens=4)
+    drafter.reset()
+    features = torch.zeros(5, 2)
+    tokens, tree = drafter.propose(features, torch.tensor([3, 4, 5, 3, 4]))  # context [3, 4, 5, 3, 4]
+    assert tokens.tolist() == [4, 11, 12, 5, 3, 4] and tree.parents.tolist() == [-1, 0, 0, 0, 3, 4]
+    tokens, tree = drafter.propose(features[:2], torch.tensor([9, 12]))  # context ... 4, 9, 12: no match
+    assert tokens.tolist() == [12, 11, 12] and tree.num_nodes == 3
+    drafter.reset()  # a new sequence forgets the old context
+    assert drafter.propose(features[:2], torch.tensor([9, 12]))[0].tolist() == [12, 11, 12]
+
+
+# --- exactness ----------------------------------------------------------------------------------------------
+def record_tree_sizes(lm: SpeculativeLM) -> list[int]:
+    """Node counts of the trees `lm`'s drafter proposes from now on (the grafted ones included)."""
+    sizes: list[int] = []
+    propose = lm.drafter.propose
+
+    def recording(*args):
+        tokens, tree = propose(*args)
+        sizes.append(tree.num_nodes)
+        return tokens, tree
+
+    lm.drafter.propose = recording
+    return sizes
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_greedy_output_is_the_targets_and_the_guess_pays(tiny_target_factory, family, head_type):
+    """Tiny random targets loop: prompt lookup guesses right often, so untrained heads accept far more with it,
+    and the output stays the target's greedy one token for token."""
+    target, ids = tiny_target_factory(family), torch.tensor([TINY_PROMPT])
+    heads = make_heads(target, head_type)
+    expected = hf_greedy(target, ids, 40)
+    plain = SpeculativeLM(target, heads)
+    assert torch.equal(plain.generate(ids, max_new_tokens=40), expected)
+    lm = SpeculativeLM(target, heads, lookup_tokens=6)
+    sizes = record_tree_sizes(lm)
+    assert torch.equal(lm.generate(ids, max_new_tokens=40), expected)
+    assert max(sizes) > min(sizes)  # guesses were grafted in some rounds, not in others
+    assert lm.last_stats["mean_accepted"] > plain.last_stats["mean_accepted"] + 0.2
+
+
+def test_stories260k_repeating_prompt(stories260k):
+    """The embedded target, EAGLE heads with early stopping and pruning: identical output, more accepted."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Tom had a red ball. Tom had a red ball. Tom had a", return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    heads = create_heads(target, "eagle", tree_depth=4, tree_top_k=3, tree_num_nodes=10, tree_stop_prob=0.01,
+                         tree_min_prob=0.01)
+    expected = hf_greedy(target, ids, 60)
+    plain = SpeculativeLM(target, heads)
+    assert torch.equal(plain.generate(ids, max_new_tokens=60), expected)
+    lm = SpeculativeLM(target, heads, lookup_tokens=8)
+    assert torch.equal(lm.generate(ids, max_new_tokens=60), expected)
+    assert lm.last_stats["mean_accepted"] > plain.last_stats["mean_accepted"]
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_the_fast_path_with_lookup(tiny_target_factory, head_type):
+    """On the static-cache path the heads' drafter goes fixed-shape (EAGLE) and the guess is grafted around it;
+    trees are padded to the heads' nodes + lookup_tokens."""
+    target, ids = tiny_target_factory("qwen2"), torch.tensor([TINY_PROMPT])
+    lm = SpeculativeLM(target, make_heads(target, head_type), lookup_tokens=5)
+    out = lm.generate(ids, max_new_tokens=40, fast_path=True)
+    assert lm.last_stats["fast_path"]
+    assert torch.equal(out, hf_greedy(target, ids, 40))
+    runner = lm._fast_runner
+    assert isinstance(runner.drafter, LookupDrafter)
+    heads_nodes = lm.drafter.drafter.num_nodes + 1 if head_type != "medusa" else lm.drafter.drafter.buffers.num_nodes
+    assert runner.fixed_slots == heads_nodes + 5
+    assert lm.last_stats["mean_accepted"] > 1.3
+
+
+def test_batched_rows_with_lookup():
+    """Batched verification (each row's forked drafter keeps its own context) equals the rows alone."""
+    target = build_tiny_target("llama", seed=5)
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, "eagle", tree_depth=3, tree_top_k=3, tree_num_nodes=8),
+                       lookup_tokens=6)
+    prompts = [[1, 5, 9], [1, 7, 3, 8, 2, 11, 4], [1, 6, 6, 6, 21]]
+    ids, mask = left_pad(prompts)
+    batched = lm.generate(ids, attention_mask=mask, max_new_tokens=30, batched=True)
+    assert lm.last_stats["batched_forwards"] < lm.last_stats["target_forwards"]
+    for i, prompt in enumerate(prompts):
+        alone = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)
+        assert torch.equal(batched[i, ids.shape[1] :], alone[0, len(prompt) :]), f"row {i}"
+
+
+def _load_sampling_harness():
+    """The chi-square harness of test_generate_sampling.py (a sibling test module: loaded by path)."""
+    path = Path(__file__).with_name("test_generate_sampling.py")
+    spec = importlib.util.spec_from_file_location("sampling_harness_for_lookup", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_sampling_with_lookup_follows_the_exact_joint_law(tiny_target_factory, chi_square, head_type):
+    """Guessed branches are deterministic candidates like drafted ones: the first 3 sampled tokens still follow the
+    target's exact law. Single-token matches (lookup_max_ngram=1) over a 6-token vocabulary graft often."""
+    harness = _load_sampling_harness()
+    target = copy.deepcopy(tiny_target_factory("llama", seed=1, vocab_size=harness.V, num_hidden_layers=1))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # harness.six_token_target
+    law = harness.ExactLaw(target, temperature=1.0)
+    heads = harness.untrained_eagle_heads(target, head_type)
+    lm = SpeculativeLM(target, heads, lookup_tokens=3, lookup_max_ngram=1)
+    sizes = record_tree_sizes(lm)
+    samples = harness.sample_first_three(lm, 1200, seed=3, temperature=1.0)
+    result = chi_square(samples, law.joint())
+    assert result.passed, result
+    heads_nodes = min(sizes)
+    assert sum(size > heads_nodes for size in sizes) > 0.05 * len(sizes), "guesses were rarely grafted"
+
+
+# --- configuration ------------------------------------------------------------------------------------------
+def test_lookup_survives_tree_changes_and_is_reported(stories260k):
+    target, _ = stories260k
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, "eagle"), lookup_tokens=7)
+    assert isinstance(lm.drafter, LookupDrafter)
+    lm.configure_tree(tree_depth=3, tree_top_k=2, tree_num_nodes=5)  # what --tree auto does per candidate
+    description = lm.tree_description()
+    assert description["nodes"] == 5 and description["lookup_tokens"] == 7 and description["lookup_max_ngram"] == 3
+    lm.configure_lookup(0)
+    assert not isinstance(lm.drafter, LookupDrafter) and lm.tree_description()["lookup_tokens"] == 0
+    assert lm.drafter.num_nodes == 5
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"lookup_tokens": -1}, "lookup_tokens=-1 must be an integer >= 0"),
+    ({"lookup_tokens": 2.5}, "lookup_tokens=2.5 must be an integer >= 0"),
+    ({"lookup_tokens": 4, "lookup_max_ngram": 0}, "lookup_max_ngram=0 must be an integer >= 1"),
+])
+def test_bad_lookup_settings_are_refused(tiny_llama, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        SpeculativeLM(tiny_llama, make_heads(tiny_llama, "medusa"), **kwargs)
