@@ -3,10 +3,10 @@ plain `generate` baseline, so machine noise hits all trees alike (separate `spec
 10-15% in absolute speed on a shared 2-core machine). Greedy outputs are checked identical.
 
     python scripts/tree_sweep.py --per-category 2 4,4,8 6,6,16 6,6,16,0.05,0.03 5,8,24,0.05,0.05
-    python scripts/tree_sweep.py --per-category 2 --lookup-tokens 0 10 4,4,8
+    python scripts/tree_sweep.py --per-category 5 --lookup-tokens 0,10,16 4,4,8
 
 Trees are `depth,top_k,nodes[,stop_prob[,min_prob]]` as for `specheads bench --tree`; with several
-`--lookup-tokens` values every tree runs with each (prompt lookup grafted onto it, 0 = off).
+`--lookup-tokens` values (a comma list) every tree runs with each (prompt lookup grafted onto it, 0 = off).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto")
-    p.add_argument("--lookup-tokens", type=int, nargs="+", default=[0], help="prompt-lookup tokens (0 = off)")
+    p.add_argument("--lookup-tokens", default="0", help="comma list of prompt-lookup tokens (0 = off), e.g. 0,10")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     trees = {}  # bad specs fail before any loading
     for spec in args.trees:
-        for lookup in args.lookup_tokens:
+        for lookup in (int(n) for n in args.lookup_tokens.split(",")):
             trees[spec if lookup == 0 else f"{spec} +lookup {lookup}"] = (parse_eagle_tree(spec), lookup)
     torch.set_num_threads(args.threads)
     lm = SpeculativeLM.from_pretrained(args.target, args.heads)

@@ -59,20 +59,12 @@ def test_generate_streams_text_and_prints_tau(stories260k_eagle_dir, capfd):
     assert "tokens/s" in err
 
 
-def test_generate_on_onednn_linear_layers_streams_the_same_text(stories260k_eagle_dir, capfd):
-    """`--cpu-linear onednn` swaps the linear layers (other fp32 kernels) and keeps the target's greedy text."""
+@pytest.mark.parametrize("option", [["--cpu-linear", "onednn"], ["--lookup-tokens", "5"]], ids=["onednn", "lookup"])
+def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, option):
+    """`--cpu-linear onednn` (other fp32 kernels for the linear layers) and `--lookup-tokens` (prompt lookup grafted
+    onto the trees) keep the target's greedy text."""
     code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
-                 "--max-new-tokens", "20", "--cpu-linear", "onednn"])
-    assert code == 0
-    out, err = capfd.readouterr()
-    assert out.removeprefix("<s>").lstrip().startswith("Once upon a time, there was a little girl named Lily")
-    assert "20 tokens" in err
-
-
-def test_generate_with_prompt_lookup_streams_the_same_text(stories260k_eagle_dir, capfd):
-    """`--lookup-tokens` grafts prompt lookup's guess onto the trees: still the target's greedy text."""
-    code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
-                 "--max-new-tokens", "20", "--lookup-tokens", "5"])
+                 "--max-new-tokens", "20", *option])
     assert code == 0
     out, err = capfd.readouterr()
     assert out.removeprefix("<s>").lstrip().startswith("Once upon a time, there was a little girl named Lily")

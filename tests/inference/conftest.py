@@ -5,10 +5,13 @@ Helpers are handed out as fixtures (not imported from here) so the suite works i
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -240,3 +243,13 @@ def sharpen_attention(heads):
         attention.k_proj.weight.mul_(20.0)
         attention.v_proj.weight.mul_(10.0)
     return heads.eval()
+
+
+def load_sampling_harness(alias: str) -> ModuleType:
+    """The chi-square harness of test_generate_sampling.py (ExactLaw, sample_first_three, ...) for another test module:
+    a sibling test module is loaded by path, under its own `alias`."""
+    path = Path(__file__).with_name("test_generate_sampling.py")
+    spec = importlib.util.spec_from_file_location(alias, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

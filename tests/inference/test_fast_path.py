@@ -9,9 +9,6 @@ static-cache compaction must equal DynamicCache compaction, and `plain_greedy_st
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -30,19 +27,9 @@ from specheads.inference.static_cache import StaticTreeCache, prefill_mask
 from specheads.inference.tree import build_tree_buffers
 from specheads.inference.verify import verify_tree
 
-from .conftest import TINY_PROMPT, hf_greedy, make_heads
+from .conftest import TINY_PROMPT, hf_greedy, load_sampling_harness, make_heads
 
-
-def _load_sampling_harness():
-    """The chi-square harness of test_generate_sampling.py (a sibling test module: loaded by path)."""
-    path = Path(__file__).with_name("test_generate_sampling.py")
-    spec = importlib.util.spec_from_file_location("sampling_harness_for_fast_path", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sampling_harness = _load_sampling_harness()
+sampling_harness = load_sampling_harness("sampling_harness_for_fast_path")
 
 
 def oracle_lm(target, ids, greedy_reference, oracle_drafter, max_new_tokens: int, depth: int = 5, **options):

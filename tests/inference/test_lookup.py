@@ -4,8 +4,6 @@ of every decoding path with it (greedy identity on several targets, the fast pat
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from specheads.inference.lookup import LookupDrafter, NgramIndex, graft_chain
 from specheads.inference.tree import build_tree_buffers
 
 from ..conftest import build_tiny_target
-from .conftest import TINY_PROMPT, hf_greedy, left_pad, make_heads
+from .conftest import TINY_PROMPT, hf_greedy, left_pad, load_sampling_harness, make_heads
 
 
 # --- the n-gram index ---------------------------------------------------------------------------------------
@@ -176,20 +174,13 @@ def test_batched_rows_with_lookup():
         assert torch.equal(batched[i, ids.shape[1] :], alone[0, len(prompt) :]), f"row {i}"
 
 
-def _load_sampling_harness():
-    """The chi-square harness of test_generate_sampling.py (a sibling test module: loaded by path)."""
-    path = Path(__file__).with_name("test_generate_sampling.py")
-    spec = importlib.util.spec_from_file_location("sampling_harness_for_lookup", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
 def test_sampling_with_lookup_follows_the_exact_joint_law(tiny_target_factory, chi_square, head_type):
     """Guessed branches are deterministic candidates like drafted ones: the first 3 sampled tokens still follow the
     target's exact law. Single-token matches (lookup_max_ngram=1) over a 6-token vocabulary graft often."""
-    harness = _load_sampling_harness()
+    harness = load_sampling_harness("sampling_harness_for_lookup")
     target = copy.deepcopy(tiny_target_factory("llama", seed=1, vocab_size=harness.V, num_hidden_layers=1))
     with torch.no_grad():
         target.lm_head.weight.mul_(8.0)  # harness.six_token_target
