@@ -77,7 +77,6 @@ class SpeculativeLM:
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
-        self.lookup_tokens, self.lookup_max_ngram = 0, lookup_max_ngram
         self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob, tree_min_prob)
         self.configure_lookup(lookup_tokens, lookup_max_ngram)
         self.last_stats: dict[str, Any] = {}
@@ -97,6 +96,7 @@ class SpeculativeLM:
 
         The prompt-lookup branch (`configure_lookup`) stays as it was."""
         heads, config = self.heads, self.heads.config
+        lookup = getattr(self, "drafter", None)  # None on the first call (from __init__)
         if isinstance(heads, MedusaHeads):
             static = tree if isinstance(tree, StaticTree) else load_static_tree(tree or config.static_tree)
             if tree is None and static.max_depth > config.num_heads:
@@ -119,7 +119,8 @@ class SpeculativeLM:
             )
         else:
             raise TypeError(f"no drafter for head type {config.head_type!r}")
-        self.configure_lookup(self.lookup_tokens, self.lookup_max_ngram)  # re-graft prompt lookup, if on
+        if isinstance(lookup, LookupDrafter):  # prompt lookup stays on, around the new heads' drafter
+            self.drafter = lookup.around(self.drafter)
 
     def configure_lookup(self, lookup_tokens: int, lookup_max_ngram: int = 3) -> None:
         """Graft prompt lookup's guess of up to `lookup_tokens` tokens onto every draft tree (0 = off; see the class
@@ -129,11 +130,7 @@ class SpeculativeLM:
         if not isinstance(lookup_max_ngram, int) or lookup_max_ngram < 1:
             raise ValueError(f"lookup_max_ngram={lookup_max_ngram!r} must be an integer >= 1")
         heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
-        if lookup_tokens:  # suffixes of 2+ tokens (1 only when asked for): single tokens recur too often to guess from
-            self.drafter = LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram, min(2, lookup_max_ngram))
-        else:
-            self.drafter = heads_drafter
-        self.lookup_tokens, self.lookup_max_ngram = lookup_tokens, lookup_max_ngram
+        self.drafter = LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram) if lookup_tokens else heads_drafter
 
     def tree_description(self) -> dict[str, Any]:
         """The current tree, for logs and benchmark JSON (`lookup_tokens`: the prompt-lookup branch, 0 = none)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specheads.inference.drafting import Drafter
-from specheads.inference.tree import TreeBuffers, build_tree_buffers
+from specheads.inference.tree import TreeBuffers, append_chain
 
 
 class NgramIndex:
@@ -57,20 +57,18 @@ class NgramIndex:
         return []
 
 
-def graft_chain(
-    tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def graft_chain(tokens: torch.Tensor, tree: TreeBuffers, chain: list[int]) -> tuple[torch.Tensor, TreeBuffers]:
     """Insert `chain` (tokens that would follow the root) into a tree as into a trie.
 
     Args:
-        tokens, parents: (N,) the tree (node 0 the root, parents before children).
+        tokens: (N,) the tree's tokens (node 0 the root); tree: its buffers.
         chain: the guessed continuation after the root.
 
     Returns:
-        (tokens, parents), (N + m,): the same N nodes first, then m new nodes for the part of the chain the tree
-        lacks (m = 0 when the tree already holds it), each the child of the one before.
+        (tokens, tree) with N + m nodes: the same N first, then m new nodes for the part of the chain the tree lacks,
+        each the child of the one before (the inputs themselves when m = 0: the tree already holds the chain).
     """
-    tree_tokens, tree_parents = tokens.tolist(), parents.tolist()
+    tree_tokens, tree_parents = tokens.tolist(), tree.parents.tolist()
     children: dict[tuple[int, int], int] = {}  # (parent, token) -> node; the first one when siblings repeat
     for node in range(len(tree_tokens) - 1, 0, -1):
         children[(tree_parents[node], tree_tokens[node])] = node
@@ -80,14 +78,9 @@ def graft_chain(
         matched += 1
     rest = chain[matched:]
     if not rest:
-        return tokens, parents
-    n = len(tree_tokens)
-    new_parents = [node] + list(range(n, n + len(rest) - 1))
-    device = tokens.device
-    return (
-        torch.cat([tokens, torch.tensor(rest, dtype=tokens.dtype, device=device)]),
-        torch.cat([parents, torch.tensor(new_parents, dtype=parents.dtype, device=device)]),
-    )
+        return tokens, tree
+    grafted = torch.cat([tokens, torch.tensor(rest, dtype=tokens.dtype, device=tokens.device)])
+    return grafted, append_chain(tree, node, len(rest))
 
 
 class LookupDrafter:
@@ -96,18 +89,19 @@ class LookupDrafter:
     Args:
         drafter: the heads' drafter (Medusa, EAGLE, EAGLE-3; any `Drafter`).
         num_tokens: the longest guess grafted per round (its new nodes are verified with the tree).
-        max_ngram, min_ngram: suffix lengths matched against the context, longest first.
+        max_ngram, min_ngram: suffix lengths matched against the context, longest first (min_ngram default: 2, or
+            max_ngram if smaller; single tokens recur too often to guess from).
 
     The context is every token the drafter is told about: the prompt from its second token on (the first has no
     feature before it) and everything generated.
     """
 
-    def __init__(self, drafter: Drafter, num_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
+    def __init__(self, drafter: Drafter, num_tokens: int, max_ngram: int = 3, min_ngram: int | None = None) -> None:
         if num_tokens < 1:
             raise ValueError(f"lookup_tokens={num_tokens} must be >= 1 (0 turns prompt lookup off)")
         self.drafter = drafter
         self.num_tokens = num_tokens
-        self.index = NgramIndex(max_ngram, min_ngram)  # validates the n-gram sizes
+        self.index = NgramIndex(max_ngram, min(2, max_ngram) if min_ngram is None else min_ngram)  # validates them
 
     def reset(self) -> None:
         self.drafter.reset()
@@ -125,9 +119,4 @@ class LookupDrafter:
         tokens, tree = self.drafter.propose(features, next_tokens)
         self.index.extend(next_tokens.tolist())  # its last token is this round's root
         chain = self.index.continuation(self.num_tokens)
-        if not chain:
-            return tokens, tree
-        tokens, parents = graft_chain(tokens, tree.parents, chain)
-        if parents.shape[0] == tree.num_nodes:
-            return tokens, tree  # the heads had drafted the whole guess
-        return tokens, build_tree_buffers(parents, dtype=tree.attention_bias.dtype, check=False)
+        return graft_chain(tokens, tree, chain) if chain else (tokens, tree)

@@ -91,6 +91,24 @@ def build_tree_buffers(
     return TreeBuffers(parents, depth, ancestors, attention_bias)
 
 
+def append_chain(tree: TreeBuffers, parent: int, length: int) -> TreeBuffers:
+    """The buffers of `tree` with a chain of `length` new nodes hung under node `parent` (appended in order:
+    node N is the parent's child, N + 1 its child, ...). Derived from the tree's own buffers: no passes, no host sync.
+    """
+    n, device, dtype = tree.num_nodes, tree.parents.device, tree.attention_bias.dtype
+    m = n + length
+    ancestors = torch.zeros(m, m, dtype=torch.bool, device=device)
+    ancestors[:n, :n] = tree.ancestors
+    ancestors[n:, :n] = tree.ancestors[parent]  # every chain node sees the parent's path ...
+    ancestors[n:, n:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()  # ... and the chain so far
+    chain_parents = torch.arange(n - 1, m - 1, device=device)
+    chain_parents[0] = parent
+    parents = torch.cat([tree.parents, chain_parents.to(tree.parents.dtype)])
+    depth = torch.cat([tree.depth, tree.depth[parent] + torch.arange(1, length + 1, device=device)])
+    attention_bias = torch.zeros(m, m, dtype=dtype, device=device).masked_fill_(~ancestors, torch.finfo(dtype).min)
+    return TreeBuffers(parents, depth, ancestors, attention_bias)
+
+
 def retrieve_paths(ancestors: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     """(P, D+1) node indices of every root-to-leaf path, ordered by depth and padded with -1."""
     is_parent = (ancestors.sum(0) - 1) > 0  # a node is someone's ancestor other than itself

@@ -249,7 +249,22 @@ def load_sampling_harness(alias: str) -> ModuleType:
     """The chi-square harness of test_generate_sampling.py (ExactLaw, sample_first_three, ...) for another test module:
     a sibling test module is loaded by path, under its own `alias`."""
     path = Path(__file__).with_name("test_generate_sampling.py")
-    spec = importlib.util.spec_from_file_location(alias, path)
+    # in this package, so that its own `from .conftest import ...` resolves
+    spec = importlib.util.spec_from_file_location(f"{__name__.rpartition('.')[0]}.{alias}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def record_tree_sizes(lm) -> list[int]:
+    """Node counts of the trees `lm`'s drafter proposes from now on (the grafted ones included)."""
+    sizes: list[int] = []
+    propose = lm.drafter.propose
+
+    def recording(*args):
+        tokens, tree = propose(*args)
+        sizes.append(tree.num_nodes)
+        return tokens, tree
+
+    lm.drafter.propose = recording
+    return sizes

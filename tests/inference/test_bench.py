@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,15 +21,20 @@ def eagle_heads_dir(tmp_path_factory):
     return folder
 
 
-def test_bench_writes_json_table_and_plots(tmp_path, eagle_heads_dir):
+def run_bench(tmp_path, heads_dir, prompt_lines: str, *options: str) -> tuple[dict, Path]:
+    """`specheads bench` on stories260K over these prompt lines, 12 new tokens, 1 thread: (results, the JSON path)."""
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Once upon a time\nThe cat sat\n")
+    prompts.write_text(prompt_lines)
     out = tmp_path / "bench" / "results.json"
-    argv = ["--target", "stories260K", "--heads", str(eagle_heads_dir), "--prompts", str(prompts),
-            "--max-new-tokens", "12", "--modes", "greedy,sample", "--prompt-lookup", "2", "--threads", "1",
-            "--out", str(out)]
+    argv = ["--target", "stories260K", "--heads", str(heads_dir), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--threads", "1", "--out", str(out), *options]
     assert bench_main(argv) == 0
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text()), out
+
+
+def test_bench_writes_json_table_and_plots(tmp_path, eagle_heads_dir):
+    results, out = run_bench(tmp_path, eagle_heads_dir, "Once upon a time\nThe cat sat\n",
+                             "--modes", "greedy,sample", "--prompt-lookup", "2")
     assert results["greedy_identical"] is True
     assert results["environment"]["dtype"] == "float32"
     assert {r["mode"] for r in results["per_prompt"]} == {"greedy", "sample"}
@@ -43,14 +49,8 @@ def test_bench_writes_json_table_and_plots(tmp_path, eagle_heads_dir):
 
 def test_bench_with_lookup_and_tree_auto_records_both(tmp_path, eagle_heads_dir):
     """--lookup-tokens stays on through --tree auto's trials and is recorded with the chosen tree."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Tom had a red ball. Tom had a red ball. Tom had a\nThe cat sat\n")
-    out = tmp_path / "bench" / "results.json"
-    argv = ["--target", "stories260K", "--heads", str(eagle_heads_dir), "--prompts", str(prompts),
-            "--max-new-tokens", "12", "--prompt-lookup", "0", "--threads", "1", "--tree", "auto",
-            "--lookup-tokens", "6", "--out", str(out)]
-    assert bench_main(argv) == 0
-    results = json.loads(out.read_text())
+    results, _ = run_bench(tmp_path, eagle_heads_dir, "Tom had a red ball. Tom had a red ball. Tom had a\nThe cat sat\n",
+                           "--prompt-lookup", "0", "--tree", "auto", "--lookup-tokens", "6")
     assert results["greedy_identical"] is True
     assert results["tree"]["lookup_tokens"] == 6
     assert all(trial["tree"]["lookup_tokens"] == 6 for trial in results["tree_autotune"]["trials"])

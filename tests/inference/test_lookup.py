@@ -10,10 +10,10 @@ import torch
 
 from specheads import HEAD_TYPES, SpeculativeLM, create_heads
 from specheads.inference.lookup import LookupDrafter, NgramIndex, graft_chain
-from specheads.inference.tree import build_tree_buffers
+from specheads.inference.tree import append_chain, build_tree_buffers
 
 from ..conftest import build_tiny_target
-from .conftest import TINY_PROMPT, hf_greedy, left_pad, load_sampling_harness, make_heads
+from .conftest import TINY_PROMPT, hf_greedy, left_pad, load_sampling_harness, make_heads, record_tree_sizes
 
 
 # --- the n-gram index ---------------------------------------------------------------------------------------
@@ -55,21 +55,35 @@ def test_bad_ngram_sizes_are_refused(max_ngram, min_ngram):
 # --- the graft ----------------------------------------------------------------------------------------------
 def test_the_guess_reuses_drafted_nodes_and_extends_the_deepest_match():
     # root 10 -> {11 -> {13}, 12}
-    tokens, parents = torch.tensor([10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1])
-    new_tokens, new_parents = graft_chain(tokens, parents, [11, 13, 14, 15])
+    tokens, tree = torch.tensor([10, 11, 12, 13]), build_tree_buffers(torch.tensor([-1, 0, 0, 1]))
+    new_tokens, new_tree = graft_chain(tokens, tree, [11, 13, 14, 15])
     assert new_tokens.tolist() == [10, 11, 12, 13, 14, 15]
-    assert new_parents.tolist() == [-1, 0, 0, 1, 3, 4]  # 14 hangs under the drafted 13
-    build_tree_buffers(new_parents)  # a valid topologically ordered tree (check=True raises otherwise)
-    new_tokens, new_parents = graft_chain(tokens, parents, [12, 11])
-    assert new_tokens.tolist() == [10, 11, 12, 13, 11] and new_parents.tolist() == [-1, 0, 0, 1, 2]
-    new_tokens, new_parents = graft_chain(tokens, parents, [16])
-    assert new_tokens.tolist() == [10, 11, 12, 13, 16] and new_parents.tolist() == [-1, 0, 0, 1, 0]
+    assert new_tree.parents.tolist() == [-1, 0, 0, 1, 3, 4]  # 14 hangs under the drafted 13
+    build_tree_buffers(new_tree.parents)  # a valid topologically ordered tree (check=True raises otherwise)
+    new_tokens, new_tree = graft_chain(tokens, tree, [12, 11])
+    assert new_tokens.tolist() == [10, 11, 12, 13, 11] and new_tree.parents.tolist() == [-1, 0, 0, 1, 2]
+    new_tokens, new_tree = graft_chain(tokens, tree, [16])
+    assert new_tokens.tolist() == [10, 11, 12, 13, 16] and new_tree.parents.tolist() == [-1, 0, 0, 1, 0]
 
 
 def test_a_guess_the_heads_drafted_adds_nothing():
-    tokens, parents = torch.tensor([10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1])
-    new_tokens, new_parents = graft_chain(tokens, parents, [11, 13])
-    assert new_tokens is tokens and new_parents is parents
+    tokens, tree = torch.tensor([10, 11, 12, 13]), build_tree_buffers(torch.tensor([-1, 0, 0, 1]))
+    new_tokens, new_tree = graft_chain(tokens, tree, [11, 13])
+    assert new_tokens is tokens and new_tree is tree
+
+
+@pytest.mark.parametrize(("parents", "parent", "length"), [
+    ([-1, 0, 0, 1], 3, 3), ([-1, 0, 0, 1], 0, 1), ([-1], 0, 4), ([-1, 0, 1, 1, 0, 4], 2, 2),
+])
+def test_append_chain_equals_building_the_grafted_tree(parents, parent, length):
+    """The chain's buffers derived from the tree's own equal those `build_tree_buffers` computes from scratch."""
+    tree = build_tree_buffers(torch.tensor(parents), dtype=torch.float32)
+    n = len(parents)
+    grafted = append_chain(tree, parent, length)
+    reference = build_tree_buffers(torch.tensor(parents + [parent] + list(range(n, n + length - 1))))
+    for name in ("parents", "depth", "ancestors", "attention_bias"):
+        assert torch.equal(getattr(grafted, name), getattr(reference, name)), name
+    assert torch.equal(grafted.retrieve_indices, reference.retrieve_indices)
 
 
 class FixedTreeDrafter:
@@ -97,20 +111,6 @@ def test_the_drafter_reads_every_committed_token():
 
 
 # --- exactness ----------------------------------------------------------------------------------------------
-def record_tree_sizes(lm: SpeculativeLM) -> list[int]:
-    """Node counts of the trees `lm`'s drafter proposes from now on (the grafted ones included)."""
-    sizes: list[int] = []
-    propose = lm.drafter.propose
-
-    def recording(*args):
-        tokens, tree = propose(*args)
-        sizes.append(tree.num_nodes)
-        return tokens, tree
-
-    lm.drafter.propose = recording
-    return sizes
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_greedy_output_is_the_targets_and_the_guess_pays(tiny_target_factory, family, head_type):
