@@ -115,6 +115,10 @@ class DraftHeads(PreTrainedModel):
     """
 
     config_class = HeadsConfig
+    # Linear layers (names as in `named_modules`) that stay float32 when drafting in int8
+    # (`SpeculativeLM.use_int8_draft_linears`): those reading the target's raw residual-stream features, whose
+    # outlier dimensions would make a per-tensor int8 input scale flatten everything else.
+    float32_linears: tuple[str, ...] = ()
     config: HeadsConfig
     base_model_prefix = "heads"
     main_input_name = "features"

@@ -68,6 +68,8 @@ class EagleHeads(DraftHeads):
     verification still use the whole vocabulary, so outputs stay exact.
     """
 
+    float32_linears = ("fc",)  # fuses the target features (outlier dimensions): float32 under int8 drafting
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__(config)
         h = config.hidden_size

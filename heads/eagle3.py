@@ -48,6 +48,8 @@ class Eagle3Heads(DraftHeads):
     unique); `t2d` (vocab_size,) bool, which target ids are in the draft vocabulary.
     """
 
+    float32_linears = ("fc",)  # fuses the target features (outlier dimensions): float32 under int8 drafting
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__(config)
         h = config.hidden_size

@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 from specheads.inference.autotune import autotune_tree
 from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.generate import SpeculativeLM
-from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear, wants_onednn
+from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
+from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
 from specheads.inference.prompts import Prompt, read_prompts, tokenize_prompts
 
 GRAPHED_ROUNDS = {"auto": None, "on": True, "off": False}  # --graphed-rounds -> SpeculativeLM(graphed_rounds=)
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU, float32: 'onednn' runs the target's and heads' linear layers on oneDNN (faster few-row "
                    "products); the plain `generate` baseline then uses them too. 'auto': onednn for a float32 CPU "
                    "target, else default")
+    p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="default",
+                   help="CPU, float32: 'int8' runs the heads' linear layers in int8 (cheaper drafting; the target stays "
+                   "float32, so outputs are unchanged and only acceptance can move). 'auto': int8 for float32 CPU heads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/results.json", help="JSON results; .md table and PNG plots go beside it")
     return p
@@ -220,6 +224,7 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
         "threads": torch.get_num_threads(), "python": platform.python_version(),
         "graphed_rounds": {None: "auto", True: "on", False: "off"}[lm.graphed_rounds],
         "cpu_linear": "onednn" if any(isinstance(m, OneDNNLinear) for m in lm.target.modules()) else "default",
+        "draft_linear": "int8" if any(isinstance(m, Int8Linear) for m in lm.heads.modules()) else "default",
         "round_graph_captured": runner is not None and getattr(runner.greedy_round, "graph", None) is not None,
     }
 
@@ -231,8 +236,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
                                        graphed_rounds=GRAPHED_ROUNDS[getattr(args, "graphed_rounds", "auto")])
-    if wants_onednn(getattr(args, "cpu_linear", "default"), lm.target):
-        lm.use_onednn_linears()
+    lm.use_cpu_kernels(getattr(args, "cpu_linear", "default"), getattr(args, "draft_linear", "default"))
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
                                               getattr(args, "per_category", None)), lm.tokenizer,
                                chat=False if args.no_chat else None)

@@ -176,6 +176,39 @@ class SpeculativeLM:
 
         return use_onednn_linears(self.target) + use_onednn_linears(self.heads)
 
+    def use_int8_draft_linears(self) -> int:
+        """CPU, float32: run the HEADS' linear layers in int8 (int8 weights, dynamically quantized inputs), in place.
+
+        Drafting reads a quarter of the weight bytes (inference/int8_linear.py); the target stays float32 and
+        verifies every drafted token, so outputs are unchanged (greedy identical, sampling exact) and only the
+        acceptance rate can move. Call it before `use_onednn_linears` (which then swaps the target only).
+        Inference only: the heads can no longer be trained or saved. Returns the number of layers swapped.
+        """
+        from specheads.inference.int8_linear import use_int8_linears
+
+        return use_int8_linears(self.heads, keep=self.heads.float32_linears)
+
+    def use_cpu_kernels(self, cpu_linear: str = "auto", draft_linear: str = "auto") -> dict[str, str]:
+        """Pick the CPU kernels by the CLI's choices, in the order they must be applied; returns what is in use.
+
+        Args:
+            cpu_linear: 'onednn' | 'default' | 'auto' (onednn for a float32 CPU target): `use_onednn_linears`.
+            draft_linear: 'int8' | 'default' | 'auto' (int8 for float32 CPU heads): `use_int8_draft_linears`.
+
+        Returns:
+            {"cpu_linear": "onednn" or "default", "draft_linear": "int8" or "default"}.
+        """
+        from specheads.inference.int8_linear import wants_int8_drafting
+        from specheads.inference.onednn import wants_onednn
+
+        int8 = wants_int8_drafting(draft_linear, self.heads)
+        onednn = wants_onednn(cpu_linear, self.target)  # both choices are checked before anything is swapped
+        if int8:
+            self.use_int8_draft_linears()  # first: oneDNN's prepacked weights could not be quantized afterwards
+        if onednn:
+            self.use_onednn_linears()
+        return {"cpu_linear": "onednn" if onednn else "default", "draft_linear": "int8" if int8 else "default"}
+
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(

@@ -4,9 +4,11 @@ plain `generate` baseline, so machine noise hits all trees alike (separate `spec
 
     python scripts/tree_sweep.py --per-category 2 4,4,8 6,6,16 6,6,16,0.05,0.03 5,8,24,0.05,0.05
     python scripts/tree_sweep.py --per-category 5 --lookup-tokens 0,10,16 4,4,8
+    python scripts/tree_sweep.py --per-category 3 --lookup-tokens 10 --draft-linear default,int8 4,4,8 5,4,10
 
 Trees are `depth,top_k,nodes[,stop_prob[,min_prob]]` as for `specheads bench --tree`; with several
-`--lookup-tokens` values (a comma list) every tree runs with each (prompt lookup grafted onto it, 0 = off).
+`--lookup-tokens` values (a comma list) every tree runs with each (prompt lookup grafted onto it, 0 = off), and
+likewise with several `--draft-linear` values (float32 or int8 heads; each its own copy of the heads, one target).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import json
 
 import torch
 
+from specheads.heads.loading import load_heads
 from specheads.inference.bench import aggregate, parse_eagle_tree, run_prompt
 from specheads.inference.generate import SpeculativeLM
-from specheads.inference.onednn import CPU_LINEAR_CHOICES, wants_onednn
+from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
+from specheads.inference.onednn import CPU_LINEAR_CHOICES
 from specheads.inference.prompts import read_prompts, tokenize_prompts
 
 
@@ -33,26 +37,41 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto")
     p.add_argument("--lookup-tokens", default="0", help="comma list of prompt-lookup tokens (0 = off), e.g. 0,10")
+    p.add_argument("--draft-linear", default="default",
+                   help=f"comma list of {DRAFT_LINEAR_CHOICES} for the heads' linear layers, e.g. default,int8")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
+    draft_linears = args.draft_linear.split(",")
+    for choice in draft_linears:
+        if choice not in DRAFT_LINEAR_CHOICES:
+            raise SystemExit(f"--draft-linear {choice!r}: expected a comma list of {DRAFT_LINEAR_CHOICES}")
     trees = {}  # bad specs fail before any loading
     for spec in args.trees:
         for lookup in (int(n) for n in args.lookup_tokens.split(",")):
-            trees[spec if lookup == 0 else f"{spec} +lookup {lookup}"] = (parse_eagle_tree(spec), lookup)
+            for draft_linear in draft_linears:
+                name = spec if lookup == 0 else f"{spec} +lookup {lookup}"
+                name = name if len(draft_linears) == 1 else f"{name} ({draft_linear} heads)"
+                trees[name] = (parse_eagle_tree(spec), lookup, draft_linear)
     torch.set_num_threads(args.threads)
     lm = SpeculativeLM.from_pretrained(args.target, args.heads)
-    if wants_onednn(args.cpu_linear, lm.target):
-        lm.use_onednn_linears()
+    # one SpeculativeLM per draft-linear choice, each with its own heads on the one target (int8 heads first:
+    # the target's oneDNN swap happens once, on the first)
+    lms = {choice: SpeculativeLM(lm.target, load_heads(args.heads, target=lm.target), tokenizer=lm.tokenizer)
+           for choice in draft_linears}
+    for choice, one in lms.items():
+        one.use_cpu_kernels(args.cpu_linear, choice)
     prompts = tokenize_prompts(read_prompts(args.prompts, per_category=args.per_category), lm.tokenizer)
-    lm.generate(prompts[0].input_ids, max_new_tokens=16)  # warm-up
+    for one in lms.values():
+        one.generate(prompts[0].input_ids, max_new_tokens=16)  # warm-up
     # each tree's run of a prompt is `specheads bench`'s: the baseline, then speculation, checked identical
     bench_args = argparse.Namespace(max_new_tokens=args.max_new_tokens, prompt_lookup=0)
     rows: dict[str, list[dict]] = {spec: [] for spec in trees}
     for number, prompt in enumerate(prompts, start=1):
-        for spec, (tree, lookup) in trees.items():
-            lm.configure_tree(**tree)
-            lm.configure_lookup(lookup)
-            rows[spec].append(run_prompt(lm, prompt, "greedy", bench_args, assistant=None))
+        for spec, (tree, lookup, draft_linear) in trees.items():
+            one = lms[draft_linear]
+            one.configure_tree(**tree)
+            one.configure_lookup(lookup)
+            rows[spec].append(run_prompt(one, prompt, "greedy", bench_args, assistant=None))
         print(f"[tree_sweep] {number}/{len(prompts)} prompts", flush=True)
     results = {spec: aggregate(spec_rows) for spec, spec_rows in rows.items()}
     print("| tree | tau | tokens/s | baseline tokens/s | speedup |\n|---|---|---|---|---|")

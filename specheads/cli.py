@@ -9,9 +9,10 @@ import sys
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from specheads.inference.onednn import (
-        CPU_LINEAR_CHOICES,  # torch is loaded by now (the package imports it)
+    from specheads.inference.int8_linear import (
+        DRAFT_LINEAR_CHOICES,  # torch is loaded by now (the package imports it)
     )
+    from specheads.inference.onednn import CPU_LINEAR_CHOICES
 
     p = sub.add_parser("generate", help="speculative generation: streams text, prints tau and tokens/s")
     p.add_argument("--target", default="stories260K", help="target path, Hub id or alias (default: stories260K)")
@@ -26,6 +27,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="default",
                    help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some "
                    "CPUs); 'auto': onednn for a float32 CPU target, else default")
+    p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="default",
+                   help="CPU, float32: 'int8' runs the heads' linear layers in int8 (cheaper drafting, same output); "
+                   "'auto': int8 for float32 CPU heads, else default")
     p.add_argument("--lookup-tokens", type=int, default=0,
                    help="graft a prompt-lookup guess of up to N tokens onto each draft tree (0: off)")
     p.add_argument("--seed", type=int, default=0)
@@ -36,12 +40,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from specheads.inference.generate import SpeculativeLM
-    from specheads.inference.onednn import wants_onednn
 
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens)
-    if wants_onednn(args.cpu_linear, lm.target):
-        lm.use_onednn_linears()
+    lm.use_cpu_kernels(args.cpu_linear, args.draft_linear)
     tokenizer = lm.tokenizer
     if args.chat:
         input_ids = tokenizer.apply_chat_template(

@@ -61,8 +61,9 @@ def test_layers_that_are_not_float32_cpu_are_refused(tiny_llama):
         use_onednn_linears(nn.Linear(4, 4))
 
 
-@pytest.mark.parametrize("choice", ["onednn", "auto"])
-def test_bench_cpu_linear_onednn(tmp_path, choice):
+@pytest.mark.parametrize(("cpu_linear", "draft_linear"), [("onednn", "default"), ("auto", "default"), ("auto", "auto")])
+def test_bench_cpu_kernels(tmp_path, cpu_linear, draft_linear):
+    """`--cpu-linear` / `--draft-linear` (int8 heads: inference/int8_linear.py) reach the run and its JSON."""
     from specheads import load_target
 
     target, _ = load_target("stories260K")
@@ -72,10 +73,13 @@ def test_bench_cpu_linear_onednn(tmp_path, choice):
     prompts.write_text("Once upon a time\n")
     out = tmp_path / "bench" / "results.json"
     argv = ["--target", "stories260K", "--heads", str(heads), "--prompts", str(prompts), "--max-new-tokens", "10",
-            "--prompt-lookup", "0", "--threads", "1", "--cpu-linear", choice, "--out", str(out)]
+            "--prompt-lookup", "0", "--threads", "1", "--cpu-linear", cpu_linear, "--draft-linear", draft_linear,
+            "--out", str(out)]
     assert bench_main(argv) == 0
     results = json.loads(out.read_text())
-    assert results["environment"]["cpu_linear"] == "onednn" and results["greedy_identical"] is True  # auto: fp32 CPU
+    environment = results["environment"]  # auto: oneDNN / int8 for this float32 CPU target and heads
+    assert environment["cpu_linear"] == "onednn" and results["greedy_identical"] is True
+    assert environment["draft_linear"] == ("int8" if draft_linear == "auto" else "default")
 
 
 def test_cpu_linear_auto_means_onednn_only_for_float32_cpu_targets(tiny_llama):
