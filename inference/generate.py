@@ -181,7 +181,7 @@ class SpeculativeLM:
 
         Drafting reads a quarter of the weight bytes (inference/int8_linear.py); the target stays float32 and
         verifies every drafted token, so outputs are unchanged (greedy identical, sampling exact) and only the
-        acceptance rate can move. Call it before `use_onednn_linears` (which then swaps the target only).
+        acceptance rate can move. Call it before `use_onednn_linears` (which then leaves the int8 layers alone).
         Inference only: the heads can no longer be trained or saved. Returns the number of layers swapped.
         """
         from specheads.inference.int8_linear import use_int8_linears
