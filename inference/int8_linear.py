@@ -50,10 +50,10 @@ class Int8Linear(nn.Module):
         # symmetric per-row scales: row r is stored as round(w_r / s_r) in [-127, 127], s_r = max|w_r| / 127
         scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        bias = None if bias is None else bias.detach().float().clone()
         with warnings.catch_warnings():  # PyTorch warns that quantized tensor constructors are deprecated
             warnings.simplefilter("ignore")
             qweight = torch.quantize_per_channel(weight, scales, zero_points, axis=0, dtype=torch.qint8)
-            bias = None if bias is None else bias.detach().float().clone()
             self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
         self.has_bias = bias is not None
         # FBGEMM's AVX2 kernels can saturate 16-bit intermediates with full-range activations: 7-bit inputs avoid

@@ -54,10 +54,11 @@ def main() -> None:
                 trees[name] = (parse_eagle_tree(spec), lookup, draft_linear)
     torch.set_num_threads(args.threads)
     lm = SpeculativeLM.from_pretrained(args.target, args.heads)
-    # one SpeculativeLM per draft-linear choice, each with its own heads on the one target (int8 heads first:
-    # the target's oneDNN swap happens once, on the first)
-    lms = {choice: SpeculativeLM(lm.target, load_heads(args.heads, target=lm.target), tokenizer=lm.tokenizer)
-           for choice in draft_linears}
+    # one SpeculativeLM per draft-linear choice on the one target, each with its own copy of the heads (the first
+    # choice's swaps the target's layers to oneDNN; the others find them swapped already)
+    lms = {choice: lm if i == 0 else SpeculativeLM(lm.target, load_heads(args.heads, target=lm.target),
+                                                   tokenizer=lm.tokenizer)
+           for i, choice in enumerate(draft_linears)}
     for choice, one in lms.items():
         one.use_cpu_kernels(args.cpu_linear, choice)
     prompts = tokenize_prompts(read_prompts(args.prompts, per_category=args.per_category), lm.tokenizer)

@@ -9,9 +9,8 @@ import sys
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from specheads.inference.int8_linear import (
-        DRAFT_LINEAR_CHOICES,  # torch is loaded by now (the package imports it)
-    )
+    # torch is loaded by now (the package imports it)
+    from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
     from specheads.inference.onednn import CPU_LINEAR_CHOICES
 
     p = sub.add_parser("generate", help="speculative generation: streams text, prints tau and tokens/s")
