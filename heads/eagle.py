@@ -11,6 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 from specheads.heads.base import DraftHeads
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.config import HeadsConfig
 
 
@@ -114,8 +115,8 @@ class EagleHeads(DraftHeads):
             hidden,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=past_key_values is not None,
+            **cache_kwargs(self.layer, past_key_values),
             position_embeddings=position_embeddings,
         )
         return out[0] if isinstance(out, tuple) else out

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from specheads.heads.base import DraftHeads
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.config import HeadsConfig
 from specheads.heads.eagle import build_layer_config, check_draft_vocab, decoder_classes
 
@@ -125,8 +126,8 @@ class Eagle3Heads(DraftHeads):
             hidden_states=attn_input,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=past_key_values is not None,
+            **cache_kwargs(layer.self_attn, past_key_values),
             position_embeddings=position_embeddings,
         )
         hidden = residual + attn_out

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.fast_path import TreeVerifier
 from specheads.inference.generate import SpeculativeLM
@@ -35,6 +36,29 @@ EAGLE_CANDIDATES = [
 MEDUSA_CANDIDATES = ["medusa_small", "medusa_default"]
 
 
+def tree_candidates(lm: SpeculativeLM) -> list[Any]:
+    """The trees `autotune_tree` tries for these heads: static tree names (Medusa) or dynamic tree shapes."""
+    if isinstance(lm.heads, MedusaHeads):
+        return list(MEDUSA_CANDIDATES)
+    # children per node come from the heads' draft vocabulary (EAGLE-3, or EAGLE with a d2t)
+    vocab = lm.heads.draft_vocab_size
+    candidates = [c for c in EAGLE_CANDIDATES if c["tree_top_k"] <= vocab]
+    if not candidates:
+        raise ValueError(
+            f"--tree auto: the heads' draft vocabulary of {vocab} is smaller than every candidate's "
+            f"tree_top_k {[c['tree_top_k'] for c in EAGLE_CANDIDATES]}; give a tree explicitly"
+        )
+    return candidates
+
+
+def _use_tree(lm: SpeculativeLM, candidate: Any) -> None:
+    """Configure one candidate (a static tree name or dynamic tree keyword arguments)."""
+    if isinstance(candidate, str):
+        lm.configure_tree(tree=candidate)
+    else:
+        lm.configure_tree(**candidate)
+
+
 @torch.no_grad()
 def verification_cost_ms(
     lm: SpeculativeLM, input_ids: torch.Tensor, node_counts: list[int], repeats: int = 5, fast_path: bool = False
@@ -48,7 +72,7 @@ def verification_cost_ms(
         return _fast_path_verification_ms(lm, input_ids, node_counts, repeats)
     target = lm.target
     cache = DynamicCache()
-    target(input_ids=input_ids.to(target.device), past_key_values=cache, use_cache=True)
+    target(input_ids=input_ids.to(target.device), **cache_kwargs(target, cache), use_cache=True)
     prefix = input_ids.shape[1]
     costs = {}
     for n in node_counts:
@@ -98,44 +122,54 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_tokens: int = 64) -> dict[str, Any]:
-    """Try candidate trees on calibration prompts, keep the fastest, and return what was measured."""
-    if isinstance(lm.heads, MedusaHeads):
-        candidates: list[Any] = MEDUSA_CANDIDATES
-    else:  # children per node come from the heads' draft vocabulary (EAGLE-3, or EAGLE with a d2t)
-        vocab = lm.heads.draft_vocab_size
-        candidates = [c for c in EAGLE_CANDIDATES if c["tree_top_k"] <= vocab]
-        if not candidates:
-            raise ValueError(
-                f"--tree auto: the heads' draft vocabulary of {vocab} is smaller than every candidate's "
-                f"tree_top_k {[c['tree_top_k'] for c in EAGLE_CANDIDATES]}; give a tree explicitly"
-            )
-    trials = []
-    for candidate in candidates:
-        if isinstance(candidate, str):
-            lm.configure_tree(tree=candidate)
-        else:
-            lm.configure_tree(**candidate)
-        # Warm-up at the timed length: the GPU fast path sizes its cache and captures its graphs here, not below.
-        lm.generate(calibration[0], max_new_tokens=max_new_tokens)
-        tokens = forwards = 0
-        seconds = 0.0
-        for ids in calibration:
-            lm.generate(ids, max_new_tokens=max_new_tokens)
-            tokens += lm.last_stats["new_tokens"]
-            forwards += lm.last_stats["target_forwards"]
-            seconds += lm.last_stats["seconds"]
-        trials.append({"tree": lm.tree_description(), "candidate": candidate, "tau": tokens / forwards,
-                       "tokens_per_second": tokens / seconds})
-    best = max(trials, key=lambda t: t["tokens_per_second"])
-    if isinstance(best["candidate"], str):
-        lm.configure_tree(tree=best["candidate"])
+    """Try candidate trees on calibration prompts, keep the fastest, and return what was measured.
+
+    On the normal path (CPU) the candidates run interleaved: each calibration prompt through every candidate,
+    in reverse order on every other prompt, so a machine that slows down or speeds up mid-calibration
+    (a shared CPU drifts by 10-15%) affects all candidates alike instead of whichever ran last. On the fast
+    path (CUDA) switching trees re-captures graphs, so each candidate is warmed up (captured) and then timed
+    on all prompts before the next.
+    """
+    candidates = tree_candidates(lm)
+    totals = [{"tokens": 0, "forwards": 0, "seconds": 0.0} for _ in candidates]
+
+    def timed_run(index: int, ids: torch.Tensor) -> None:
+        lm.generate(ids, max_new_tokens=max_new_tokens)
+        totals[index]["tokens"] += lm.last_stats["new_tokens"]
+        totals[index]["forwards"] += lm.last_stats["target_forwards"]
+        totals[index]["seconds"] += lm.last_stats["seconds"]
+
+    # Warm-up at the timed length: the GPU fast path sizes its cache and captures its graphs here, not below.
+    _use_tree(lm, candidates[0])
+    lm.generate(calibration[0], max_new_tokens=max_new_tokens)
+    fast_path = lm.last_stats["fast_path"]  # the path the trials take (a runner kept from older calls may exist)
+    if fast_path:
+        for index, candidate in enumerate(candidates):
+            if index:  # the first candidate was warmed up above
+                _use_tree(lm, candidate)
+                lm.generate(calibration[0], max_new_tokens=max_new_tokens)
+            for ids in calibration:
+                timed_run(index, ids)
     else:
-        lm.configure_tree(**best["candidate"])
+        for position, ids in enumerate(calibration):
+            order = range(len(candidates)) if position % 2 == 0 else reversed(range(len(candidates)))
+            for index in order:
+                _use_tree(lm, candidates[index])
+                timed_run(index, ids)
+    trials = []
+    for candidate, total in zip(candidates, totals):
+        _use_tree(lm, candidate)
+        trials.append({"tree": lm.tree_description(), "candidate": candidate,
+                       "tau": total["tokens"] / total["forwards"],
+                       "tokens_per_second": total["tokens"] / total["seconds"]})
+    best = max(trials, key=lambda t: t["tokens_per_second"])
+    _use_tree(lm, best["candidate"])
     node_counts = sorted({4, 8, 16, 32, 48, 64} | {t["tree"]["nodes"] + 1 for t in trials})
-    fast_path = lm.last_stats["fast_path"]  # the path the trials took (a runner kept from older calls may exist)
     return {
         "chosen": best["tree"],
         "trials": trials,
         "verification_path": "fast" if fast_path else "normal",
+        "schedule": "one candidate after another" if fast_path else "interleaved per prompt",
+        "calibration_prompts": len(calibration),
         "verification_ms_by_nodes": verification_cost_ms(lm, calibration[0], node_counts, fast_path=fast_path),
     }

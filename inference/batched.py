@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_tree
 from specheads.inference.drafting import Drafter
 from specheads.inference.sampling import SamplingParams
@@ -105,7 +106,7 @@ def generate_batched(
     positions = (torch.arange(width, device=device)[None, :] - pad[:, None]).clamp(min=0)
     out = target(
         input_ids=ids, attention_mask=prefill_mask(lengths, width, dtype), position_ids=positions,
-        past_key_values=cache, use_cache=True, output_hidden_states=True,
+        **cache_kwargs(target, cache), use_cache=True, output_hidden_states=True,
     )
     stats["target_forwards"] += rows
     stats["batched_forwards"] = stats.get("batched_forwards", 0) + 1
@@ -141,7 +142,7 @@ def generate_batched(
         cache_length = cache.get_seq_length()
         out = target(
             input_ids=tokens, attention_mask=verify_mask(trees, pad, valid, cache_length, nodes, dtype),
-            position_ids=position_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
+            position_ids=position_ids, **cache_kwargs(target, cache), use_cache=True, output_hidden_states=True,
         )
         stats["target_forwards"] += len(active)
         stats["batched_forwards"] += 1

@@ -25,7 +25,7 @@ from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
-from specheads.inference.prompts import Prompt, read_prompts, tokenize_prompts
+from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts, tokenize_prompts
 
 GRAPHED_ROUNDS = {"auto": None, "on": True, "off": False}  # --graphed-rounds -> SpeculativeLM(graphed_rounds=)
 
@@ -249,7 +249,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         assistant, _ = load_target(args.assistant, dtype=lm.target.dtype, device=lm.target.device)
     torch.manual_seed(args.seed)
     lm.configure_lookup(getattr(args, "lookup_tokens", 0))
-    tree_report = _configure_tree(lm, args.tree, [p.input_ids for p in prompts[:2]])
+    tree_report = _configure_tree(lm, args.tree, [p.input_ids for p in calibration_prompts(prompts)])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = set(modes) - {"greedy", "sample"}
     if bad:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.cuda_graphs import try_capture
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.graphed_round import GraphedGreedyRound
@@ -147,7 +148,7 @@ class TreeVerifier:
             input_ids=self.ids,
             attention_mask=self.mask,
             position_ids=self.positions,
-            past_key_values=self.cache,
+            **cache_kwargs(self.target, self.cache),
             use_cache=True,
             output_hidden_states=self.select_features is not None,
         )
@@ -377,7 +378,7 @@ class StaticGreedyDecoder:
             input_ids=self.ids,
             attention_mask=self.mask,
             position_ids=self.positions,
-            past_key_values=self.cache,
+            **cache_kwargs(self.target, self.cache),
             use_cache=True,
         ).logits  # (1, 1, V)
         next_token = logits[0, -1].argmax()[None]  # (1,)

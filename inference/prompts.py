@@ -85,3 +85,20 @@ def tokenize_prompts(rows: list[dict], tokenizer: PreTrainedTokenizerBase, chat:
             ids = tokenizer(row["text"], return_tensors="pt").input_ids
         prompts.append(Prompt(row["prompt_id"], row["category"], row["text"], ids))
     return prompts
+
+
+def calibration_prompts(prompts: list[Prompt], count: int = 4) -> list[Prompt]:
+    """Up to `count` prompts for tuning (`--tree auto`): the first of each category in file order, then the rest.
+
+    Spread over categories because acceptance differs by category (code and math accept more than writing):
+    a tree tuned on two writing prompts is tuned for writing.
+    """
+    if count < 1:
+        raise ValueError(f"count={count!r} must be >= 1")
+    firsts: list[Prompt] = []
+    rest: list[Prompt] = []
+    categories: set[str] = set()
+    for prompt in prompts:
+        (rest if prompt.category in categories else firsts).append(prompt)
+        categories.add(prompt.category)
+    return (firsts + rest)[:count]

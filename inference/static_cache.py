@@ -22,6 +22,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specheads.heads.cache_keyword import cache_kwargs
+
 
 class _SharedStorage:
     """What all layers of one cache share: the backing tensor and where the current forward writes."""
@@ -187,7 +189,7 @@ def prefill_static(
         input_ids=prompt[None],
         attention_mask=prefill_mask(n, cache.capacity, target.dtype, device),
         position_ids=positions[None],
-        past_key_values=cache,
+        **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=output_hidden_states,
     )

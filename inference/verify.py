@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.kv_cache import compact_cache
 from specheads.inference.tree import TreeBuffers
 
@@ -70,7 +71,7 @@ def verify_tree(
         input_ids=tokens[None],
         attention_mask=attention_mask,
         position_ids=(tree.depth + prefix_length)[None],
-        past_key_values=cache,
+        **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=True,
     )
@@ -96,7 +97,7 @@ class DynamicTreeVerifier:
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the (n,) prompt into a fresh cache. Returns the last logits (1, V) and the features (n, h)."""
         self.cache = DynamicCache()
-        out = self.target(input_ids=prompt[None], past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        out = self.target(input_ids=prompt[None], **cache_kwargs(self.target, self.cache), use_cache=True, output_hidden_states=True)
         return out.logits[0, -1:], self.select_features(out.hidden_states)[0]
 
     def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specheads import create_heads
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
 # --- targets, prompts and heads shared by the generate tests ------------------------------------------------
@@ -62,11 +63,11 @@ def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torc
 def greedy_continuation(target: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
     """The target's greedy continuation of `prompt`, one token per forward, ignoring EOS (a plain KV-cache loop)."""
     cache = DynamicCache()
-    logits = target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+    logits = target(input_ids=torch.tensor([prompt]), **cache_kwargs(target, cache), use_cache=True).logits
     tokens: list[int] = []
     for _ in range(num_tokens):
         tokens.append(int(logits[0, -1].argmax()))
-        logits = target(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits
+        logits = target(input_ids=torch.tensor([[tokens[-1]]]), **cache_kwargs(target, cache), use_cache=True).logits
     return tokens
 
 

@@ -67,3 +67,32 @@ def test_autotune_reports_the_path_its_trials_took_not_an_older_runner(tiny_llam
     assert lm._fast_runner is not None and lm.last_stats["fast_path"] is True
     report = autotune.autotune_tree(lm, [ids], max_new_tokens=6)  # default fast_path: the normal path on the CPU
     assert lm.last_stats["fast_path"] is False and report["verification_path"] == "normal"
+
+
+def test_autotune_interleaves_candidates_per_prompt_on_the_normal_path(tiny_llama, monkeypatch):
+    """On the CPU every calibration prompt runs through all candidates back to back (reversed on every other
+    prompt), so a machine drifting in speed hits every candidate alike; the fastest measured candidate wins."""
+    lm = SpeculativeLM(tiny_llama, create_heads(tiny_llama, "eagle"))
+    calibration = [torch.tensor([TINY_PROMPT]), torch.tensor([TINY_PROMPT[:3]]), torch.tensor([TINY_PROMPT[1:]])]
+    original_generate = lm.generate
+    calls = []  # (tree nodes, prompt length) of every call
+
+    def recording_generate(ids, **kwargs):
+        out = original_generate(ids, **kwargs)
+        calls.append((lm.tree_description()["nodes"], ids.shape[1]))
+        # a fake clock: time grows with the tree, so the smallest tree is the fastest per token
+        lm.last_stats["seconds"] = lm.last_stats["target_forwards"] * (1 + lm.tree_description()["nodes"])
+        return out
+
+    monkeypatch.setattr(lm, "generate", recording_generate)
+    report = autotune.autotune_tree(lm, calibration, max_new_tokens=6)
+    assert report["verification_path"] == "normal" and report["schedule"] == "interleaved per prompt"
+    nodes = [c["tree_num_nodes"] for c in autotune.tree_candidates(lm)]
+    assert calls[0] == (nodes[0], len(TINY_PROMPT))  # the one warm-up call
+    timed = calls[1:]
+    expected = [(n, len(TINY_PROMPT)) for n in nodes] + [(n, 3) for n in reversed(nodes)]
+    expected += [(n, len(TINY_PROMPT) - 1) for n in nodes]
+    assert timed == expected
+    fake = {t["tree"]["nodes"]: t for t in report["trials"]}
+    assert report["chosen"]["nodes"] == min(nodes) == min(fake, key=lambda n: 1 / fake[n]["tokens_per_second"])
+    assert lm.tree_description() == report["chosen"]

@@ -10,7 +10,7 @@ import torch
 
 from specheads import SpeculativeLM, create_heads, load_target
 from specheads.inference.bench import bench_main, build_parser, run_prompt
-from specheads.inference.prompts import Prompt, read_prompts
+from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,15 @@ def test_prompts_per_category_keeps_the_first_of_each(tmp_path):
     assert len(read_prompts(path, per_category=2, limit=3)) == 3
     with pytest.raises(ValueError, match="per_category=0"):
         read_prompts(path, per_category=0)
+
+
+def test_calibration_prompts_spread_over_categories_first():
+    prompts = [Prompt(str(i), c, f"q{i}", torch.tensor([[i]])) for i, c in enumerate("aabbbcab")]
+    assert [p.prompt_id for p in calibration_prompts(prompts)] == ["0", "2", "5", "1"]
+    assert [p.prompt_id for p in calibration_prompts(prompts, count=2)] == ["0", "2"]
+    assert [p.prompt_id for p in calibration_prompts(prompts[:2], count=4)] == ["0", "1"]
+    with pytest.raises(ValueError, match="count=0"):
+        calibration_prompts(prompts, count=0)
 
 
 def test_eagle_tree_specs_parse_with_optional_probabilities():

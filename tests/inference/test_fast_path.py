@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from specheads import HEAD_TYPES, SpeculativeLM
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.fast_path import (
     FastPathRunner,
     StaticGreedyDecoder,
@@ -202,7 +203,7 @@ def test_padded_verification_equals_dynamic_verification(tiny_llama):
     tree = build_tree_buffers(torch.tensor(parents))
     dynamic = DynamicCache()
     with torch.no_grad():
-        tiny_llama(input_ids=torch.tensor([prefix]), past_key_values=dynamic, use_cache=True)
+        tiny_llama(input_ids=torch.tensor([prefix]), **cache_kwargs(tiny_llama, dynamic), use_cache=True)
     expected_logits, _ = verify_tree(tiny_llama, dynamic, tokens, tree, len(prefix))
 
     runner = FastPathRunner(tiny_llama, lambda hidden: hidden[-1], capacity=64)
@@ -238,7 +239,7 @@ def test_static_compaction_equals_dynamic_compaction(tiny_target_factory, family
 
     dynamic = DynamicCache()
     with torch.no_grad():
-        target(input_ids=prefix[None], past_key_values=dynamic, use_cache=True)
+        target(input_ids=prefix[None], **cache_kwargs(target, dynamic), use_cache=True)
     verify_tree(target, dynamic, tokens, tree, prefix.shape[0])
     compact_cache(dynamic, prefix.shape[0], path)
 
@@ -268,7 +269,7 @@ def test_static_cache_rejects_bad_writes(tiny_llama):
                 input_ids=torch.tensor([[1, 2]]),
                 attention_mask=prefill_mask(2, 8, torch.float32, "cpu"),
                 position_ids=torch.tensor([[0, 1]]),
-                past_key_values=cache,
+                **cache_kwargs(tiny_llama, cache),
                 use_cache=True,
             )
     with pytest.raises(ValueError, match="positive integer"):

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.kv_cache import cache_length, compact_cache, crop_cache
 from specheads.inference.tree import build_tree_buffers
 from specheads.inference.verify import verify_tree
@@ -20,7 +21,7 @@ VOCAB = 97
 def sequential_cache(target, token_ids: list[int]) -> DynamicCache:
     """The cache of running `token_ids` through the target as one ordinary causal sequence."""
     cache = DynamicCache()
-    target(input_ids=torch.tensor([token_ids]), past_key_values=cache, use_cache=True)
+    target(input_ids=torch.tensor([token_ids]), **cache_kwargs(target, cache), use_cache=True)
     return cache
 
 
@@ -80,7 +81,7 @@ def test_compacted_cache_keeps_decoding_correctly(tiny_target_factory, family):
     kept = prefix + [tokens[i] for i in path.tolist()]
     assert_caches_equal(cache, sequential_cache(target, kept))
     with torch.no_grad():
-        step = target(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        step = target(input_ids=torch.tensor([[42]]), **cache_kwargs(target, cache), use_cache=True).logits[0, -1]
         full = target(input_ids=torch.tensor([kept + [42]])).logits[0, -1]
     torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
 

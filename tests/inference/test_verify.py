@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.tree import build_tree_buffers
 from specheads.inference.verify import tree_attention_mask, verify_tree
 
@@ -33,7 +34,7 @@ def check_tree_logits_match_sequential(
     target, prefix: list[int], parents: list[int], tokens: list[int]
 ) -> None:
     cache = DynamicCache()
-    target(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+    target(input_ids=torch.tensor([prefix]), **cache_kwargs(target, cache), use_cache=True)
     tree = build_tree_buffers(torch.tensor(parents), dtype=target.dtype)
     logits, hidden_states = verify_tree(target, cache, torch.tensor(tokens), tree, len(prefix))
     num_states = target.config.num_hidden_layers + 1
@@ -76,7 +77,7 @@ def test_tree_logits_equal_sequential_logits_stories260k(stories260k):
 def test_verify_appends_the_whole_tree_to_the_cache(tiny_llama):
     """After verification the cache holds prefix + N positions (compaction happens later)."""
     cache = DynamicCache()
-    tiny_llama(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
+    tiny_llama(input_ids=torch.tensor([[5, 6, 7]]), **cache_kwargs(tiny_llama, cache), use_cache=True)
     tree = build_tree_buffers(torch.tensor(PARENTS))
     verify_tree(tiny_llama, cache, torch.arange(len(PARENTS)), tree, 3)
     assert cache.get_seq_length() == 3 + len(PARENTS)
