@@ -1,8 +1,9 @@
 """Passing a KV cache to a transformers module under the keyword its `forward` declares.
 
 transformers 5.24 renamed the argument from `past_key_values` to `cache` (models, decoder layers and attention
-modules alike); the old name warns there and is removed in 5.40. specheads supports the whole 5.x range, so
-every call that hands a cache to a target or to a head's layer goes through `cache_kwargs`.
+modules alike); the old name warns there and is removed in 5.40. specheads runs on 5.23 (before the rename)
+and later 5.x releases, so every call that hands a cache to a target or to a head's layer goes through
+`cache_kwargs`.
 """
 
 from __future__ import annotations
