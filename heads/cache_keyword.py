@@ -8,23 +8,37 @@ and later 5.x releases, so every call that hands a cache to a target or to a hea
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 
+@functools.cache
+def _declared_keyword(forward: Callable[..., Any]) -> str | None:
+    """'cache' or 'past_key_values' as a class's `forward` declares it, None for neither (**kwargs).
+
+    Memoized per function: `inspect.signature` costs ~60 us, and the decode loop passes a cache several times a
+    round (each verification, each draft level).
+    """
+    parameters = inspect.signature(forward).parameters
+    for keyword in ("cache", "past_key_values"):
+        if keyword in parameters:
+            return keyword
+    return None
+
+
 def cache_keyword(module: nn.Module) -> str:
-    """'cache' when `module.forward` declares it (transformers >= 5.24), else 'past_key_values'.
+    """'cache' when `module`'s forward declares it (transformers >= 5.24), else 'past_key_values'.
 
     A wrapper whose forward declares neither (a peft model takes **kwargs) is looked through to its base model.
     """
-    parameters = inspect.signature(module.forward).parameters
-    if "cache" in parameters:
-        return "cache"
-    if "past_key_values" not in parameters and hasattr(module, "get_base_model"):
+    declared = _declared_keyword(type(module).forward)
+    if declared is None and hasattr(module, "get_base_model"):
         return cache_keyword(module.get_base_model())
-    return "past_key_values"
+    return declared or "past_key_values"
 
 
 def cache_kwargs(module: nn.Module, cache: Any) -> dict[str, Any]:

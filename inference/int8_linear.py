@@ -24,6 +24,7 @@ import warnings
 import torch
 from torch import nn
 
+from specheads.inference.linear_swap import is_float32_on_cpu, replace_linears
 from specheads.inference.onednn import OneDNNLinear
 
 DRAFT_LINEAR_CHOICES = ("default", "int8", "auto")  # the CLI's --draft-linear
@@ -93,24 +94,13 @@ def use_int8_linears(module: nn.Module, keep: tuple[str, ...] = ()) -> int:
         )
     if isinstance(module, (nn.Linear, OneDNNLinear)):
         raise ValueError("use_int8_linears swaps the linear layers inside a module, not a bare linear layer")
-    linears = []
     for name, child in module.named_modules():
         if isinstance(child, OneDNNLinear):
             raise ValueError(
                 f"{name} is already a oneDNN linear layer: make the heads int8 before swapping the rest for oneDNN "
                 "(SpeculativeLM.use_int8_draft_linears() before use_onednn_linears())"
             )
-        if isinstance(child, nn.Linear) and name not in keep:
-            if child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
-                raise ValueError(
-                    f"int8 draft linears are for float32 CPU inference; {name} is {child.weight.dtype} on "
-                    f"{child.weight.device}"
-                )
-            linears.append((name, child))
-    for name, linear in linears:
-        parent_name, _, attribute = name.rpartition(".")
-        setattr(module.get_submodule(parent_name), attribute, Int8Linear(linear.weight, linear.bias))
-    return len(linears)
+    return replace_linears(module, lambda linear: Int8Linear(linear.weight, linear.bias), "int8 draft linears", keep)
 
 
 def wants_int8_drafting(choice: str, heads: nn.Module) -> bool:
@@ -120,7 +110,4 @@ def wants_int8_drafting(choice: str, heads: nn.Module) -> bool:
         raise ValueError(f"--draft-linear {choice!r}; expected one of {DRAFT_LINEAR_CHOICES}")
     if choice != "auto":
         return choice == "int8"
-    tensor = next(heads.parameters(), None)
-    if tensor is None:
-        tensor = next(heads.buffers())
-    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and int8_engine() is not None
+    return is_float32_on_cpu(heads) and int8_engine() is not None

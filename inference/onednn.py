@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specheads.inference.linear_swap import is_float32_on_cpu, replace_linears
+
 
 def _has_prepacked_linear() -> bool:
     """Whether this PyTorch has oneDNN's dense-input linear on a prepacked weight (what inductor's CPU freezing
@@ -64,18 +66,7 @@ def use_onednn_linears(module: nn.Module) -> int:
         raise RuntimeError("oneDNN linear layers need a PyTorch built with oneDNN (mkldnn); this one has none")
     if isinstance(module, nn.Linear):
         raise ValueError("use_onednn_linears swaps the Linear layers inside a module, not a bare nn.Linear")
-    linears = [(name, child) for name, child in module.named_modules() if isinstance(child, nn.Linear)]
-    for name, linear in linears:
-        weight = linear.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            raise ValueError(
-                f"oneDNN linear layers are for float32 CPU inference; {name} is {weight.dtype} on {weight.device}"
-            )
-    for name, linear in linears:
-        parent_name, _, attribute = name.rpartition(".")
-        with torch.no_grad():
-            setattr(module.get_submodule(parent_name), attribute, OneDNNLinear(linear))
-    return len(linears)
+    return replace_linears(module, OneDNNLinear, "oneDNN linear layers")
 
 
 CPU_LINEAR_CHOICES = ("default", "onednn", "auto")  # the CLI's --cpu-linear
@@ -88,5 +79,4 @@ def wants_onednn(choice: str, target: nn.Module) -> bool:
         raise ValueError(f"--cpu-linear {choice!r}; expected one of {CPU_LINEAR_CHOICES}")
     if choice != "auto":
         return choice == "onednn"
-    weight = next(target.parameters())
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return is_float32_on_cpu(target) and torch.backends.mkldnn.is_available()

@@ -1,0 +1,38 @@
+"""Swapping a module's `nn.Linear` layers, in place, for inference-only CPU kernels (oneDNN fp32, int8)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def is_float32_on_cpu(module: nn.Module) -> bool:
+    """Whether `module`'s first parameter (or buffer, for a module without parameters) is float32 on the CPU."""
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return tensor is not None and tensor.device.type == "cpu" and tensor.dtype == torch.float32
+
+
+def replace_linears(
+    module: nn.Module, make: Callable[[nn.Linear], nn.Module], kernels: str, keep: tuple[str, ...] = ()
+) -> int:
+    """Replace every `nn.Linear` inside `module` (names as in `named_modules`, except those in `keep`) by
+    `make(linear)`, in place; returns how many. All are checked before any is replaced.
+
+    Raises:
+        ValueError: a layer to replace is not a float32 CPU layer (its name, dtype and device, and `kernels`,
+            the kernels' name, in the message).
+    """
+    linears = [(name, child) for name, child in module.named_modules() if isinstance(child, nn.Linear) and name not in keep]
+    for name, linear in linears:
+        weight = linear.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError(f"{kernels} are for float32 CPU inference; {name} is {weight.dtype} on {weight.device}")
+    with torch.no_grad():
+        for name, linear in linears:
+            parent_name, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(parent_name), attribute, make(linear))
+    return len(linears)
