@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from specheads.inference.autotune import autotune_tree
 from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.generate import SpeculativeLM
+from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES, GQA_ATTENTION
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
 from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts, tokenize_prompts
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="default",
                    help="CPU, float32: 'int8' runs the heads' linear layers in int8 (cheaper drafting; the target stays "
                    "float32, so outputs are unchanged and only acceptance can move). 'auto': int8 for float32 CPU heads")
+    p.add_argument("--cpu-attention", choices=CPU_ATTENTION_CHOICES, default="auto",
+                   help="CPU: 'gqa' hands grouped keys/values to SDPA without copying them in tree forwards (same "
+                   "output; plain decoding is unaffected). 'auto' (default): gqa for a CPU target with grouped key/value heads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/results.json", help="JSON results; .md table and PNG plots go beside it")
     return p
@@ -225,6 +229,7 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
         "graphed_rounds": {None: "auto", True: "on", False: "off"}[lm.graphed_rounds],
         "cpu_linear": "onednn" if any(isinstance(m, OneDNNLinear) for m in lm.target.modules()) else "default",
         "draft_linear": "int8" if any(isinstance(m, Int8Linear) for m in lm.heads.modules()) else "default",
+        "cpu_attention": "gqa" if lm.target.config.get_text_config()._attn_implementation == GQA_ATTENTION else "default",
         "round_graph_captured": runner is not None and getattr(runner.greedy_round, "graph", None) is not None,
     }
 
@@ -236,7 +241,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
                                        graphed_rounds=GRAPHED_ROUNDS[getattr(args, "graphed_rounds", "auto")])
-    lm.use_cpu_kernels(getattr(args, "cpu_linear", "default"), getattr(args, "draft_linear", "default"))
+    lm.use_cpu_kernels(getattr(args, "cpu_linear", "default"), getattr(args, "draft_linear", "default"),
+                       getattr(args, "cpu_attention", "default"))
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
                                               getattr(args, "per_category", None)), lm.tokenizer,
                                chat=False if args.no_chat else None)

@@ -188,26 +188,51 @@ class SpeculativeLM:
 
         return use_int8_linears(self.heads, keep=self.heads.float32_linears)
 
-    def use_cpu_kernels(self, cpu_linear: str = "auto", draft_linear: str = "auto") -> dict[str, str]:
+    def use_gqa_attention(self) -> int:
+        """Run the target's and the heads' grouped-query SDPA attention without repeating keys and values, in place.
+
+        Tree verification and drafting are forwards of several tokens with a mask, for which transformers' SDPA
+        attention copies every layer's cached keys and values once per query group; this hands them to PyTorch's
+        SDPA grouped instead (inference/gqa_attention.py; CPU, torch >= 2.5). Outputs are unchanged; the target's own
+        `generate` (one token a step) is unaffected. Returns the number of attention layers switched.
+        """
+        from specheads.inference.gqa_attention import use_gqa_attention
+
+        return use_gqa_attention(self.target) + use_gqa_attention(self.heads)
+
+    def use_cpu_kernels(
+        self, cpu_linear: str = "auto", draft_linear: str = "auto", cpu_attention: str = "auto"
+    ) -> dict[str, str]:
         """Pick the CPU kernels by the CLI's choices, in the order they must be applied; returns what is in use.
 
         Args:
             cpu_linear: 'onednn' | 'default' | 'auto' (onednn for a float32 CPU target): `use_onednn_linears`.
             draft_linear: 'int8' | 'default' | 'auto' (int8 for float32 CPU heads): `use_int8_draft_linears`.
+            cpu_attention: 'gqa' | 'default' | 'auto' (gqa for a CPU target with grouped key/value heads on SDPA
+                attention): `use_gqa_attention`.
 
         Returns:
-            {"cpu_linear": "onednn" or "default", "draft_linear": "int8" or "default"}.
+            {"cpu_linear": "onednn" or "default", "draft_linear": "int8" or "default", "cpu_attention": "gqa" or
+            "default"}.
         """
+        from specheads.inference.gqa_attention import wants_gqa_attention
         from specheads.inference.int8_linear import wants_int8_drafting
         from specheads.inference.onednn import wants_onednn
 
         int8 = wants_int8_drafting(draft_linear, self.heads)
-        onednn = wants_onednn(cpu_linear, self.target)  # both choices are checked before anything is swapped
+        onednn = wants_onednn(cpu_linear, self.target)  # every choice is checked before anything is swapped
+        gqa = wants_gqa_attention(cpu_attention, self.target)
         if int8:
             self.use_int8_draft_linears()  # first: oneDNN's prepacked weights could not be quantized afterwards
         if onednn:
             self.use_onednn_linears()
-        return {"cpu_linear": "onednn" if onednn else "default", "draft_linear": "int8" if int8 else "default"}
+        if gqa:
+            self.use_gqa_attention()
+        return {
+            "cpu_linear": "onednn" if onednn else "default",
+            "draft_linear": "int8" if int8 else "default",
+            "cpu_attention": "gqa" if gqa else "default",
+        }
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,14 +1,17 @@
 """Compare EAGLE draft trees side by side in ONE process: for every prompt, each tree runs right after its own
-plain `generate` baseline, so machine noise hits all trees alike (separate `specheads bench` runs drift by
-10-15% in absolute speed on a shared 2-core machine). Greedy outputs are checked identical.
+plain `generate` baseline, the trees in alternating order from prompt to prompt, so machine noise hits all trees
+alike (separate `specheads bench` runs drift by 10-15% in absolute speed on a shared 2-core machine). Greedy
+outputs are checked identical.
 
     python scripts/tree_sweep.py --per-category 2 4,4,8 6,6,16 6,6,16,0.05,0.03 5,8,24,0.05,0.05
     python scripts/tree_sweep.py --per-category 5 --lookup-tokens 0,10,16 4,4,8
     python scripts/tree_sweep.py --per-category 3 --lookup-tokens 10 --draft-linear default,int8 4,4,8 5,4,10
+    python scripts/tree_sweep.py --per-category 2 --lookup-tokens 10 --draft-linear int8 --cpu-attention default,gqa 4,4,8
 
 Trees are `depth,top_k,nodes[,stop_prob[,min_prob]]` as for `specheads bench --tree`; with several
 `--lookup-tokens` values (a comma list) every tree runs with each (prompt lookup grafted onto it, 0 = off), and
-likewise with several `--draft-linear` values (float32 or int8 heads; each its own copy of the heads, one target).
+likewise with several `--draft-linear` values (float32 or int8 heads; each its own copy of the heads, one target)
+and `--cpu-attention` values (transformers' SDPA or grouped SDPA, switched on the one target before each run).
 """
 
 from __future__ import annotations
@@ -21,9 +24,24 @@ import torch
 from specheads.heads.loading import load_heads
 from specheads.inference.bench import aggregate, parse_eagle_tree, run_prompt
 from specheads.inference.generate import SpeculativeLM
+from specheads.inference.gqa_attention import (
+    CPU_ATTENTION_CHOICES,
+    use_gqa_attention,
+    use_sdpa_attention,
+    wants_gqa_attention,
+)
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
 from specheads.inference.onednn import CPU_LINEAR_CHOICES
 from specheads.inference.prompts import read_prompts, tokenize_prompts
+
+
+def comma_list(value: str, option: str, choices: tuple[str, ...]) -> list[str]:
+    """`a,b` -> ['a', 'b'], each one of `choices`."""
+    values = value.split(",")
+    for choice in values:
+        if choice not in choices:
+            raise SystemExit(f"{option} {choice!r}: expected a comma list of {choices}")
+    return values
 
 
 def main() -> None:
@@ -36,22 +54,24 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto")
+    p.add_argument("--cpu-attention", default="auto",
+                   help=f"comma list of {CPU_ATTENTION_CHOICES} for the attention of tree forwards, e.g. default,gqa")
     p.add_argument("--lookup-tokens", default="0", help="comma list of prompt-lookup tokens (0 = off), e.g. 0,10")
     p.add_argument("--draft-linear", default="default",
                    help=f"comma list of {DRAFT_LINEAR_CHOICES} for the heads' linear layers, e.g. default,int8")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
-    draft_linears = args.draft_linear.split(",")
-    for choice in draft_linears:
-        if choice not in DRAFT_LINEAR_CHOICES:
-            raise SystemExit(f"--draft-linear {choice!r}: expected a comma list of {DRAFT_LINEAR_CHOICES}")
+    draft_linears = comma_list(args.draft_linear, "--draft-linear", DRAFT_LINEAR_CHOICES)
+    attentions = comma_list(args.cpu_attention, "--cpu-attention", CPU_ATTENTION_CHOICES)
     trees = {}  # bad specs fail before any loading
     for spec in args.trees:
         for lookup in (int(n) for n in args.lookup_tokens.split(",")):
             for draft_linear in draft_linears:
-                name = spec if lookup == 0 else f"{spec} +lookup {lookup}"
-                name = name if len(draft_linears) == 1 else f"{name} ({draft_linear} heads)"
-                trees[name] = (parse_eagle_tree(spec), lookup, draft_linear)
+                for attention in attentions:
+                    name = spec if lookup == 0 else f"{spec} +lookup {lookup}"
+                    name = name if len(draft_linears) == 1 else f"{name} ({draft_linear} heads)"
+                    name = name if len(attentions) == 1 else f"{name} ({attention} attention)"
+                    trees[name] = (parse_eagle_tree(spec), lookup, draft_linear, attention)
     torch.set_num_threads(args.threads)
     lm = SpeculativeLM.from_pretrained(args.target, args.heads)
     # one SpeculativeLM per draft-linear choice on the one target, each with its own copy of the heads (the first
@@ -60,7 +80,7 @@ def main() -> None:
                                                    tokenizer=lm.tokenizer)
            for i, choice in enumerate(draft_linears)}
     for choice, one in lms.items():
-        one.use_cpu_kernels(args.cpu_linear, choice)
+        one.use_cpu_kernels(args.cpu_linear, choice, attentions[0] if len(attentions) == 1 else "default")
     prompts = tokenize_prompts(read_prompts(args.prompts, per_category=args.per_category), lm.tokenizer)
     for one in lms.values():
         one.generate(prompts[0].input_ids, max_new_tokens=16)  # warm-up
@@ -68,8 +88,13 @@ def main() -> None:
     bench_args = argparse.Namespace(max_new_tokens=args.max_new_tokens, prompt_lookup=0)
     rows: dict[str, list[dict]] = {spec: [] for spec in trees}
     for number, prompt in enumerate(prompts, start=1):
-        for spec, (tree, lookup, draft_linear) in trees.items():
+        order = list(trees.items()) if number % 2 else list(trees.items())[::-1]  # neither variant always first
+        for spec, (tree, lookup, draft_linear, attention) in order:
             one = lms[draft_linear]
+            if len(attentions) > 1:  # the same output either way; only the cost of tree forwards differs
+                switch = use_gqa_attention if wants_gqa_attention(attention, one.target) else use_sdpa_attention
+                switch(one.target)
+                switch(one.heads)
             one.configure_tree(**tree)
             one.configure_lookup(lookup)
             rows[spec].append(run_prompt(one, prompt, "greedy", bench_args, assistant=None))

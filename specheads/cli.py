@@ -10,6 +10,7 @@ import sys
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     # torch is loaded by now (the package imports it)
+    from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES
     from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
     from specheads.inference.onednn import CPU_LINEAR_CHOICES
 
@@ -29,6 +30,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="default",
                    help="CPU, float32: 'int8' runs the heads' linear layers in int8 (cheaper drafting, same output); "
                    "'auto': int8 for float32 CPU heads, else default")
+    p.add_argument("--cpu-attention", choices=CPU_ATTENTION_CHOICES, default="auto",
+                   help="CPU: 'gqa' hands grouped keys/values to SDPA without copying them in tree forwards (same "
+                   "output); 'auto' (default): gqa for a CPU target with grouped key/value heads, else default")
     p.add_argument("--lookup-tokens", type=int, default=0,
                    help="graft a prompt-lookup guess of up to N tokens onto each draft tree (0: off)")
     p.add_argument("--seed", type=int, default=0)
@@ -42,7 +46,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens)
-    lm.use_cpu_kernels(args.cpu_linear, args.draft_linear)
+    lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention)
     tokenizer = lm.tokenizer
     if args.chat:
         input_ids = tokenizer.apply_chat_template(

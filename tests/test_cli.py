@@ -59,11 +59,13 @@ def test_generate_streams_text_and_prints_tau(stories260k_eagle_dir, capfd):
     assert "tokens/s" in err
 
 
-@pytest.mark.parametrize("option", [["--cpu-linear", "onednn"], ["--lookup-tokens", "5"], ["--draft-linear", "int8"]],
-                         ids=["onednn", "lookup", "int8-heads"])
+@pytest.mark.parametrize("option", [["--cpu-linear", "onednn"], ["--lookup-tokens", "5"], ["--draft-linear", "int8"],
+                                    ["--cpu-attention", "default"]],
+                         ids=["onednn", "lookup", "int8-heads", "repeated-kv-attention"])
 def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, option):
     """`--cpu-linear onednn` (other fp32 kernels for the linear layers), `--lookup-tokens` (prompt lookup grafted
-    onto the trees) and `--draft-linear int8` (int8 heads) keep the target's greedy text."""
+    onto the trees), `--draft-linear int8` (int8 heads) and `--cpu-attention default` (transformers' SDPA route
+    instead of the default grouped one) keep the target's greedy text."""
     code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
                  "--max-new-tokens", "20", *option])
     assert code == 0

@@ -5,6 +5,7 @@ Helpers are handed out as fixtures (not imported from here) so the suite works i
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import random
@@ -17,7 +18,7 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specheads import create_heads
+from specheads import SpeculativeLM, create_heads
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
@@ -40,6 +41,12 @@ def make_heads(target: PreTrainedModel, head_type: str):
     """Fresh heads (seed 0); EAGLE heads with a small tree."""
     torch.manual_seed(0)
     return create_heads(target, head_type, **(EAGLE_SMALL_TREE if head_type == "eagle" else {}))
+
+
+def speculative_on_a_copy(target: PreTrainedModel, head_type: str) -> SpeculativeLM:
+    """A SpeculativeLM over a deep copy of `target` (for tests that swap its layers in place) and fresh heads."""
+    target = copy.deepcopy(target)
+    return SpeculativeLM(target, make_heads(target, head_type))
 
 
 def hf_greedy(target: PreTrainedModel, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:

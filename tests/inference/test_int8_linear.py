@@ -13,7 +13,7 @@ from specheads import SpeculativeLM
 from specheads.inference.int8_linear import Int8Linear, int8_engine, use_int8_linears, wants_int8_drafting
 from specheads.inference.onednn import OneDNNLinear
 
-from .conftest import TINY_PROMPT, hf_greedy, load_sampling_harness, make_heads
+from .conftest import TINY_PROMPT, hf_greedy, load_sampling_harness, make_heads, speculative_on_a_copy
 
 pytestmark = pytest.mark.skipif(int8_engine() is None, reason="PyTorch without a quantized CPU engine")
 
@@ -69,9 +69,10 @@ def test_greedy_with_int8_heads_is_the_targets_output(tiny_target_factory, head_
     assert not torch.equal(fp32_logits, int8_logits)
     torch.testing.assert_close(int8_logits, fp32_logits, rtol=0.1, atol=0.1 * fp32_logits.abs().max().item())
 
-    onednn_target = copy.deepcopy(target)
-    both = SpeculativeLM(onednn_target, make_heads(onednn_target, head_type))
-    assert both.use_cpu_kernels("onednn", "int8") == {"cpu_linear": "onednn", "draft_linear": "int8"}
+    both = speculative_on_a_copy(target, head_type)
+    onednn_target = both.target
+    chosen = both.use_cpu_kernels("onednn", "int8", "default")
+    assert chosen == {"cpu_linear": "onednn", "draft_linear": "int8", "cpu_attention": "default"}
     layers = count_layers(both.heads)  # the float32 fusion layer goes to oneDNN, the rest stays int8
     assert count_layers(onednn_target)["Linear"] == 0 and layers["Linear"] == 0
     assert layers["OneDNNLinear"] == len(both.heads.float32_linears) and layers["Int8Linear"] > 0
@@ -108,8 +109,7 @@ def test_bad_layers_and_orders_are_refused(tiny_llama):
         use_int8_linears(make_heads(tiny_llama, "eagle3").to(torch.bfloat16))
     with pytest.raises(ValueError, match="not a bare linear layer"):
         use_int8_linears(nn.Linear(4, 4))
-    target = copy.deepcopy(tiny_llama)
-    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    lm = speculative_on_a_copy(tiny_llama, "eagle3")
     lm.use_onednn_linears()
     with pytest.raises(ValueError, match=r"already a oneDNN linear layer: make the heads int8 before"):
         lm.use_int8_draft_linears()

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from specheads import SpeculativeLM, create_heads
+from specheads import create_heads
 from specheads.inference.bench import bench_main
 from specheads.inference.onednn import OneDNNLinear, use_onednn_linears, wants_onednn
 
-from .conftest import TINY_PROMPT, hf_greedy
+from .conftest import TINY_PROMPT, hf_greedy, speculative_on_a_copy
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -42,9 +42,8 @@ def test_speculative_greedy_on_onednn_layers_equals_the_original_targets(tiny_ll
     """The heads borrowed the target's modules before the swap (EAGLE reads the lm_head weight): still usable."""
     ids = torch.tensor([TINY_PROMPT])
     expected = hf_greedy(tiny_llama, ids, 24)
-    target = copy.deepcopy(tiny_llama)
-    torch.manual_seed(0)
-    lm = SpeculativeLM(target, create_heads(target, head_type))
+    lm = speculative_on_a_copy(tiny_llama, head_type)
+    target = lm.target
     swapped = lm.use_onednn_linears()
     assert swapped == count_linears(target)[1] + count_linears(lm.heads)[1] and count_linears(lm.heads)[0] == 0
     assert torch.equal(lm.generate(ids, max_new_tokens=24), expected)
@@ -80,6 +79,7 @@ def test_bench_cpu_kernels(tmp_path, cpu_linear, draft_linear):
     environment = results["environment"]  # auto: oneDNN / int8 for this float32 CPU target and heads
     assert environment["cpu_linear"] == "onednn" and results["greedy_identical"] is True
     assert environment["draft_linear"] == ("int8" if draft_linear == "auto" else "default")
+    assert environment["cpu_attention"] == "gqa"  # --cpu-attention auto (the default): stories260K has 8 / 4 heads
 
 
 def test_cpu_linear_auto_means_onednn_only_for_float32_cpu_targets(tiny_llama):
