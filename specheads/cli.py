@@ -46,7 +46,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens)
-    lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention)
+    kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention)
     tokenizer = lm.tokenizer
     if args.chat:
         input_ids = tokenizer.apply_chat_template(
@@ -67,7 +67,7 @@ def run_generate(args: argparse.Namespace) -> int:
     stats = lm.last_stats
     print(
         f"\n[specheads] {stats['new_tokens']} tokens, tau={stats['mean_accepted']:.2f}, "
-        f"{stats['tokens_per_second']:.1f} tokens/s",
+        f"{stats['tokens_per_second']:.1f} tokens/s ({', '.join(f'{k}={v}' for k, v in kernels.items())})",
         file=sys.stderr,
     )
     return 0

@@ -57,12 +57,16 @@ def test_generate_streams_text_and_prints_tau(stories260k_eagle_dir, capfd):
     tau = float(err.split("tau=")[1].split(",")[0])
     assert 1.0 <= tau <= 1 + 6  # at least the target's own token per forward, at most tree depth + 1
     assert "tokens/s" in err
+    assert "(cpu_linear=default, draft_linear=default, cpu_attention=gqa)" in err  # the kernels `auto` chose
 
 
-@pytest.mark.parametrize("option", [["--cpu-linear", "onednn"], ["--lookup-tokens", "5"], ["--draft-linear", "int8"],
-                                    ["--cpu-attention", "default"]],
-                         ids=["onednn", "lookup", "int8-heads", "repeated-kv-attention"])
-def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, option):
+@pytest.mark.parametrize(("option", "kernels"), [
+    (["--cpu-linear", "onednn"], "cpu_linear=onednn"),
+    (["--lookup-tokens", "5"], "cpu_linear=default"),
+    (["--draft-linear", "int8"], "draft_linear=int8"),
+    (["--cpu-attention", "default"], "cpu_attention=default"),
+], ids=["onednn", "lookup", "int8-heads", "repeated-kv-attention"])
+def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, option, kernels):
     """`--cpu-linear onednn` (other fp32 kernels for the linear layers), `--lookup-tokens` (prompt lookup grafted
     onto the trees), `--draft-linear int8` (int8 heads) and `--cpu-attention default` (transformers' SDPA route
     instead of the default grouped one) keep the target's greedy text."""
@@ -72,6 +76,7 @@ def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, opt
     out, err = capfd.readouterr()
     assert out.removeprefix("<s>").lstrip().startswith("Once upon a time, there was a little girl named Lily")
     assert "20 tokens" in err
+    assert kernels in err  # the kernels in use are printed
 
 
 def test_generate_streams_no_special_tokens(stories260k_eagle_dir, capfd):
