@@ -49,9 +49,16 @@ def sdpa_gqa_attention_forward(
     Grouped keys and values go to SDPA as they are where transformers would repeat them; every other call is
     transformers' `sdpa_attention_forward`.
     """
-    groups = getattr(module, "num_key_value_groups", 1)
-    special = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or kwargs.get("output_attentions")
-    if groups == 1 or query.shape[2] == 1 or not isinstance(attention_mask, torch.Tensor) or query.device.type != "cpu" or special:
+    # ordered so that a one-token decoding step (every step of plain `generate`) leaves after the first test
+    if (
+        query.shape[2] == 1
+        or not isinstance(attention_mask, torch.Tensor)
+        or getattr(module, "num_key_value_groups", 1) == 1
+        or query.device.type != "cpu"
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+        or kwargs.get("output_attentions")
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
@@ -92,8 +99,9 @@ def _switch_attention(model: nn.Module, old: str, new: str) -> int:
     configs = {id(m.config): m.config for m in attention if m.config._attn_implementation == old}
     if hasattr(model, "set_attn_implementation") and id(getattr(model, "config", None)) in configs:
         model.set_attn_implementation(new)  # a transformers model: its own API, sub-configs included
-    for config in configs.values():  # what is left: configs of layers the model holds (EAGLE heads' decoder layer)
-        config._attn_implementation = new
+    for config in configs.values():
+        if config._attn_implementation == old:  # what is left: configs of layers the model holds (EAGLE heads' layer)
+            config._attn_implementation = new
     return sum(m.config._attn_implementation == new for m in attention)
 
 

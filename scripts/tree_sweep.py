@@ -74,13 +74,15 @@ def main() -> None:
                     trees[name] = (parse_eagle_tree(spec), lookup, draft_linear, attention)
     torch.set_num_threads(args.threads)
     lm = SpeculativeLM.from_pretrained(args.target, args.heads)
+    # what each --cpu-attention choice means, decided before any switch ('auto' reads the target's attention)
+    grouped = {choice: wants_gqa_attention(choice, lm.target) for choice in attentions}
     # one SpeculativeLM per draft-linear choice on the one target, each with its own copy of the heads (the first
     # choice's swaps the target's layers to oneDNN; the others find them swapped already)
     lms = {choice: lm if i == 0 else SpeculativeLM(lm.target, load_heads(args.heads, target=lm.target),
                                                    tokenizer=lm.tokenizer)
            for i, choice in enumerate(draft_linears)}
     for choice, one in lms.items():
-        one.use_cpu_kernels(args.cpu_linear, choice, attentions[0] if len(attentions) == 1 else "default")
+        one.use_cpu_kernels(args.cpu_linear, choice, "default")  # the attention is switched before each run
     prompts = tokenize_prompts(read_prompts(args.prompts, per_category=args.per_category), lm.tokenizer)
     for one in lms.values():
         one.generate(prompts[0].input_ids, max_new_tokens=16)  # warm-up
@@ -91,10 +93,9 @@ def main() -> None:
         order = list(trees.items()) if number % 2 else list(trees.items())[::-1]  # neither variant always first
         for spec, (tree, lookup, draft_linear, attention) in order:
             one = lms[draft_linear]
-            if len(attentions) > 1:  # the same output either way; only the cost of tree forwards differs
-                switch = use_gqa_attention if wants_gqa_attention(attention, one.target) else use_sdpa_attention
-                switch(one.target)
-                switch(one.heads)
+            switch = use_gqa_attention if grouped[attention] else use_sdpa_attention  # same output, other cost
+            switch(one.target)
+            switch(one.heads)
             one.configure_tree(**tree)
             one.configure_lookup(lookup)
             rows[spec].append(run_prompt(one, prompt, "greedy", bench_args, assistant=None))
