@@ -5,7 +5,7 @@ few cache lengths. Prints the median of each.
     python scripts/attention_cost.py                       # SmolLM2-135M, 12 nodes, 250 and 800 cached tokens
     python scripts/attention_cost.py --cached 100,400,1600 --nodes 9 --reps 50
 
-A chain mask over the new tokens stands in for a tree's: the attention reads the same cache either way.
+A chain stands in for a tree (`verify_tree`, the forward a round runs): the attention reads the same cache either way.
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ import torch
 from transformers import DynamicCache
 
 from specheads import load_target
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.gqa_attention import use_gqa_attention, use_sdpa_attention
+from specheads.inference.kv_cache import crop_cache
 from specheads.inference.onednn import use_onednn_linears, wants_onednn
+from specheads.inference.tree import build_tree_buffers
+from specheads.inference.verify import verify_tree
 
 
 def verification_forward_ms(target, cache: DynamicCache, cached: int, nodes: int) -> float:
-    """One forward of `nodes` new tokens over `cached` cached ones with a 4-D additive mask; the cache is cropped back."""
-    ids = torch.randint(100, target.config.vocab_size - 1, (1, nodes))
-    blocked = torch.finfo(torch.float32).min
-    mask = torch.zeros(1, 1, nodes, cached + nodes)  # (B, 1, new, cached + new)
-    mask[0, 0, :, cached:] = torch.full((nodes, nodes), blocked).triu(1)
-    positions = torch.arange(cached, cached + nodes)[None]
+    """`verify_tree` of a `nodes`-node chain over `cached` cached tokens, as a round runs it; the cache is cropped back."""
+    tokens = torch.randint(100, target.config.vocab_size - 1, (nodes,))
+    tree = build_tree_buffers(torch.arange(-1, nodes - 1))  # parents of a chain
     start = time.perf_counter()
-    with torch.no_grad():
-        target(ids, cache=cache, attention_mask=mask, position_ids=positions, use_cache=True)
+    verify_tree(target, cache, tokens, tree, cached)
     elapsed = time.perf_counter() - start
-    cache.crop(-nodes)
+    crop_cache(cache, cached)
     return 1000 * elapsed
 
 
@@ -53,9 +53,10 @@ def main() -> None:
     switch = {"sdpa": use_sdpa_attention, "gqa": use_gqa_attention}
     print("| cached tokens | transformers' SDPA ms | grouped SDPA ms | change |\n|---|---|---|---|")
     for cached in (int(n) for n in args.cached.split(",")):
-        cache = DynamicCache(config=target.config)
+        cache = DynamicCache()
         with torch.no_grad():
-            target(torch.randint(100, target.config.vocab_size - 1, (1, cached)), cache=cache, use_cache=True)
+            prompt = torch.randint(100, target.config.vocab_size - 1, (1, cached))
+            target(input_ids=prompt, **cache_kwargs(target, cache), use_cache=True)
         times: dict[str, list[float]] = {name: [] for name in switch}
         for rep in range(args.reps):
             for name in list(switch)[:: 1 if rep % 2 else -1]:  # alternating order
