@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-tokens", type=int, default=0,
                    help="graft a prompt-lookup guess of up to N tokens (the context's continuation after its last "
                    "3-gram, down to 2-gram) onto each draft tree (0: off); --tree auto chooses with it on")
+    p.add_argument("--lookup-max-tokens", type=int, default=None,
+                   help="let the guess double, up to N tokens, while whole guesses are accepted (copied passages take "
+                   "fewer rounds); default: --lookup-tokens, a fixed length")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--prompt-lookup", type=int, default=10, help="peer: transformers prompt-lookup tokens (0: skip)")
     p.add_argument("--assistant", default=None, help="peer: a draft model for transformers assisted generation")
@@ -254,7 +257,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         assistant, _ = load_target(args.assistant, dtype=lm.target.dtype, device=lm.target.device)
     torch.manual_seed(args.seed)
-    lm.configure_lookup(getattr(args, "lookup_tokens", 0))
+    lm.configure_lookup(getattr(args, "lookup_tokens", 0), lookup_max_tokens=getattr(args, "lookup_max_tokens", None))
     tree_report = _configure_tree(lm, args.tree, [p.input_ids for p in calibration_prompts(prompts)])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = set(modes) - {"greedy", "sample"}

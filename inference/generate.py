@@ -56,6 +56,9 @@ class SpeculativeLM:
             latest earlier occurrence of the context's last `lookup_max_ngram` (down to 2) tokens, at most this
             many, are grafted onto the heads' tree as one more branch (0 = off). Any heads; exact either way.
         lookup_max_ngram: the longest context suffix prompt lookup matches.
+        lookup_max_tokens: let the guess grow while whole guesses are accepted (doubling from `lookup_tokens` up to
+            this; back to `lookup_tokens` after any other round): fewer rounds over copied passages. Default
+            (None): `lookup_tokens`, a fixed length.
     """
 
     def __init__(
@@ -72,13 +75,14 @@ class SpeculativeLM:
         graphed_rounds: bool | None = None,
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
+        lookup_max_tokens: int | None = None,
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
         self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob, tree_min_prob)
-        self.configure_lookup(lookup_tokens, lookup_max_ngram)
+        self.configure_lookup(lookup_tokens, lookup_max_ngram, lookup_max_tokens)
         self.last_stats: dict[str, Any] = {}
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
         self.graphed_rounds = graphed_rounds
@@ -122,21 +126,34 @@ class SpeculativeLM:
         if isinstance(lookup, LookupDrafter):  # prompt lookup stays on, around the new heads' drafter
             self.drafter = lookup.around(self.drafter)
 
-    def configure_lookup(self, lookup_tokens: int, lookup_max_ngram: int = 3) -> None:
+    def configure_lookup(self, lookup_tokens: int, lookup_max_ngram: int = 3, lookup_max_tokens: int | None = None) -> None:
         """Graft prompt lookup's guess of up to `lookup_tokens` tokens onto every draft tree (0 = off; see the class
-        docstring and inference/lookup.py). Kept when `configure_tree` changes the heads' tree."""
+        docstring and inference/lookup.py), growing up to `lookup_max_tokens` while whole guesses are accepted
+        (None: a fixed length). Kept when `configure_tree` changes the heads' tree."""
         if not isinstance(lookup_tokens, int) or lookup_tokens < 0:
             raise ValueError(f"lookup_tokens={lookup_tokens!r} must be an integer >= 0 (0 = no prompt lookup)")
         if not isinstance(lookup_max_ngram, int) or lookup_max_ngram < 1:
             raise ValueError(f"lookup_max_ngram={lookup_max_ngram!r} must be an integer >= 1")
+        if lookup_max_tokens is not None and (
+            not isinstance(lookup_max_tokens, int) or lookup_tokens == 0 or lookup_max_tokens < lookup_tokens
+        ):
+            raise ValueError(
+                f"lookup_max_tokens={lookup_max_tokens!r} must be None or an integer >= lookup_tokens={lookup_tokens} "
+                "with prompt lookup on (lookup_tokens >= 1)"
+            )
         heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
-        self.drafter = LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram) if lookup_tokens else heads_drafter
+        self.drafter = (
+            LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram, max_tokens=lookup_max_tokens)
+            if lookup_tokens
+            else heads_drafter
+        )
 
     def tree_description(self) -> dict[str, Any]:
         """The current tree, for logs and benchmark JSON (`lookup_tokens`: the prompt-lookup branch, 0 = none)."""
         drafter, lookup = self.drafter, {"lookup_tokens": 0}
         if isinstance(drafter, LookupDrafter):
-            lookup = {"lookup_tokens": drafter.num_tokens, "lookup_max_ngram": drafter.index.max_ngram}
+            lookup = {"lookup_tokens": drafter.num_tokens, "lookup_max_tokens": drafter.max_tokens,
+                      "lookup_max_ngram": drafter.index.max_ngram}
             drafter = drafter.drafter
         if isinstance(drafter, MedusaDrafter):
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,

@@ -24,7 +24,8 @@ class NgramIndex:
 
     `continuation(k)` matches the sequence's last `max_ngram` tokens, then fewer down to `min_ngram`, against
     earlier positions (the most recent occurrence wins: in loops and lists it is the best predictor) and
-    returns up to k tokens that followed it. O(max_ngram) dictionary updates per token, one lookup per n.
+    returns the k tokens that followed it (a loop repeated where they run into the suffix). O(max_ngram)
+    dictionary updates per token, one lookup per n.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
@@ -45,15 +46,23 @@ class NgramIndex:
             self.tokens.append(token)
 
     def continuation(self, num_tokens: int) -> list[int]:
-        """Up to `num_tokens` tokens that followed the latest earlier occurrence of the longest matching suffix
-        (at least `min_ngram` tokens long); [] when no suffix occurred before."""
+        """`num_tokens` tokens that followed the latest earlier occurrence of the longest matching suffix (at least
+        `min_ngram` tokens long); [] when no suffix occurred before.
+
+        Where that continuation runs into the suffix itself (a loop shorter than `num_tokens`), it goes on repeating
+        the loop: what the matched occurrence predicts for the positions being guessed is the guess itself.
+        """
         end = len(self.tokens)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if end < n:
                 continue
             start = self.last_start[n].get(tuple(self.tokens[end - n :]))
             if start is not None:
-                return self.tokens[start + n : start + n + num_tokens]
+                guess = self.tokens[start + n : start + n + num_tokens]
+                period = end - (start + n)  # >= 1: every stored start has a token after its n-gram
+                while len(guess) < num_tokens:
+                    guess.append(guess[len(guess) - period])
+                return guess
         return []
 
 
@@ -88,28 +97,46 @@ class LookupDrafter:
 
     Args:
         drafter: the heads' drafter (Medusa, EAGLE, EAGLE-3; any `Drafter`).
-        num_tokens: the longest guess grafted per round (its new nodes are verified with the tree).
+        num_tokens: the guess grafted per round, in tokens (its new nodes are verified with the tree).
         max_ngram, min_ngram: suffix lengths matched against the context, longest first (min_ngram default: 2, or
             max_ngram if smaller; single tokens recur too often to guess from).
+        max_tokens: with a larger value, the guess grows while the target copies: after a round that accepted a
+            whole guess of the current length, the next guess may be twice as long (up to `max_tokens`); any other
+            round sets it back to `num_tokens`. Copied passages (code edits, quoted text, repeated lists) then cost
+            a round per `max_tokens` tokens instead of per `num_tokens`, while a wrong guess costs at most one round
+            of `max_tokens` extra nodes. Default `num_tokens`: a fixed length.
 
     The context is every token the drafter is told about: the prompt from its second token on (the first has no
     feature before it) and everything generated.
     """
 
-    def __init__(self, drafter: Drafter, num_tokens: int, max_ngram: int = 3, min_ngram: int | None = None) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        num_tokens: int,
+        max_ngram: int = 3,
+        min_ngram: int | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
         if num_tokens < 1:
             raise ValueError(f"lookup_tokens={num_tokens} must be >= 1 (0 turns prompt lookup off)")
+        max_tokens = num_tokens if max_tokens is None else max_tokens
+        if max_tokens < num_tokens:
+            raise ValueError(f"lookup_max_tokens={max_tokens} must be >= lookup_tokens={num_tokens}")
         self.drafter = drafter
-        self.num_tokens = num_tokens
+        self.num_tokens, self.max_tokens = num_tokens, max_tokens
         self.index = NgramIndex(max_ngram, min(2, max_ngram) if min_ngram is None else min_ngram)  # validates them
+        self.length = num_tokens  # this round's guess length (grows while whole guesses are accepted)
+        self.guess: list[int] = []  # last round's grafted guess
 
     def reset(self) -> None:
         self.drafter.reset()
         self.index = NgramIndex(self.index.max_ngram, self.index.min_ngram)
+        self.length, self.guess = self.num_tokens, []
 
     def around(self, drafter: Drafter) -> LookupDrafter:
         """The same prompt lookup around another drafter (with a fresh context)."""
-        return LookupDrafter(drafter, self.num_tokens, self.index.max_ngram, self.index.min_ngram)
+        return LookupDrafter(drafter, self.num_tokens, self.index.max_ngram, self.index.min_ngram, self.max_tokens)
 
     def fork(self) -> LookupDrafter:
         """An independent drafter for another row of a batch (the inner drafter forked, a fresh context)."""
@@ -117,6 +144,16 @@ class LookupDrafter:
 
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
         tokens, tree = self.drafter.propose(features, next_tokens)
-        self.index.extend(next_tokens.tolist())  # its last token is this round's root
-        chain = self.index.continuation(self.num_tokens)
-        return graft_chain(tokens, tree, chain) if chain else (tokens, tree)
+        accepted = next_tokens.tolist()  # last round's accepted tokens and bonus (the first round: the prompt's)
+        self.length = self.next_length(accepted)
+        self.index.extend(accepted)  # its last token is this round's root
+        self.guess = self.index.continuation(self.length)
+        return graft_chain(tokens, tree, self.guess) if self.guess else (tokens, tree)
+
+    def next_length(self, accepted: list[int]) -> int:
+        """This round's guess length: doubled (up to `max_tokens`) when last round's guess was as long as asked and
+        accepted whole (`accepted` = the tokens committed since, the bonus last); else `num_tokens`."""
+        guess, n = self.guess, len(self.guess)
+        if n and n == self.length and len(accepted) > n and accepted[:n] == guess:
+            return min(2 * self.length, self.max_tokens)
+        return self.num_tokens

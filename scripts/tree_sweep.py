@@ -7,9 +7,11 @@ outputs are checked identical.
     python scripts/tree_sweep.py --per-category 5 --lookup-tokens 0,10,16 4,4,8
     python scripts/tree_sweep.py --per-category 3 --lookup-tokens 10 --draft-linear default,int8 4,4,8 5,4,10
     python scripts/tree_sweep.py --per-category 2 --lookup-tokens 10 --draft-linear int8 --cpu-attention default,gqa 4,4,8
+    python scripts/tree_sweep.py --per-category 2 --lookup-tokens 10,10:40 --draft-linear int8 4,4,8
 
 Trees are `depth,top_k,nodes[,stop_prob[,min_prob]]` as for `specheads bench --tree`; with several
-`--lookup-tokens` values (a comma list) every tree runs with each (prompt lookup grafted onto it, 0 = off), and
+`--lookup-tokens` values (a comma list; `N:M` grows the guess from N up to M tokens while whole guesses are
+accepted, `lookup_max_tokens`) every tree runs with each (prompt lookup grafted onto it, 0 = off), and
 likewise with several `--draft-linear` values (float32 or int8 heads; each its own copy of the heads, one target)
 and `--cpu-attention` values (transformers' SDPA or grouped SDPA, switched on the one target before each run).
 """
@@ -44,6 +46,15 @@ def comma_list(value: str, option: str, choices: tuple[str, ...]) -> list[str]:
     return values
 
 
+def parse_lookup(value: str) -> tuple[int, int | None]:
+    """`10` -> (10, None): a fixed guess length; `10:40` -> (10, 40): growing from 10 up to 40 tokens."""
+    base, _, most = value.partition(":")
+    try:
+        return int(base), int(most) if most else None
+    except ValueError:
+        raise SystemExit(f"--lookup-tokens {value!r}: expected N or N:M (integers)") from None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trees", nargs="+", help="depth,top_k,nodes[,stop_prob[,min_prob]]")
@@ -56,7 +67,8 @@ def main() -> None:
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto")
     p.add_argument("--cpu-attention", default="auto",
                    help=f"comma list of {CPU_ATTENTION_CHOICES} for the attention of tree forwards, e.g. default,gqa")
-    p.add_argument("--lookup-tokens", default="0", help="comma list of prompt-lookup tokens (0 = off), e.g. 0,10")
+    p.add_argument("--lookup-tokens", default="0",
+                   help="comma list of prompt-lookup tokens (0 = off; N:M grows from N up to M), e.g. 0,10,10:40")
     p.add_argument("--draft-linear", default="default",
                    help=f"comma list of {DRAFT_LINEAR_CHOICES} for the heads' linear layers, e.g. default,int8")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
@@ -65,13 +77,13 @@ def main() -> None:
     attentions = comma_list(args.cpu_attention, "--cpu-attention", CPU_ATTENTION_CHOICES)
     trees = {}  # bad specs fail before any loading
     for spec in args.trees:
-        for lookup in (int(n) for n in args.lookup_tokens.split(",")):
+        for lookup in args.lookup_tokens.split(","):
             for draft_linear in draft_linears:
                 for attention in attentions:
-                    name = spec if lookup == 0 else f"{spec} +lookup {lookup}"
+                    name = spec if lookup == "0" else f"{spec} +lookup {lookup}"
                     name = name if len(draft_linears) == 1 else f"{name} ({draft_linear} heads)"
                     name = name if len(attentions) == 1 else f"{name} ({attention} attention)"
-                    trees[name] = (parse_eagle_tree(spec), lookup, draft_linear, attention)
+                    trees[name] = (parse_eagle_tree(spec), parse_lookup(lookup), draft_linear, attention)
     torch.set_num_threads(args.threads)
     lm = SpeculativeLM.from_pretrained(args.target, args.heads)
     # what each --cpu-attention choice means, decided before any switch ('auto' reads the target's attention)
@@ -97,7 +109,7 @@ def main() -> None:
             switch(one.target)
             switch(one.heads)
             one.configure_tree(**tree)
-            one.configure_lookup(lookup)
+            one.configure_lookup(lookup[0], lookup_max_tokens=lookup[1])
             rows[spec].append(run_prompt(one, prompt, "greedy", bench_args, assistant=None))
         print(f"[tree_sweep] {number}/{len(prompts)} prompts", flush=True)
     results = {spec: aggregate(spec_rows) for spec, spec_rows in rows.items()}

@@ -35,6 +35,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    "output); 'auto' (default): gqa for a CPU target with grouped key/value heads, else default")
     p.add_argument("--lookup-tokens", type=int, default=0,
                    help="graft a prompt-lookup guess of up to N tokens onto each draft tree (0: off)")
+    p.add_argument("--lookup-max-tokens", type=int, default=None,
+                   help="let the guess double, up to N tokens, while whole guesses are accepted (default: fixed length)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -45,7 +47,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from specheads.inference.generate import SpeculativeLM
 
     torch.manual_seed(args.seed)
-    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens)
+    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
+                                      lookup_max_tokens=args.lookup_max_tokens)
     kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention)
     tokenizer = lm.tokenizer
     if args.chat:

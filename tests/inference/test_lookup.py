@@ -25,7 +25,7 @@ def test_the_latest_occurrence_of_the_longest_suffix_wins():
     assert index.continuation(4) == [9, 9, 2, 3]
     index.extend([4, 2, 3])  # now (4, 2, 3) never occurred before: (2, 3) last started at 11, followed by 4 2 3
     assert index.continuation(2) == [4, 2]
-    assert index.continuation(10) == [4, 2, 3]  # the continuation stops at the sequence's end
+    assert index.continuation(10) == [4, 2, 3, 4, 2, 3, 4, 2, 3, 4]  # running into the suffix: a loop, repeated
 
 
 def test_no_guess_without_a_long_enough_match():
@@ -37,13 +37,14 @@ def test_no_guess_without_a_long_enough_match():
     assert index.continuation(5) == []  # the single token 4 recurs, but min_ngram is 2
     unigrams = NgramIndex(max_ngram=1, min_ngram=1)
     unigrams.extend([1, 2, 3, 4, 9, 4])
-    assert unigrams.continuation(3) == [9, 4]
+    assert unigrams.continuation(3) == [9, 4, 9]  # 4 -> 9 -> 4: the loop goes on
 
 
 def test_loops_are_followed():
     index = NgramIndex(max_ngram=3, min_ngram=2)
     index.extend([5, 6, 7, 5, 6, 7, 5, 6])
-    assert index.continuation(6) == [7, 5, 6]  # the latest (5, 6, 7, 5, 6) match overlaps the suffix
+    assert index.continuation(2) == [7, 5]
+    assert index.continuation(7) == [7, 5, 6, 7, 5, 6, 7]  # the latest (7, 5, 6) match is one loop back: it repeats
 
 
 @pytest.mark.parametrize(("max_ngram", "min_ngram"), [(2, 3), (3, 0)])
@@ -103,11 +104,46 @@ def test_the_drafter_reads_every_committed_token():
     drafter.reset()
     features = torch.zeros(5, 2)
     tokens, tree = drafter.propose(features, torch.tensor([3, 4, 5, 3, 4]))  # context [3, 4, 5, 3, 4]
-    assert tokens.tolist() == [4, 11, 12, 5, 3, 4] and tree.parents.tolist() == [-1, 0, 0, 0, 3, 4]
+    assert tokens.tolist() == [4, 11, 12, 5, 3, 4, 5] and tree.parents.tolist() == [-1, 0, 0, 0, 3, 4, 5]  # loop
     tokens, tree = drafter.propose(features[:2], torch.tensor([9, 12]))  # context ... 4, 9, 12: no match
     assert tokens.tolist() == [12, 11, 12] and tree.num_nodes == 3
     drafter.reset()  # a new sequence forgets the old context
     assert drafter.propose(features[:2], torch.tensor([9, 12]))[0].tolist() == [12, 11, 12]
+
+
+def test_the_guess_grows_while_whole_guesses_are_accepted():
+    """lookup_max_tokens: a guess accepted whole doubles the next one's length (up to the cap); a guess accepted in
+    part sets it back."""
+    drafter = LookupDrafter(FixedTreeDrafter(), num_tokens=2, max_tokens=5)
+    drafter.reset()
+    loop = [5, 6, 7, 8] * 6  # the context repeats: the guess continues the loop
+    features = torch.zeros(len(loop), 2)
+
+    def guess_after(accepted: list[int]) -> list[int]:
+        tokens, _ = drafter.propose(features[: len(accepted)], torch.tensor(accepted))
+        return drafter.guess
+
+    assert guess_after(loop) == [5, 6] and drafter.length == 2  # the first round: the base length
+    assert guess_after([5, 6, 7]) == [8, 5, 6, 7]  # [5, 6] accepted whole (+ bonus 7): twice as long
+    assert guess_after([8, 5, 6, 7, 8]) == [5, 6, 7, 8, 5]  # whole again: 8, capped at 5
+    assert guess_after([5, 6, 7, 8, 5, 6]) == [7, 8, 5, 6, 7]  # whole again: stays at the cap
+    assert guess_after([7, 8, 9]) == []  # accepted in part: back to 2, and 8, 9 never occurred before
+    assert drafter.length == 2
+    drafter.reset()
+    assert guess_after([5, 6, 7, 5, 6]) == [7, 5]  # a fresh sequence starts at the base length again
+    assert guess_after([7, 5, 6]) == [7, 5, 6, 7] and drafter.length == 4
+
+
+def test_a_round_without_a_guess_sets_the_length_back():
+    drafter = LookupDrafter(FixedTreeDrafter(), num_tokens=3, max_tokens=12)
+    drafter.reset()
+    features = torch.zeros(6, 2)
+    drafter.propose(features, torch.tensor([4, 5, 6, 4, 5]))  # (4, 5) occurred at 0: guess [6, 4, 5]
+    assert drafter.guess == [6, 4, 5]
+    drafter.propose(features[:4], torch.tensor([6, 4, 5, 9]))  # accepted whole: 6 next; (5, 9) unseen: no guess
+    assert drafter.length == 6 and drafter.guess == []
+    drafter.propose(features[:2], torch.tensor([4, 5]))  # no guess last round: back to the base length
+    assert drafter.length == 3
 
 
 # --- exactness ----------------------------------------------------------------------------------------------
@@ -143,6 +179,23 @@ def test_stories260k_repeating_prompt(stories260k):
     assert lm.last_stats["mean_accepted"] > plain.last_stats["mean_accepted"]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_a_growing_guess_keeps_the_output_and_covers_loops_in_fewer_rounds(tiny_target_factory, family, head_type):
+    """lookup_max_tokens: the tiny targets fall into loops, where whole guesses are accepted and the guess grows;
+    the output is still the target's greedy one, in fewer rounds than with the fixed length."""
+    target, ids = tiny_target_factory(family), torch.tensor([TINY_PROMPT])
+    heads = make_heads(target, head_type)
+    expected = hf_greedy(target, ids, 80)
+    fixed = SpeculativeLM(target, heads, lookup_tokens=2)
+    assert torch.equal(fixed.generate(ids, max_new_tokens=80), expected)
+    growing = SpeculativeLM(target, heads, lookup_tokens=2, lookup_max_tokens=16)
+    sizes = record_tree_sizes(growing)
+    assert torch.equal(growing.generate(ids, max_new_tokens=80), expected)
+    assert max(sizes) > min(sizes) + 2  # some guess grew beyond the base length
+    assert growing.last_stats["rounds"] < fixed.last_stats["rounds"]
+
+
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_the_fast_path_with_lookup(tiny_target_factory, head_type):
     """On the static-cache path the heads' drafter goes fixed-shape (EAGLE) and the guess is grafted around it;
@@ -157,6 +210,9 @@ def test_the_fast_path_with_lookup(tiny_target_factory, head_type):
     heads_nodes = lm.drafter.drafter.num_nodes + 1 if head_type != "medusa" else lm.drafter.drafter.buffers.num_nodes
     assert runner.fixed_slots == heads_nodes + 5
     assert lm.last_stats["mean_accepted"] > 1.3
+    lm.configure_lookup(5, lookup_max_tokens=12)  # a growing guess: padded to the largest one
+    assert torch.equal(lm.generate(ids, max_new_tokens=40, fast_path=True), hf_greedy(target, ids, 40))
+    assert lm._fast_runner.fixed_slots == heads_nodes + 12
 
 
 def test_batched_rows_with_lookup():
@@ -176,17 +232,19 @@ def test_batched_rows_with_lookup():
 
 
 
-@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
-def test_sampling_with_lookup_follows_the_exact_joint_law(tiny_target_factory, chi_square, head_type):
+@pytest.mark.parametrize(("head_type", "max_tokens"), [("eagle", None), ("eagle3", None), ("eagle", 4)])
+def test_sampling_with_lookup_follows_the_exact_joint_law(tiny_target_factory, chi_square, head_type, max_tokens):
     """Guessed branches are deterministic candidates like drafted ones: the first 3 sampled tokens still follow the
-    target's exact law. Single-token matches (lookup_max_ngram=1) over a 6-token vocabulary graft often."""
+    target's exact law. Single-token matches (lookup_max_ngram=1) over a 6-token vocabulary graft often. A growing
+    guess (max_tokens) depends only on tokens already committed, so it is a deterministic candidate too."""
     harness = load_sampling_harness("sampling_harness_for_lookup")
     target = copy.deepcopy(tiny_target_factory("llama", seed=1, vocab_size=harness.V, num_hidden_layers=1))
     with torch.no_grad():
         target.lm_head.weight.mul_(8.0)  # harness.six_token_target
     law = harness.ExactLaw(target, temperature=1.0)
     heads = harness.untrained_eagle_heads(target, head_type)
-    lm = SpeculativeLM(target, heads, lookup_tokens=3, lookup_max_ngram=1)
+    lm = SpeculativeLM(target, heads, lookup_tokens=3 if max_tokens is None else 1, lookup_max_ngram=1,
+                       lookup_max_tokens=max_tokens)
     sizes = record_tree_sizes(lm)
     samples = harness.sample_first_three(lm, 1200, seed=3, temperature=1.0)
     result = chi_square(samples, law.joint())
@@ -204,6 +262,9 @@ def test_lookup_survives_tree_changes_and_is_reported(stories260k):
     lm.configure_tree(tree_depth=3, tree_top_k=2, tree_num_nodes=5)  # what --tree auto does per candidate
     description = lm.tree_description()
     assert description["nodes"] == 5 and description["lookup_tokens"] == 7 and description["lookup_max_ngram"] == 3
+    assert description["lookup_max_tokens"] == 7  # a fixed length unless asked
+    lm.configure_lookup(7, lookup_max_tokens=28)
+    assert lm.tree_description()["lookup_max_tokens"] == 28
     lm.configure_lookup(0)
     assert not isinstance(lm.drafter, LookupDrafter) and lm.tree_description()["lookup_tokens"] == 0
     assert lm.drafter.num_nodes == 5
@@ -213,6 +274,8 @@ def test_lookup_survives_tree_changes_and_is_reported(stories260k):
     ({"lookup_tokens": -1}, "lookup_tokens=-1 must be an integer >= 0"),
     ({"lookup_tokens": 2.5}, "lookup_tokens=2.5 must be an integer >= 0"),
     ({"lookup_tokens": 4, "lookup_max_ngram": 0}, "lookup_max_ngram=0 must be an integer >= 1"),
+    ({"lookup_tokens": 4, "lookup_max_tokens": 3}, "lookup_max_tokens=3 must be None or an integer >= lookup_tokens=4"),
+    ({"lookup_max_tokens": 8}, "lookup_max_tokens=8 must be None or an integer >= lookup_tokens=0"),
 ])
 def test_bad_lookup_settings_are_refused(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
