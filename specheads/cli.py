@@ -23,7 +23,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
+                      help="apply the tokenizer's chat template to the prompt (default: when the tokenizer has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_const", const=False,
+                      help="feed the prompt as plain text even if the tokenizer has a chat template")
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="default",
                    help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some "
                    "CPUs); 'auto': onednn for a float32 CPU target, else default")
@@ -45,18 +49,16 @@ def run_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from specheads.inference.generate import SpeculativeLM
+    from specheads.inference.prompts import tokenize_prompts
 
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
                                       lookup_max_tokens=args.lookup_max_tokens)
     kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention)
     tokenizer = lm.tokenizer
-    if args.chat:
-        input_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
-    else:
-        input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    # the same rule as `specheads bench`: a chat model answers its chat template, not raw text
+    prompt = {"prompt_id": "cli", "category": "cli", "text": args.prompt}
+    input_ids = tokenize_prompts([prompt], tokenizer, chat=args.chat)[0].input_ids  # (1, n)
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
     lm.generate(
         input_ids,

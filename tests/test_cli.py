@@ -79,6 +79,27 @@ def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, opt
     assert kernels in err  # the kernels in use are printed
 
 
+def test_generate_applies_the_chat_template_when_the_tokenizer_has_one(stories260k_eagle_dir, tmp_path, capfd):
+    """Like `specheads bench`: a target whose tokenizer has a chat template gets the prompt inside it (a chat model
+    fed raw text often ends at once); `--no-chat` feeds the raw text; stories260K has no template (tests above)."""
+    import json
+    import shutil
+
+    from specheads.targets import ALIASES
+
+    chat_target = tmp_path / "stories260K-chat"
+    shutil.copytree(ALIASES["stories260k"], chat_target)
+    config = json.loads((chat_target / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}[Q] {{ m['content'] }}{% endfor %} [A]"
+    (chat_target / "tokenizer_config.json").write_text(json.dumps(config))
+    base = ["generate", "--target", str(chat_target), "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+            "--max-new-tokens", "8"]
+    assert main(base) == 0
+    assert capfd.readouterr().out.startswith("[Q] Once upon a time [A]")
+    assert main([*base, "--no-chat"]) == 0
+    assert capfd.readouterr().out.startswith("Once upon a time,")
+
+
 def test_generate_streams_no_special_tokens(stories260k_eagle_dir, capfd):
     """The streamed text is the prompt and its continuation, without special tokens such as <s>."""
     out, _ = _generate(stories260k_eagle_dir, capfd)
