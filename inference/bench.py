@@ -25,6 +25,7 @@ from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES, GQA_ATTENTION
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
+from specheads.inference.lookup import check_lookup_settings
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
 from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts, tokenize_prompts
 
@@ -238,6 +239,8 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    lookup_tokens, lookup_max_tokens = getattr(args, "lookup_tokens", 0), getattr(args, "lookup_max_tokens", None)
+    check_lookup_settings(lookup_tokens, lookup_max_tokens=lookup_max_tokens)  # before loading any model
     if args.threads:
         torch.set_num_threads(args.threads)
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -257,7 +260,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         assistant, _ = load_target(args.assistant, dtype=lm.target.dtype, device=lm.target.device)
     torch.manual_seed(args.seed)
-    lm.configure_lookup(getattr(args, "lookup_tokens", 0), lookup_max_tokens=getattr(args, "lookup_max_tokens", None))
+    lm.configure_lookup(lookup_tokens, lookup_max_tokens=lookup_max_tokens)
     tree_report = _configure_tree(lm, args.tree, [p.input_ids for p in calibration_prompts(prompts)])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = set(modes) - {"greedy", "sample"}

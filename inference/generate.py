@@ -22,7 +22,7 @@ from specheads.inference.accept import accept_tree
 from specheads.inference.batched import generate_batched
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
-from specheads.inference.lookup import LookupDrafter
+from specheads.inference.lookup import LookupDrafter, check_lookup_settings
 from specheads.inference.sampling import SamplingParams, sample_token, target_probs
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
@@ -130,17 +130,7 @@ class SpeculativeLM:
         """Graft prompt lookup's guess of up to `lookup_tokens` tokens onto every draft tree (0 = off; see the class
         docstring and inference/lookup.py), growing up to `lookup_max_tokens` while whole guesses are accepted
         (None: a fixed length). Kept when `configure_tree` changes the heads' tree."""
-        if not isinstance(lookup_tokens, int) or lookup_tokens < 0:
-            raise ValueError(f"lookup_tokens={lookup_tokens!r} must be an integer >= 0 (0 = no prompt lookup)")
-        if not isinstance(lookup_max_ngram, int) or lookup_max_ngram < 1:
-            raise ValueError(f"lookup_max_ngram={lookup_max_ngram!r} must be an integer >= 1")
-        if lookup_max_tokens is not None and (
-            not isinstance(lookup_max_tokens, int) or lookup_tokens == 0 or lookup_max_tokens < lookup_tokens
-        ):
-            raise ValueError(
-                f"lookup_max_tokens={lookup_max_tokens!r} must be None or an integer >= lookup_tokens={lookup_tokens} "
-                "with prompt lookup on (lookup_tokens >= 1)"
-            )
+        check_lookup_settings(lookup_tokens, lookup_max_ngram, lookup_max_tokens)
         heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
         self.drafter = (
             LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram, max_tokens=lookup_max_tokens)

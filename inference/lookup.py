@@ -92,6 +92,22 @@ def graft_chain(tokens: torch.Tensor, tree: TreeBuffers, chain: list[int]) -> tu
     return grafted, append_chain(tree, node, len(rest))
 
 
+def check_lookup_settings(lookup_tokens: int, lookup_max_ngram: int = 3, lookup_max_tokens: int | None = None) -> None:
+    """Raise a ValueError naming the bad value among `SpeculativeLM`'s prompt-lookup settings (the CLI calls it before
+    loading any model)."""
+    if not isinstance(lookup_tokens, int) or lookup_tokens < 0:
+        raise ValueError(f"lookup_tokens={lookup_tokens!r} must be an integer >= 0 (0 = no prompt lookup)")
+    if not isinstance(lookup_max_ngram, int) or lookup_max_ngram < 1:
+        raise ValueError(f"lookup_max_ngram={lookup_max_ngram!r} must be an integer >= 1")
+    if lookup_max_tokens is not None and (
+        not isinstance(lookup_max_tokens, int) or lookup_tokens == 0 or lookup_max_tokens < lookup_tokens
+    ):
+        raise ValueError(
+            f"lookup_max_tokens={lookup_max_tokens!r} must be None or an integer >= lookup_tokens={lookup_tokens} "
+            "with prompt lookup on (lookup_tokens >= 1)"
+        )
+
+
 class LookupDrafter:
     """A drafter whose trees also hold the prompt-lookup guess (see the module docstring).
 

@@ -49,8 +49,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from specheads.inference.generate import SpeculativeLM
+    from specheads.inference.lookup import check_lookup_settings
     from specheads.inference.prompts import tokenize_prompts
 
+    check_lookup_settings(args.lookup_tokens, lookup_max_tokens=args.lookup_max_tokens)  # before loading any model
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
                                       lookup_max_tokens=args.lookup_max_tokens)

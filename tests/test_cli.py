@@ -106,6 +106,16 @@ def test_generate_streams_no_special_tokens(stories260k_eagle_dir, capfd):
     assert out.startswith("Once upon a time,")
 
 
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_bad_lookup_settings_fail_before_any_loading(tmp_path, capsys, command):
+    """A growing guess without prompt lookup is refused by name, before the (missing) heads would be loaded."""
+    missing = tmp_path / "no-such-heads"
+    args = ["--prompt", "Once"] if command == "generate" else ["--prompts", str(tmp_path / "p.txt")]
+    assert main([command, "--heads", str(missing), *args, "--lookup-max-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "lookup_max_tokens=8 must be None or an integer >= lookup_tokens=0" in err and "does not exist" not in err
+
+
 def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     """A bad input through the CLI is one clear line on stderr and exit status 2, not a traceback."""
     monkeypatch.delenv("SPECHEADS_TRACEBACK", raising=False)
