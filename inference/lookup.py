@@ -136,11 +136,10 @@ class LookupDrafter:
     ) -> None:
         if num_tokens < 1:
             raise ValueError(f"lookup_tokens={num_tokens} must be >= 1 (0 turns prompt lookup off)")
-        max_tokens = num_tokens if max_tokens is None else max_tokens
-        if max_tokens < num_tokens:
-            raise ValueError(f"lookup_max_tokens={max_tokens} must be >= lookup_tokens={num_tokens}")
+        check_lookup_settings(num_tokens, max_ngram, max_tokens)
         self.drafter = drafter
-        self.num_tokens, self.max_tokens = num_tokens, max_tokens
+        self.num_tokens = num_tokens
+        self.max_tokens = num_tokens if max_tokens is None else max_tokens
         self.index = NgramIndex(max_ngram, min(2, max_ngram) if min_ngram is None else min_ngram)  # validates them
         self.length = num_tokens  # this round's guess length (grows while whole guesses are accepted)
         self.guess: list[int] = []  # last round's grafted guess
@@ -167,9 +166,9 @@ class LookupDrafter:
         return graft_chain(tokens, tree, self.guess) if self.guess else (tokens, tree)
 
     def next_length(self, accepted: list[int]) -> int:
-        """This round's guess length: doubled (up to `max_tokens`) when last round's guess was as long as asked and
-        accepted whole (`accepted` = the tokens committed since, the bonus last); else `num_tokens`."""
-        guess, n = self.guess, len(self.guess)
-        if n and n == self.length and len(accepted) > n and accepted[:n] == guess:
+        """This round's guess length: doubled (up to `max_tokens`) when last round's guess was accepted whole
+        (`accepted` = the tokens committed since: the accepted path, then the bonus); else `num_tokens`. A guess
+        always has the length asked for (`NgramIndex.continuation` repeats loops), so whole means as long as asked."""
+        if self.guess and accepted[: len(self.guess)] == self.guess:
             return min(2 * self.length, self.max_tokens)
         return self.num_tokens

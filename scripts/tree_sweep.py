@@ -33,6 +33,7 @@ from specheads.inference.gqa_attention import (
     wants_gqa_attention,
 )
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
+from specheads.inference.lookup import check_lookup_settings
 from specheads.inference.onednn import CPU_LINEAR_CHOICES
 from specheads.inference.prompts import read_prompts, tokenize_prompts
 
@@ -50,9 +51,11 @@ def parse_lookup(value: str) -> tuple[int, int | None]:
     """`10` -> (10, None): a fixed guess length; `10:40` -> (10, 40): growing from 10 up to 40 tokens."""
     base, _, most = value.partition(":")
     try:
-        return int(base), int(most) if most else None
-    except ValueError:
-        raise SystemExit(f"--lookup-tokens {value!r}: expected N or N:M (integers)") from None
+        lookup = int(base), int(most) if most else None
+        check_lookup_settings(lookup[0], lookup_max_tokens=lookup[1])
+    except ValueError as err:
+        raise SystemExit(f"--lookup-tokens {value!r}: expected N (0 = off) or N:M with M >= N >= 1 ({err})") from None
+    return lookup
 
 
 def main() -> None:
