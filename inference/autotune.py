@@ -13,13 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.fast_path import TreeVerifier
 from specheads.inference.generate import SpeculativeLM
-from specheads.inference.kv_cache import crop_cache
+from specheads.inference.kv_cache import crop_cache, tree_cache
 from specheads.inference.static_cache import StaticTreeCache, prefill_static
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 from specheads.inference.verify import verify_tree
@@ -66,12 +65,13 @@ def verification_cost_ms(
     """Median milliseconds of one verification forward over N tree nodes, after the given prompt.
 
     `fast_path`: time what the fast path runs (a static cache, N padded slots, the CUDA-graph replay on CUDA),
-    else the normal path's forward on a `DynamicCache`. `autotune_tree` times the one that `generate` used.
+    else the normal path's forward on its growing cache (`kv_cache.tree_cache`). `autotune_tree` times the one that
+    `generate` used.
     """
     if fast_path:
         return _fast_path_verification_ms(lm, input_ids, node_counts, repeats)
     target = lm.target
-    cache = DynamicCache()
+    cache = tree_cache()
     target(input_ids=input_ids.to(target.device), **cache_kwargs(target, cache), use_cache=True)
     prefix = input_ids.shape[1]
     costs = {}

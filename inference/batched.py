@@ -26,6 +26,7 @@ from specheads.inference.accept import accept_tree
 from specheads.inference.drafting import Drafter
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.tree import TreeBuffers
+from specheads.inference.verify import last_logits_only
 
 
 def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -106,8 +107,8 @@ def generate_batched(
     positions = (torch.arange(width, device=device)[None, :] - pad[:, None]).clamp(min=0)
     out = target(
         input_ids=ids, attention_mask=prefill_mask(lengths, width, dtype), position_ids=positions,
-        **cache_kwargs(target, cache), use_cache=True, output_hidden_states=True,
-    )
+        **cache_kwargs(target, cache), use_cache=True, output_hidden_states=True, **last_logits_only(target),
+    )  # left padding: every row's last prompt token is in the last column, the only one given logits
     stats["target_forwards"] += rows
     stats["batched_forwards"] = stats.get("batched_forwards", 0) + 1
     features_all = heads.select_features(out.hidden_states)  # (B, T, h)

@@ -12,12 +12,11 @@ import math
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
 
 from specheads.heads.eagle import EagleHeads
 from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.inference.kv_cache import crop_cache
+from specheads.inference.kv_cache import crop_cache, tree_cache
 from specheads.inference.tree import StaticTree, TreeBuffers, build_tree_buffers
 
 
@@ -104,11 +103,11 @@ class EagleDrafter:
         self.log_min = math.log(min_prob) if min_prob > 0 else None
         self.dtype = dtype
         self.neg = torch.finfo(dtype).min
-        self.cache = DynamicCache()
+        self.cache = tree_cache()
         self.committed = 0  # head positions with true target features in the cache
 
     def reset(self) -> None:
-        self.cache = DynamicCache()
+        self.cache = tree_cache()
         self.committed = 0
 
     def fork(self) -> EagleDrafter:

@@ -1,22 +1,81 @@
 """The one place that touches `transformers` cache internals: keep the accepted path, drop the rest.
 
 Cache APIs moved between transformers 5.x releases (5.23's `DynamicCache.crop` takes a negative count
-of tokens to drop; 5.17 took a length). This helper works on `cache.layers[i].keys / .values`
-(B, kv_heads, S, head_dim), which every 5.x `DynamicCache` has.
+of tokens to drop; 5.17 took a length). These helpers work on `cache.layers[i].keys / .values`
+(B, kv_heads, S, head_dim), which every 5.x `DynamicCache` has, and so does `tree_cache()`'s.
+
+`tree_cache()` is the cache speculative decoding runs on (the target's in `DynamicTreeVerifier`, the heads' in the
+EAGLE drafters): a `DynamicCache`-like cache whose layers append into preallocated buffers. transformers'
+`DynamicLayer` appends with `torch.cat`, i.e. copies the layer's whole cache into a new tensor at every forward;
+plain decoding pays that once per token, a speculative round once per verification and once per draft level.
+`GrowingLayer` writes only the new entries, into spare room it keeps (doubling when full), and exposes the filled
+part as views, so cropping and compaction below work on it unchanged. Measured on SmolLM2 (2 CPU threads, 16
+MT-bench prompts, 128 new tokens, interleaved; together with last-position-only prefill logits): +2.5% tokens/s.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+INITIAL_CAPACITY = 256  # positions a layer's buffers hold at first; they double when a forward needs more
 
 
-def cache_length(cache: DynamicCache) -> int:
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` that appends into preallocated buffers instead of concatenating.
+
+    `keys` / `values` are always views of the first S slots of the buffers (B, kv_heads, capacity, head_dim), so
+    anything that crops them by slicing (`crop_cache`, `compact_cache`, transformers' own `crop`) keeps working:
+    the next `update` appends after whatever length they have then.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the (B, kv_heads, T, head_dim) new keys / values; returns all cached ones (views)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        new = key_states.shape[-2]
+        if self.key_buffer is None or self.key_buffer.shape[-2] < length + new:
+            self._grow(max(INITIAL_CAPACITY, 2 * (length + new)), key_states, value_states, length)
+        self.key_buffer[:, :, length : length + new] = key_states
+        self.value_buffer[:, :, length : length + new] = value_states
+        self.keys = self.key_buffer[:, :, : length + new]
+        self.values = self.value_buffer[:, :, : length + new]
+        return self.keys, self.values
+
+    def _grow(self, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor, length: int) -> None:
+        """New buffers of `capacity` slots holding the `length` cached entries."""
+        batch, heads, _, key_dim = key_states.shape
+        keys = key_states.new_empty(batch, heads, capacity, key_dim)
+        values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
+        if length:
+            keys[:, :, :length] = self.keys
+            values[:, :, :length] = self.values
+        self.key_buffer, self.value_buffer = keys, values
+
+    def reset(self) -> None:
+        super().reset()
+        self.key_buffer = self.value_buffer = None
+
+
+def tree_cache() -> Cache:
+    """An empty cache of `GrowingLayer`s (created lazily, one per model layer, as transformers' `DynamicCache()`)."""
+    return Cache(layer_class_to_replicate=GrowingLayer)
+
+
+def cache_length(cache: Cache) -> int:
     """Number of cached positions."""
     return cache.get_seq_length()
 
 
-def crop_cache(cache: DynamicCache, length: int) -> None:
+def crop_cache(cache: Cache, length: int) -> None:
     """Keep the first `length` positions of every layer."""
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
@@ -25,7 +84,7 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         layer.values = layer.values[:, :, :length]
 
 
-def compact_cache(cache: DynamicCache, prefix_length: int, keep: torch.Tensor) -> None:
+def compact_cache(cache: Cache, prefix_length: int, keep: torch.Tensor) -> None:
     """After verifying a tree appended at `prefix_length`, keep only the accepted nodes, in order.
 
     Args:
@@ -34,15 +93,20 @@ def compact_cache(cache: DynamicCache, prefix_length: int, keep: torch.Tensor) -
         keep: (L,) tree-node indices of the accepted path (ascending), moved to prefix_length .. +L.
     """
     total = prefix_length + keep.shape[0]
-    for layer in cache.layers:
-        if layer.keys is None or layer.keys.numel() == 0:
-            continue
+    layers = [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel() > 0]
+    for layer in layers:
         if layer.keys.shape[-2] < total:
             raise RuntimeError(
                 f"cache layer holds {layer.keys.shape[-2]} positions, expected at least {total} "
                 "(sliding-window caches past their window are not supported)"
             )
-        source = keep + prefix_length
+    if keep.device.type == "cpu" and int(keep[-1]) == keep.shape[0] - 1:
+        # Ascending indices ending at L-1 are 0..L-1: the path is already in place (the root alone, or the root and
+        # its first child: about half of all rounds), and dropping the rest is enough. CPU only: a host read.
+        crop_cache(cache, total)
+        return
+    source = keep + prefix_length
+    for layer in layers:
         # Gather first (a copy), then write: source and destination ranges may overlap.
         layer.keys[:, :, prefix_length:total] = layer.keys.index_select(2, source)
         layer.values[:, :, prefix_length:total] = layer.values.index_select(2, source)

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specheads.heads.cache_keyword import cache_kwargs
+from specheads.inference.verify import last_logits_only
 
 
 class _SharedStorage:
@@ -179,8 +180,8 @@ def prefill_static(
 ):
     """Run the (n,) prompt through `target` into slots [0, n) of `cache` (eager: prompt lengths vary).
 
-    Returns the model output (logits (1, n, V), and hidden states when asked). The caller sets its own
-    bookkeeping (`committed_length`, masks) afterwards.
+    Returns the model output (the last position's logits (1, 1, V), and hidden states when asked). The caller sets
+    its own bookkeeping (`committed_length`, masks) afterwards.
     """
     n, device = prompt.shape[0], target.device
     positions = torch.arange(n, device=device)
@@ -192,6 +193,7 @@ def prefill_static(
         **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=output_hidden_states,
+        **last_logits_only(target),
     )
 
 

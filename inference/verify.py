@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
 
 from specheads.heads.cache_keyword import cache_kwargs
-from specheads.inference.kv_cache import compact_cache
+from specheads.inference.kv_cache import compact_cache, tree_cache
 from specheads.inference.tree import TreeBuffers
+
+
+@functools.cache
+def _declares_logits_to_keep(forward: Callable[..., Any]) -> bool:
+    return "logits_to_keep" in inspect.signature(forward).parameters
+
+
+def last_logits_only(target: PreTrainedModel) -> dict[str, int]:
+    """`{"logits_to_keep": 1}` for a target whose forward takes it (every transformers 5.x causal LM), else {}.
+
+    A prefill needs the logits of the last prompt position only; without this the target projects every position
+    onto its whole vocabulary (SmolLM2, 100-token prompt, 2 CPU threads: 90 instead of 79 ms), as transformers'
+    own `generate` does not.
+    """
+    return {"logits_to_keep": 1} if _declares_logits_to_keep(type(target).forward) else {}
 
 
 def tree_attention_mask(tree: TreeBuffers, prefix_length: int) -> torch.Tensor:
@@ -40,7 +61,7 @@ def apply_sliding_window(mask: torch.Tensor, tree: TreeBuffers, prefix_length: i
 @torch.no_grad()
 def verify_tree(
     target: PreTrainedModel,
-    cache: DynamicCache,
+    cache: Cache,
     tokens: torch.Tensor,
     tree: TreeBuffers,
     prefix_length: int,
@@ -79,7 +100,8 @@ def verify_tree(
 
 
 class DynamicTreeVerifier:
-    """The target's side of a decoding round on a `DynamicCache`: any target, any device (the reference path).
+    """The target's side of a decoding round on a growing cache (`kv_cache.tree_cache`): any target, any device
+    (the reference path).
 
     `SpeculativeLM` drives a sequence through three calls, which the GPU fast path
     (`fast_path.FastPathRunner`, static cache + CUDA graphs) implements too: `prefill` once, then per round
@@ -92,12 +114,15 @@ class DynamicTreeVerifier:
 
     def __init__(self, target: PreTrainedModel, select_features) -> None:
         self.target, self.select_features = target, select_features
-        self.cache = DynamicCache()
+        self.cache = tree_cache()
 
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the (n,) prompt into a fresh cache. Returns the last logits (1, V) and the features (n, h)."""
-        self.cache = DynamicCache()
-        out = self.target(input_ids=prompt[None], **cache_kwargs(self.target, self.cache), use_cache=True, output_hidden_states=True)
+        self.cache = tree_cache()
+        out = self.target(
+            input_ids=prompt[None], **cache_kwargs(self.target, self.cache), use_cache=True, output_hidden_states=True,
+            **last_logits_only(self.target),
+        )
         return out.logits[0, -1:], self.select_features(out.hidden_states)[0]
 
     def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:

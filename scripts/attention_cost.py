@@ -15,18 +15,18 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from specheads import load_target
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.gqa_attention import use_gqa_attention, use_sdpa_attention
-from specheads.inference.kv_cache import crop_cache
+from specheads.inference.kv_cache import crop_cache, tree_cache
 from specheads.inference.onednn import use_onednn_linears, wants_onednn
 from specheads.inference.tree import build_tree_buffers
 from specheads.inference.verify import verify_tree
 
 
-def verification_forward_ms(target, cache: DynamicCache, cached: int, nodes: int) -> float:
+def verification_forward_ms(target, cache: Cache, cached: int, nodes: int) -> float:
     """`verify_tree` of a `nodes`-node chain over `cached` cached tokens, as a round runs it; the cache is cropped back."""
     tokens = torch.randint(100, target.config.vocab_size - 1, (nodes,))
     tree = build_tree_buffers(torch.arange(-1, nodes - 1))  # parents of a chain
@@ -53,7 +53,7 @@ def main() -> None:
     switch = {"sdpa": use_sdpa_attention, "gqa": use_gqa_attention}
     print("| cached tokens | transformers' SDPA ms | grouped SDPA ms | change |\n|---|---|---|---|")
     for cached in (int(n) for n in args.cached.split(",")):
-        cache = DynamicCache()
+        cache = tree_cache()
         with torch.no_grad():
             prompt = torch.randint(100, target.config.vocab_size - 1, (1, cached))
             target(input_ids=prompt, **cache_kwargs(target, cache), use_cache=True)

@@ -7,8 +7,9 @@ import torch
 from transformers import DynamicCache
 
 from specheads.heads.cache_keyword import cache_kwargs
+from specheads.inference.kv_cache import cache_length
 from specheads.inference.tree import build_tree_buffers
-from specheads.inference.verify import tree_attention_mask, verify_tree
+from specheads.inference.verify import DynamicTreeVerifier, last_logits_only, tree_attention_mask, verify_tree
 
 #           0
 #        /  |  \
@@ -90,3 +91,29 @@ def test_tree_attention_mask_layout():
     assert mask.shape == (1, 1, 4, 6)
     assert bool((mask[0, 0, :, :2] == 0).all())
     assert torch.equal(mask[0, 0, :, 2:] == 0, tree.ancestors)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@torch.no_grad()
+def test_prefill_keeps_only_the_last_logits_and_every_feature(tiny_target_factory, family):
+    """`DynamicTreeVerifier.prefill` asks the target for the last position's logits only (`logits_to_keep=1`) and
+    returns exactly a full forward's last logits and all positions' features, on a growing cache of the prompt."""
+    target = tiny_target_factory(family)
+    assert last_logits_only(target) == {"logits_to_keep": 1}
+    prompt = torch.tensor([1, 17, 5, 60, 33, 8])
+    verifier = DynamicTreeVerifier(target, lambda hidden_states: hidden_states[-1])
+    last, features = verifier.prefill(prompt, max_new_tokens=4)
+    full = target(input_ids=prompt[None], output_hidden_states=True)
+    torch.testing.assert_close(last, full.logits[0, -1:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(features, full.hidden_states[-1][0], atol=1e-5, rtol=0)
+    assert cache_length(verifier.cache) == prompt.shape[0]
+
+
+def test_last_logits_only_is_empty_for_a_forward_without_logits_to_keep():
+    """A model whose forward does not declare `logits_to_keep` is called as before (all logits)."""
+
+    class NoKeep(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=False, output_hidden_states=False):
+            raise AssertionError("not called")
+
+    assert last_logits_only(NoKeep()) == {}
