@@ -24,9 +24,10 @@ INITIAL_CAPACITY = 256  # positions a layer's buffers hold at first; they double
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` that appends into preallocated buffers instead of concatenating.
 
-    `keys` / `values` are always views of the first S slots of the buffers (B, kv_heads, capacity, head_dim), so
-    anything that crops them by slicing (`crop_cache`, `compact_cache`, transformers' own `crop`) keeps working:
-    the next `update` appends after whatever length they have then.
+    `keys` / `values` are views of the first S slots of the buffers (B, kv_heads, capacity, head_dim), so anything
+    that crops them by slicing (`crop_cache`, `compact_cache`, transformers' own `crop`) keeps working: the next
+    `update` appends after whatever length they have then. Code that replaces them by other tensors (a gather, a
+    batch selection) is fine too: the next `update` copies them into new buffers first.
     """
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -42,7 +43,7 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         new = key_states.shape[-2]
-        if self.key_buffer is None or self.key_buffer.shape[-2] < length + new:
+        if not self._holds_keys() or self.key_buffer.shape[-2] < length + new:
             self._grow(max(INITIAL_CAPACITY, 2 * (length + new)), key_states, value_states, length)
         self.key_buffer[:, :, length : length + new] = key_states
         self.value_buffer[:, :, length : length + new] = value_states
@@ -50,8 +51,19 @@ class GrowingLayer(DynamicLayer):
         self.values = self.value_buffer[:, :, : length + new]
         return self.keys, self.values
 
+    def _holds_keys(self) -> bool:
+        """Whether `keys` / `values` are still the prefix views of the buffers that `update` left."""
+        buffer = self.key_buffer
+        return (
+            buffer is not None
+            and self.keys.data_ptr() == buffer.data_ptr()
+            and self.values.data_ptr() == self.value_buffer.data_ptr()
+            and self.keys.shape[:2] == buffer.shape[:2]
+            and self.keys.stride() == buffer.stride()
+        )
+
     def _grow(self, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor, length: int) -> None:
-        """New buffers of `capacity` slots holding the `length` cached entries."""
+        """New buffers of `capacity` slots holding the `length` cached entries (copied from `keys` / `values`)."""
         batch, heads, _, key_dim = key_states.shape
         keys = key_states.new_empty(batch, heads, capacity, key_dim)
         values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])

@@ -156,3 +156,22 @@ def test_tree_cache_appends_in_place_and_grows_past_its_capacity(tiny_llama):
     assert layer.key_buffer.shape[-2] >= len(tokens) > INITIAL_CAPACITY
     assert cache_length(cache) == len(tokens)
     assert_caches_equal(cache, sequential_cache(tiny_llama, tokens))
+
+
+@torch.no_grad()
+def test_tree_cache_adopts_keys_replaced_by_other_tensors(tiny_llama):
+    """Code that swaps a layer's keys / values for new tensors (a gather, as batched decoding's compaction does)
+    leaves a correct cache: the next forward appends to those tensors, not to the stale buffers."""
+    tokens = [5, 9, 2, 44, 7, 13]
+    cache = sequential_cache(tiny_llama, tokens, "tree")
+    keep = torch.tensor([0, 1, 3, 5])  # like a compaction, but by replacing the tensors
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(2, keep), layer.values.index_select(2, keep)
+    tiny_llama(input_ids=torch.tensor([[30, 31]]), **cache_kwargs(tiny_llama, cache), use_cache=True)
+    # the same done to transformers' own cache (which concatenates) is the reference
+    reference = sequential_cache(tiny_llama, tokens)
+    for layer in reference.layers:
+        layer.keys, layer.values = layer.keys.index_select(2, keep), layer.values.index_select(2, keep)
+    tiny_llama(input_ids=torch.tensor([[30, 31]]), **cache_kwargs(tiny_llama, reference), use_cache=True)
+    assert cache_length(cache) == keep.shape[0] + 2
+    assert_caches_equal(cache, reference)
