@@ -175,5 +175,6 @@ def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_to
         "verification_path": "fast" if fast_path else "normal",
         "schedule": "one candidate after another" if fast_path else "interleaved per prompt",
         "calibration_prompts": len(calibration),
+        "calibration_max_new_tokens": max_new_tokens,
         "verification_ms_by_nodes": verification_cost_ms(lm, calibration[0], node_counts, fast_path=fast_path),
     }

@@ -54,6 +54,9 @@ def test_bench_with_lookup_and_tree_auto_records_both(tmp_path, eagle_heads_dir)
     assert results["greedy_identical"] is True
     assert results["tree"]["lookup_tokens"] == 6
     assert all(trial["tree"]["lookup_tokens"] == 6 for trial in results["tree_autotune"]["trials"])
+    # tuned on both prompts (fewer than the 8 calibration prompts it takes) at the benchmark's length
+    assert results["tree_autotune"]["calibration_prompts"] == 2
+    assert results["tree_autotune"]["calibration_max_new_tokens"] == 12
 
 
 class _CorruptingLM:
