@@ -17,13 +17,18 @@ from torch import nn
 
 
 @functools.cache
-def _declared_keyword(forward: Callable[..., Any]) -> str | None:
-    """'cache' or 'past_key_values' as a class's `forward` declares it, None for neither (**kwargs).
+def declared_parameters(forward: Callable[..., Any]) -> frozenset[str]:
+    """The parameter names a `forward` function declares (no **kwargs expansion).
 
     Memoized per function: `inspect.signature` costs ~60 us, and the decode loop passes a cache several times a
     round (each verification, each draft level).
     """
-    parameters = inspect.signature(forward).parameters
+    return frozenset(inspect.signature(forward).parameters)
+
+
+def _declared_keyword(forward: Callable[..., Any]) -> str | None:
+    """'cache' or 'past_key_values' as a class's `forward` declares it, None for neither (**kwargs)."""
+    parameters = declared_parameters(forward)
     for keyword in ("cache", "past_key_values"):
         if keyword in parameters:
             return keyword

@@ -53,14 +53,10 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     def _holds_keys(self) -> bool:
-        """Whether `keys` / `values` are still the prefix views of the buffers that `update` left."""
-        buffer = self.key_buffer
+        """Whether `keys` / `values` are still views of the buffers (prefix slices: all that cropping makes), not
+        tensors other code put there. Two attribute reads: `update` runs per layer, forward and draft level."""
         return (
-            buffer is not None
-            and self.keys.data_ptr() == buffer.data_ptr()
-            and self.values.data_ptr() == self.value_buffer.data_ptr()
-            and self.keys.shape[:2] == buffer.shape[:2]
-            and self.keys.stride() == buffer.stride()
+            self.key_buffer is not None and self.keys._base is self.key_buffer and self.values._base is self.value_buffer
         )
 
     def _grow(self, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor, length: int) -> None:
