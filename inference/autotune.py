@@ -69,8 +69,8 @@ def verification_cost_ms(
     """Median milliseconds of one verification forward over N tree nodes, after the given prompt.
 
     `fast_path`: time what the fast path runs (a static cache, N padded slots, the CUDA-graph replay on CUDA),
-    else the normal path's forward on its growing cache (`kv_cache.tree_cache`). `autotune_tree` times the one that
-    `generate` used.
+    else the normal path's forward on its growing cache (`kv_cache.tree_cache`), scored by `lm.certified_argmax`
+    when set, as greedy rounds are. `autotune_tree` times the one that `generate` used.
     """
     if fast_path:
         return _fast_path_verification_ms(lm, input_ids, node_counts, repeats)
@@ -84,7 +84,10 @@ def verification_cost_ms(
         tokens = input_ids[0, -1:].repeat(n).to(target.device)
 
         def verify(tokens: torch.Tensor = tokens, tree: TreeBuffers = tree) -> None:
-            verify_tree(target, cache, tokens, tree, prefix)
+            if lm.certified_argmax is None:
+                verify_tree(target, cache, tokens, tree, prefix)
+            else:  # as greedy rounds verify: no lm_head in the forward, the certified argmax after it
+                lm.certified_argmax(verify_tree(target, cache, tokens, tree, prefix, with_logits=False)[1][-1])
             crop_cache(cache, prefix)
 
         costs[n] = _median_ms(verify, repeats)

@@ -21,6 +21,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from specheads.inference.autotune import autotune_tree
+from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
 from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES, GQA_ATTENTION
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-attention", choices=CPU_ATTENTION_CHOICES, default="auto",
                    help="CPU: 'gqa' hands grouped keys/values to SDPA without copying them in tree forwards (same "
                    "output; plain decoding is unaffected). 'auto' (default): gqa for a CPU target with grouped key/value heads")
+    p.add_argument("--cpu-argmax", choices=CPU_ARGMAX_CHOICES, default="auto",
+                   help="CPU, float32, greedy: 'bf16' takes the target's argmax in tree verification from a bf16 "
+                   "lm_head product whose error is bounded, rescoring in float32 the few tokens the bound cannot "
+                   "separate (same output, cheaper lm_head; the baseline is unaffected). 'auto' (default): bf16 for a "
+                   "float32 CPU target with a plain linear lm_head where oneDNN has bf16 products")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/results.json", help="JSON results; .md table and PNG plots go beside it")
     return p
@@ -242,6 +248,7 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
         "cpu_linear": "onednn" if any(isinstance(m, OneDNNLinear) for m in lm.target.modules()) else "default",
         "draft_linear": "int8" if any(isinstance(m, Int8Linear) for m in lm.heads.modules()) else "default",
         "cpu_attention": "gqa" if lm.target.config.get_text_config()._attn_implementation == GQA_ATTENTION else "default",
+        "cpu_argmax": "default" if lm.certified_argmax is None else "bf16",
         "round_graph_captured": runner is not None and getattr(runner.greedy_round, "graph", None) is not None,
     }
 
@@ -256,7 +263,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
                                        graphed_rounds=GRAPHED_ROUNDS[getattr(args, "graphed_rounds", "auto")])
     lm.use_cpu_kernels(getattr(args, "cpu_linear", "default"), getattr(args, "draft_linear", "default"),
-                       getattr(args, "cpu_attention", "default"))
+                       getattr(args, "cpu_attention", "default"), getattr(args, "cpu_argmax", "default"))
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
                                               getattr(args, "per_category", None)), lm.tokenizer,
                                chat=False if args.no_chat else None)

@@ -18,8 +18,9 @@ from specheads.heads.eagle import EagleHeads
 from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.loading import load_heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.inference.accept import accept_tree
+from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.batched import generate_batched
+from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
@@ -86,6 +87,7 @@ class SpeculativeLM:
         self.last_stats: dict[str, Any] = {}
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
         self.graphed_rounds = graphed_rounds
+        self.certified_argmax: CertifiedArgmax | None = None  # greedy verification's scorer (use_certified_argmax)
 
     def configure_tree(
         self,
@@ -195,6 +197,20 @@ class SpeculativeLM:
 
         return use_int8_linears(self.heads, keep=self.heads.float32_linears)
 
+    def use_certified_argmax(self) -> None:
+        """CPU, float32: greedy verification takes the target's argmax from a bf16 lm_head product whose error is
+        bounded, rescoring in float32 the few tokens the bound cannot separate (inference/certified_argmax.py).
+
+        Outputs are unchanged (the target's own argmax); the lm_head costs about half. Sampling, batched decoding
+        and the GPU fast path keep the full logits. Call it before `use_onednn_linears` (which hides the weight).
+
+        Raises:
+            ValueError: a target this does not apply to (see `certified_argmax_for`).
+        """
+        from specheads.inference.certified_argmax import certified_argmax_for
+
+        self.certified_argmax = certified_argmax_for(self.target)
+
     def use_gqa_attention(self) -> int:
         """Run the target's and the heads' grouped-query SDPA attention without repeating keys and values, in place.
 
@@ -208,7 +224,7 @@ class SpeculativeLM:
         return use_gqa_attention(self.target) + use_gqa_attention(self.heads)
 
     def use_cpu_kernels(
-        self, cpu_linear: str = "auto", draft_linear: str = "auto", cpu_attention: str = "auto"
+        self, cpu_linear: str = "auto", draft_linear: str = "auto", cpu_attention: str = "auto", cpu_argmax: str = "auto"
     ) -> dict[str, str]:
         """Pick the CPU kernels by the CLI's choices, in the order they must be applied; returns what is in use.
 
@@ -217,11 +233,15 @@ class SpeculativeLM:
             draft_linear: 'int8' | 'default' | 'auto' (int8 for float32 CPU heads): `use_int8_draft_linears`.
             cpu_attention: 'gqa' | 'default' | 'auto' (gqa for a CPU target with grouped key/value heads on SDPA
                 attention): `use_gqa_attention`.
+            cpu_argmax: 'bf16' | 'default' | 'auto' (bf16 for a float32 CPU target with a plain linear lm_head,
+                where PyTorch has oneDNN's bf16 product; left off where the target's logits are not that product):
+                `use_certified_argmax`.
 
         Returns:
             {"cpu_linear": "onednn" or "default", "draft_linear": "int8" or "default", "cpu_attention": "gqa" or
-            "default"}.
+            "default", "cpu_argmax": "bf16" or "default"}.
         """
+        from specheads.inference.certified_argmax import wants_certified_argmax
         from specheads.inference.gqa_attention import wants_gqa_attention
         from specheads.inference.int8_linear import wants_int8_drafting
         from specheads.inference.onednn import wants_onednn
@@ -229,8 +249,16 @@ class SpeculativeLM:
         int8 = wants_int8_drafting(draft_linear, self.heads)
         onednn = wants_onednn(cpu_linear, self.target)  # every choice is checked before anything is swapped
         gqa = wants_gqa_attention(cpu_attention, self.target)
+        argmax = wants_certified_argmax(cpu_argmax, self.target)
         if int8:
             self.use_int8_draft_linears()  # first: oneDNN's prepacked weights could not be quantized afterwards
+        if argmax:  # before oneDNN, which hides the lm_head's weight
+            try:
+                self.use_certified_argmax()
+            except ValueError:
+                if cpu_argmax != "auto":
+                    raise
+                argmax = False  # 'auto' on a target whose logits are not lm_head(hidden): the full logits
         if onednn:
             self.use_onednn_linears()
         if gqa:
@@ -239,6 +267,7 @@ class SpeculativeLM:
             "cpu_linear": "onednn" if onednn else "default",
             "draft_linear": "int8" if int8 else "default",
             "cpu_attention": "gqa" if gqa else "default",
+            "cpu_argmax": "bf16" if argmax else "default",
         }
 
     # ------------------------------------------------------------------------------------------------
@@ -316,7 +345,9 @@ class SpeculativeLM:
             drafters = [self.drafter.fork() for _ in prompts]
             rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats)
         else:
-            verifier = runner if runner is not None else DynamicTreeVerifier(self.target, self.heads.select_features)
+            verifier = runner if runner is not None else DynamicTreeVerifier(
+                self.target, self.heads.select_features, argmax=self.certified_argmax
+            )
             rows = []
             for prompt in prompts:
                 if streamer is not None:
@@ -377,14 +408,20 @@ class SpeculativeLM:
                 stats["rounds"] += 1
                 stats["accepted_counts"].append(len(accepted_tokens) - 1)
                 done = self._emit(accepted_tokens, new_tokens, max_new_tokens, eos, streamer)
+        # greedy on the normal path: the target's argmax per node is all acceptance needs (scored by
+        # `certified_argmax` when set, without the full-precision lm_head)
+        argmax_only = not params.do_sample and isinstance(verifier, DynamicTreeVerifier)
         while not done:
             # draft
             tokens, tree = drafter.propose(features, next_tokens)
-            # verify
-            logits, node_features = verifier.verify(tokens, tree, prefix_length)  # (N, V), (N, h)
+            # verify + accept
+            if argmax_only:
+                target_argmax, node_features = verifier.verify_argmax(tokens, tree, prefix_length)  # (N,), (N, h)
+                path, bonus = accept_greedy(tokens, tree, target_argmax)
+            else:
+                logits, node_features = verifier.verify(tokens, tree, prefix_length)  # (N, V), (N, h)
+                path, bonus = accept_tree(tokens, tree, logits, params, acceptance)
             stats["target_forwards"] += 1
-            # accept
-            path, bonus = accept_tree(tokens, tree, logits, params, acceptance)
             # update
             verifier.compact(prefix_length, path)
             prefix_length += path.shape[0]

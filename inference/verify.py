@@ -7,6 +7,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from specheads.heads.cache_keyword import cache_kwargs, declared_parameters
+from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.kv_cache import compact_cache, tree_cache
 from specheads.inference.tree import TreeBuffers
 
@@ -55,7 +56,8 @@ def verify_tree(
     tokens: torch.Tensor,
     tree: TreeBuffers,
     prefix_length: int,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    with_logits: bool = True,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
     """Run the target once over all tree nodes, appended to its cache.
 
     The tree enters as an explicit 4-D additive attention mask plus position ids (prefix length + depth);
@@ -69,9 +71,11 @@ def verify_tree(
         tokens: (N,) node tokens, node 0 the root.
         tree: the tree's buffers.
         prefix_length: cached positions before the tree.
+        with_logits: False skips the lm_head (`logits_to_keep` with no positions; the target's forward must take
+            it): for a caller that scores the last hidden state itself (`certified_argmax.CertifiedArgmax`).
 
     Returns:
-        logits (N, V) and the hidden states tuple, each (N, h).
+        logits (N, V), or None without them, and the hidden states tuple, each (N, h).
     """
     attention_mask: torch.Tensor | dict[str, torch.Tensor] = tree_attention_mask(tree, prefix_length)
     window, per_layer_types = sliding_window_of(target)
@@ -85,8 +89,9 @@ def verify_tree(
         **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=True,
+        **({} if with_logits else {"logits_to_keep": torch.empty(0, dtype=torch.long, device=tokens.device)}),
     )
-    return out.logits[0], tuple(h[0] for h in out.hidden_states)
+    return (out.logits[0] if with_logits else None), tuple(h[0] for h in out.hidden_states)
 
 
 class DynamicTreeVerifier:
@@ -100,10 +105,12 @@ class DynamicTreeVerifier:
     Args:
         target: the target model.
         select_features: the heads' `select_features` (hidden_states tuple -> features).
+        argmax: greedy decoding's scorer of the last hidden state (`certified_argmax.CertifiedArgmax`, CPU), used by
+            `verify_argmax`; None: `verify_argmax` takes the argmax of the full logits.
     """
 
-    def __init__(self, target: PreTrainedModel, select_features) -> None:
-        self.target, self.select_features = target, select_features
+    def __init__(self, target: PreTrainedModel, select_features, argmax: CertifiedArgmax | None = None) -> None:
+        self.target, self.select_features, self.argmax = target, select_features, argmax
         self.cache = tree_cache()
 
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +126,15 @@ class DynamicTreeVerifier:
         """One target forward over the (N,) tree tokens. Returns logits (N, V) and features (N, h)."""
         logits, hidden_states = verify_tree(self.target, self.cache, tokens, tree, prefix_length)
         return logits, self.select_features(hidden_states)
+
+    def verify_argmax(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`verify` for greedy decoding: the target's argmax token at each node (N,) instead of its logits, and the
+        features (N, h). With `argmax` set the forward skips the lm_head and the last hidden state is scored by it."""
+        if self.argmax is None:
+            logits, features = self.verify(tokens, tree, prefix_length)
+            return logits.argmax(dim=-1), features
+        _, hidden_states = verify_tree(self.target, self.cache, tokens, tree, prefix_length, with_logits=False)
+        return self.argmax(hidden_states[-1]), self.select_features(hidden_states)
 
     def compact(self, prefix_length: int, path: torch.Tensor) -> None:
         """Keep the prefix plus the accepted path's entries (see `kv_cache.compact_cache`)."""

@@ -10,6 +10,7 @@ import sys
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     # torch is loaded by now (the package imports it)
+    from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
     from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES
     from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
     from specheads.inference.onednn import CPU_LINEAR_CHOICES
@@ -37,6 +38,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-attention", choices=CPU_ATTENTION_CHOICES, default="auto",
                    help="CPU: 'gqa' hands grouped keys/values to SDPA without copying them in tree forwards (same "
                    "output); 'auto' (default): gqa for a CPU target with grouped key/value heads, else default")
+    p.add_argument("--cpu-argmax", choices=CPU_ARGMAX_CHOICES, default="auto",
+                   help="CPU, float32, greedy: 'bf16' takes the target's argmax from a bf16 lm_head product with "
+                   "certified error bounds (same output, cheaper verification); 'auto' (default): bf16 where it applies")
     p.add_argument("--lookup-tokens", type=int, default=0,
                    help="graft a prompt-lookup guess of up to N tokens onto each draft tree (0: off)")
     p.add_argument("--lookup-max-tokens", type=int, default=None,
@@ -56,7 +60,7 @@ def run_generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
                                       lookup_max_tokens=args.lookup_max_tokens)
-    kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention)
+    kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention, args.cpu_argmax)
     tokenizer = lm.tokenizer
     # the same rule as `specheads bench`: a chat model answers its chat template, not raw text
     prompt = {"prompt_id": "cli", "category": "cli", "text": args.prompt}

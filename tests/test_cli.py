@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from specheads.cli import main
+from specheads.inference.certified_argmax import wants_certified_argmax
 
 
 def test_module_help():
@@ -48,7 +49,7 @@ def _generate(heads_dir, capfd) -> tuple[str, str]:
     return capfd.readouterr()
 
 
-def test_generate_streams_text_and_prints_tau(stories260k_eagle_dir, capfd):
+def test_generate_streams_text_and_prints_tau(stories260k_eagle_dir, capfd, stories260k):
     """`specheads generate` with untrained EAGLE heads streams the target's own greedy text and prints tau."""
     out, err = _generate(stories260k_eagle_dir, capfd)
     # Lossless: whatever the heads draft, greedy output is the target's (the model README's story).
@@ -57,7 +58,9 @@ def test_generate_streams_text_and_prints_tau(stories260k_eagle_dir, capfd):
     tau = float(err.split("tau=")[1].split(",")[0])
     assert 1.0 <= tau <= 1 + 6  # at least the target's own token per forward, at most tree depth + 1
     assert "tokens/s" in err
-    assert "(cpu_linear=default, draft_linear=default, cpu_attention=gqa)" in err  # the kernels `auto` chose
+    argmax = "bf16" if wants_certified_argmax("auto", stories260k[0]) else "default"  # needs oneDNN bf16 products
+    # the kernels `auto` chose
+    assert f"(cpu_linear=default, draft_linear=default, cpu_attention=gqa, cpu_argmax={argmax})" in err
 
 
 @pytest.mark.parametrize(("option", "kernels"), [

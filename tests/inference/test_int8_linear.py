@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from specheads import SpeculativeLM
+from specheads.inference.certified_argmax import wants_certified_argmax
 from specheads.inference.int8_linear import Int8Linear, int8_engine, use_int8_linears, wants_int8_drafting
 from specheads.inference.onednn import OneDNNLinear
 
@@ -71,8 +72,9 @@ def test_greedy_with_int8_heads_is_the_targets_output(tiny_target_factory, head_
 
     both = speculative_on_a_copy(target, head_type)
     onednn_target = both.target
-    chosen = both.use_cpu_kernels("onednn", "int8", "default")
-    assert chosen == {"cpu_linear": "onednn", "draft_linear": "int8", "cpu_attention": "default"}
+    argmax = "bf16" if wants_certified_argmax("auto", onednn_target) else "default"  # needs oneDNN bf16 products
+    chosen = both.use_cpu_kernels("onednn", "int8", "default", "auto")
+    assert chosen == {"cpu_linear": "onednn", "draft_linear": "int8", "cpu_attention": "default", "cpu_argmax": argmax}
     layers = count_layers(both.heads)  # the float32 fusion layer goes to oneDNN, the rest stays int8
     assert count_layers(onednn_target)["Linear"] == 0 and layers["Linear"] == 0
     assert layers["OneDNNLinear"] == len(both.heads.float32_linears) and layers["Int8Linear"] > 0
