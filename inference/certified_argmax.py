@@ -13,10 +13,10 @@ off by up to ~1% and a near tie could then pick another token. `CertifiedArgmax`
 
 The bound, for a row x and token j (w_j the float32 weight row, ~ marking bf16 rounding, d the hidden size):
     x.w_j - x~.w~_j = (x - x~).w~_j + x.(w_j - w~_j)           <= |x - x~| |w~_j| + |x| |w_j - w~_j|
-    float32 sums of d products (any order), ours and the target's own, each <= d 2^-24 |x| |w_j|: GAMMA covers
-    both with ~3x to spare;
+    float32 sums of d products (any order), ours and the target's own, each <= d 2^-24 |x| |w_j| (+ a flushed
+    subnormal or two): `gamma` = max(1e-4, 2 d 2^-24) covers each with 2-3x to spare;
     rounding the float32 accumulator to the bf16 output                  <= 2^-9 |accumulator| (2^-7 taken)
-Taking the maxima over the vocabulary of |w~_j| and |w_j - w~_j| + GAMMA |w_j| (computed once) makes E one number
+Taking the maxima over the vocabulary of |w~_j| and |w_j - w~_j| + gamma |w_j| (computed once) makes E one number
 per row. The candidates' approximate logits lie within 2E of the best one, so the output term is bounded
 through |L~_best| + 2E (solved for E below). The bound is worst-case (Cauchy-Schwarz); on real hidden states
 the errors are a few percent of it (tests/inference/test_certified_argmax.py checks both).
@@ -34,18 +34,15 @@ import torch
 from transformers import PreTrainedModel
 
 from specheads.heads.cache_keyword import declared_parameters
+from specheads.inference.onednn import has_prepacked_linear
 
-GAMMA = 1e-4  # relative error of a float32 dot product of <= ~2,000 terms, both ours and the target's, with margin
+FLOAT32_UNIT_ROUNDING = 2.0**-24
 # relative error of rounding a float32 accumulator to the bf16 output: 2^-9 to nearest (oneDNN), 2^-8 in any
 # direction; twice that here so that the rounding of the bound's own terms is covered too
 BF16_OUTPUT_ROUNDING = 2.0**-7
 BLOCK = 64  # vocabulary ids per block when selecting candidates
 MAX_CANDIDATES = 4096  # more (row, id) candidates than this: the full float32 product is cheaper
 CPU_ARGMAX_CHOICES = ("default", "bf16", "auto")  # the CLI's --cpu-argmax
-
-
-def _has_prepacked_linear() -> bool:
-    return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 class CertifiedArgmax:
@@ -66,13 +63,15 @@ class CertifiedArgmax:
         self.weight = weight.detach()  # (V, h) float32
         self.output_layer = output_layer
         rounded = self.weight.to(torch.bfloat16)  # (V, h)
-        self.prepacked = _has_prepacked_linear()
+        self.prepacked = has_prepacked_linear()
         self.bf16_weight = torch.ops.mkldnn._reorder_linear_weight(rounded, None) if self.prepacked else rounded
+        # the relative error of a float32 dot product of this length, summed in any order, with margin
+        self.gamma = max(1e-4, 2 * self.weight.shape[1] * FLOAT32_UNIT_ROUNDING)
         # The vocabulary-wide maxima of the bound's weight terms, in float64, rounded up.
         exact, approx = self.weight.double(), rounded.double()
         self.max_rounded_norm = float(approx.norm(dim=1).max()) * (1 + 1e-6)  # max_j |w~_j|
-        rounding = (exact - approx).norm(dim=1) + GAMMA * exact.norm(dim=1)
-        self.max_rounding_norm = float(rounding.max()) * (1 + 1e-6)  # max_j |w_j - w~_j| + GAMMA |w_j|
+        rounding = (exact - approx).norm(dim=1) + self.gamma * exact.norm(dim=1)
+        self.max_rounding_norm = float(rounding.max()) * (1 + 1e-6)  # max_j |w_j - w~_j| + gamma |w_j|
 
     def approximate_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, h) float32 -> (N, V) bf16 logits of the bf16-rounded hidden states and weight."""
@@ -89,7 +88,8 @@ class CertifiedArgmax:
         """
         x_norm = hidden.norm(dim=1)  # (N,) |x|
         rounding = (hidden - hidden.to(torch.bfloat16).float()).norm(dim=1)  # (N,) |x - x~|
-        products = (rounding + GAMMA * (x_norm + rounding)) * self.max_rounded_norm + x_norm * self.max_rounding_norm
+        products = (rounding + self.gamma * (x_norm + rounding)) * self.max_rounded_norm + x_norm * self.max_rounding_norm
+        products = products + 1e-30  # subnormal products a bf16 kernel may flush to zero
         # E = products (1 + c) + c (|best| + 2E) covers the output rounding of every token whose approximate logit
         # is >= best - 2E, and of the true argmax whatever its approximate logit (rounding is monotone)
         c = BF16_OUTPUT_ROUNDING
@@ -185,7 +185,7 @@ def wants_certified_argmax(choice: str, target: PreTrainedModel) -> bool:
         and head.bias is None
         and head.weight.dtype == torch.float32
         and head.weight.device.type == "cpu"
-        and _has_prepacked_linear()
+        and has_prepacked_linear()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         and "logits_to_keep" in declared_parameters(type(target).forward)
     )

@@ -23,7 +23,7 @@ from torch import nn
 from specheads.inference.linear_swap import is_float32_on_cpu, replace_linears
 
 
-def _has_prepacked_linear() -> bool:
+def has_prepacked_linear() -> bool:
     """Whether this PyTorch has oneDNN's dense-input linear on a prepacked weight (what inductor's CPU freezing
     uses): faster than `aten.mkldnn_linear`, which converts every input and output to and from oneDNN tensors."""
     return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -35,7 +35,7 @@ class OneDNNLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.prepacked = _has_prepacked_linear()
+        self.prepacked = has_prepacked_linear()
         weight = linear.weight.detach()
         weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight.to_mkldnn()
         # Not persistent: a state_dict of oneDNN tensors could not be saved anyway (the module is inference-only).

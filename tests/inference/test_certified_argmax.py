@@ -46,7 +46,7 @@ def peaked_rows(weight: torch.Tensor, rows: int, generator: torch.Generator) -> 
 @settings(max_examples=25, deadline=None)
 @given(
     vocab=st.sampled_from([50, 64, 97, 513, 2048]),
-    hidden_size=st.sampled_from([8, 64, 576]),
+    hidden_size=st.sampled_from([8, 64, 576, 2048]),
     rows=st.integers(1, 17),
     scale=st.sampled_from([1e-3, 1.0, 30.0]),
     seed=st.integers(0, 2**16),

@@ -96,7 +96,7 @@ def test_both_onednn_products_equal_the_linear_layer(prepacked, monkeypatch):
     product, with and without bias, on 2-D and 3-D inputs."""
     from specheads.inference import onednn
 
-    monkeypatch.setattr(onednn, "_has_prepacked_linear", lambda: prepacked)
+    monkeypatch.setattr(onednn, "has_prepacked_linear", lambda: prepacked)
     torch.manual_seed(0)
     for bias in (True, False):
         linear = nn.Linear(32, 48, bias=bias)
