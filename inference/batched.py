@@ -22,11 +22,11 @@ import torch
 from transformers import DynamicCache
 
 from specheads.heads.cache_keyword import cache_kwargs
-from specheads.inference.accept import accept_tree
+from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.drafting import Drafter
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.tree import TreeBuffers
-from specheads.inference.verify import last_logits_only
+from specheads.inference.verify import last_logits_only, no_logits
 
 
 def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -129,6 +129,8 @@ def generate_batched(
         gather_cache(cache, torch.arange(width, device=device).repeat(len(keep), 1), rows=keep)
         active, pad, valid = [active[i] for i in keep], pad[keep], valid[keep]
         features, next_tokens = [features[i] for i in keep], [next_tokens[i] for i in keep]
+    # greedy with a certified argmax (CPU): the forward skips the lm_head, the argmax comes from the hidden states
+    argmax = None if params.do_sample else lm.certified_argmax
     while active:
         # draft
         proposals = [drafters[row].propose(features[i], next_tokens[i]) for i, row in enumerate(active)]
@@ -144,15 +146,21 @@ def generate_batched(
         out = target(
             input_ids=tokens, attention_mask=verify_mask(trees, pad, valid, cache_length, nodes, dtype),
             position_ids=position_ids, **cache_kwargs(target, cache), use_cache=True, output_hidden_states=True,
+            **({} if argmax is None else no_logits(device)),
         )
         stats["target_forwards"] += len(active)
         stats["batched_forwards"] += 1
         row_features = heads.select_features(out.hidden_states)  # (A, N_max, h)
+        if argmax is not None:
+            last_hidden = out.hidden_states[-1]  # (A, N_max, h)
+            target_argmax = argmax(last_hidden.reshape(-1, last_hidden.shape[-1])).view(len(active), nodes)
         # accept, per row
         paths, finished = [], []
         for i, (tree_tokens, tree) in enumerate(proposals):
-            logits = out.logits[i, : tree.num_nodes]
-            path, bonus = accept_tree(tree_tokens, tree, logits, params, acceptance)
+            if argmax is not None:
+                path, bonus = accept_greedy(tree_tokens, tree, target_argmax[i, : tree.num_nodes])
+            else:
+                path, bonus = accept_tree(tree_tokens, tree, out.logits[i, : tree.num_nodes], params, acceptance)
             accepted = torch.cat([tree_tokens[path[1:]], bonus[None]])
             stats["accepted_counts"].append(path.shape[0] - 1)
             paths.append(path)

@@ -201,8 +201,9 @@ class SpeculativeLM:
         """CPU, float32: greedy verification takes the target's argmax from a bf16 lm_head product whose error is
         bounded, rescoring in float32 the few tokens the bound cannot separate (inference/certified_argmax.py).
 
-        Outputs are unchanged (the target's own argmax); the lm_head costs about half. Sampling, batched decoding
-        and the GPU fast path keep the full logits. Call it before `use_onednn_linears` (which hides the weight).
+        Outputs are unchanged (the target's own argmax); the lm_head costs about half. Greedy decoding uses it row
+        by row and batched; sampling and the GPU fast path keep the full logits. Call it before `use_onednn_linears`
+        (which hides the weight).
 
         Raises:
             ValueError: a target this does not apply to (see `certified_argmax_for`).

@@ -22,6 +22,12 @@ def last_logits_only(target: PreTrainedModel) -> dict[str, int]:
     return {"logits_to_keep": 1} if "logits_to_keep" in declared_parameters(type(target).forward) else {}
 
 
+def no_logits(device: torch.device) -> dict[str, torch.Tensor]:
+    """`{"logits_to_keep": <no positions>}`: the forward skips its lm_head (for `certified_argmax.CertifiedArgmax`,
+    which scores the last hidden state itself; the target's forward must take `logits_to_keep`)."""
+    return {"logits_to_keep": torch.empty(0, dtype=torch.long, device=device)}
+
+
 def tree_attention_mask(tree: TreeBuffers, prefix_length: int) -> torch.Tensor:
     """(1, 1, N, prefix_length + N) additive mask: every node sees the whole prefix, then its ancestors."""
     n = tree.num_nodes
@@ -89,7 +95,7 @@ def verify_tree(
         **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=True,
-        **({} if with_logits else {"logits_to_keep": torch.empty(0, dtype=torch.long, device=tokens.device)}),
+        **({} if with_logits else no_logits(tokens.device)),
     )
     return (out.logits[0] if with_logits else None), tuple(h[0] for h in out.hidden_states)
 

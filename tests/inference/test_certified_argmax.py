@@ -24,7 +24,7 @@ from specheads.inference.kv_cache import tree_cache
 from specheads.inference.tree import build_tree_buffers
 from specheads.inference.verify import DynamicTreeVerifier, verify_tree
 
-from .conftest import TINY_PROMPT, hf_greedy, make_heads
+from .conftest import TINY_PROMPT, hf_greedy, left_pad, make_heads
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
@@ -135,6 +135,22 @@ def test_greedy_decoding_through_it_equals_the_targets_own(target_and_prompt, he
     torch.manual_seed(0)
     sampled = lm.generate(ids, max_new_tokens=8, do_sample=True)  # sampling keeps the full logits
     assert sampled.shape == (1, ids.shape[1] + 8)
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "eagle"])
+def test_batched_greedy_through_it_equals_each_row_alone(tiny_target_factory, head_type):
+    target = tiny_target_factory("llama", seed=3)
+    prompts = [[1, 5, 9], [1, 7, 3, 8, 2, 11, 4], [1, 40]]
+    ids, mask = left_pad(prompts)
+    lm = SpeculativeLM(copy.deepcopy(target), make_heads(target, head_type))
+    lm.use_certified_argmax()
+    scorer, rows_scored = lm.certified_argmax, []
+    lm.certified_argmax = lambda hidden: rows_scored.append(hidden.shape[0]) or scorer(hidden)
+    out = lm.generate(ids, attention_mask=mask, max_new_tokens=20, batched=True)
+    assert lm.last_stats["batched_forwards"] < lm.last_stats["target_forwards"] and max(rows_scored) > 3
+    for i, prompt in enumerate(prompts):
+        alone = hf_greedy(target, torch.tensor([prompt]), 20, pad_token_id=0)
+        assert torch.equal(out[i, ids.shape[1] :], alone[0, len(prompt) :]), f"row {i}"
 
 
 def test_targets_it_cannot_serve_are_refused_and_auto_leaves_them(tiny_target_factory, tiny_llama):
