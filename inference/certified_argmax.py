@@ -63,7 +63,9 @@ class CertifiedArgmax:
         self.weight = weight.detach()  # (V, h) float32
         self.output_layer = output_layer
         rounded = self.weight.to(torch.bfloat16)  # (V, h)
-        self.prepacked = has_prepacked_linear()
+        # oneDNN's prepacked bf16 product where it has one for this CPU, else PyTorch's own bf16 linear
+        bf16_check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        self.prepacked = has_prepacked_linear() and bf16_check is not None and bool(bf16_check())
         self.bf16_weight = torch.ops.mkldnn._reorder_linear_weight(rounded, None) if self.prepacked else rounded
         # the relative error of a float32 dot product of this length, summed in any order, with margin
         self.gamma = max(1e-4, 2 * self.weight.shape[1] * FLOAT32_UNIT_ROUNDING)
@@ -172,9 +174,17 @@ def certified_argmax_for(target: PreTrainedModel) -> CertifiedArgmax:
     return CertifiedArgmax(weight, output_layer=target.get_output_embeddings)
 
 
+def has_native_bf16_products() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and this PyTorch has oneDNN's prepacked
+    product: elsewhere oneDNN emulates bf16 and the approximate product may cost as much as the float32 one."""
+    cpu = torch.cpu
+    native = any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return native and torch.backends.mkldnn.is_available() and has_prepacked_linear()
+
+
 def wants_certified_argmax(choice: str, target: PreTrainedModel) -> bool:
     """Whether `--cpu-argmax CHOICE` means `certified_argmax_for(target)`: 'bf16' yes, 'default' no, 'auto' for a
-    float32 CPU target whose output layer is a bias-free linear, where this PyTorch has oneDNN's bf16 product."""
+    float32 CPU target whose output layer is a bias-free linear, on a CPU with bf16 in hardware."""
     if choice not in CPU_ARGMAX_CHOICES:
         raise ValueError(f"--cpu-argmax {choice!r}; expected one of {CPU_ARGMAX_CHOICES}")
     if choice != "auto":
@@ -185,7 +195,6 @@ def wants_certified_argmax(choice: str, target: PreTrainedModel) -> bool:
         and head.bias is None
         and head.weight.dtype == torch.float32
         and head.weight.device.type == "cpu"
-        and has_prepacked_linear()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and has_native_bf16_products()
         and "logits_to_keep" in declared_parameters(type(target).forward)
     )
