@@ -234,8 +234,8 @@ class SpeculativeLM:
             draft_linear: 'int8' | 'default' | 'auto' (int8 for float32 CPU heads): `use_int8_draft_linears`.
             cpu_attention: 'gqa' | 'default' | 'auto' (gqa for a CPU target with grouped key/value heads on SDPA
                 attention): `use_gqa_attention`.
-            cpu_argmax: 'bf16' | 'default' | 'auto' (bf16 for a float32 CPU target with a plain linear lm_head,
-                where PyTorch has oneDNN's bf16 product; left off where the target's logits are not that product):
+            cpu_argmax: 'bf16' | 'default' | 'auto' (bf16 for a float32 CPU target with a plain linear lm_head on a
+                CPU with bf16 in hardware; left off where the target's logits are not that product):
                 `use_certified_argmax`.
 
         Returns:
