@@ -1,7 +1,8 @@
 """Fuzzing generate: random left-padded batches, EOS positions and lengths against a slow reference.
 
 The reference is each prompt decoded alone by `target.generate` (greedy), cut right after the first EOS.
-Both batch schemes (one batched verification per round, and rows one after another) must equal it.
+Both batch schemes (one batched verification per round, and rows one after another) must equal it, with the
+target's argmax from its full logits or from the certified bf16 argmax (`--cpu-argmax`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specheads import SpeculativeLM, create_heads
+from specheads.inference.certified_argmax import certified_argmax_for
 
 from ..conftest import build_tiny_target
 
@@ -23,7 +25,8 @@ def models():
     target = build_tiny_target("llama", seed=11)
     eagle = SpeculativeLM(target, create_heads(target, "eagle", tree_depth=3, tree_top_k=3, tree_num_nodes=7))
     medusa = SpeculativeLM(target, create_heads(target, "medusa", num_heads=3))
-    return target, {"eagle": eagle, "medusa": medusa}
+    scorer = certified_argmax_for(target)
+    return target, {"eagle": eagle, "medusa": medusa}, scorer
 
 
 def reference(target, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
@@ -42,11 +45,13 @@ def reference(target, prompt: list[int], max_new_tokens: int, eos: int | None) -
     eos_choice=st.one_of(st.none(), st.tuples(st.integers(0, 2), st.integers(0, 15))),
     head_type=st.sampled_from(["eagle", "medusa"]),
     batched=st.booleans(),
+    certified=st.booleans(),
 )
-def test_generate_matches_the_reference(models, prompts, max_new_tokens, eos_choice, head_type, batched):
+def test_generate_matches_the_reference(models, prompts, max_new_tokens, eos_choice, head_type, batched, certified):
     """Every row equals its own greedy decode alone, with EOS anywhere (or nowhere), for both schemes."""
-    target, lms = models
+    target, lms, scorer = models
     lm = lms[head_type]
+    lm.certified_argmax = scorer if certified else None
     eos = None
     if eos_choice is not None:  # an EOS that really occurs inside some row's continuation
         row, position = eos_choice
