@@ -34,7 +34,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specheads.heads.cache_keyword import declared_parameters
-from specheads.inference.onednn import has_prepacked_linear
+from specheads.inference.onednn import OneDNNLinear, has_prepacked_linear
 
 FLOAT32_UNIT_ROUNDING = 2.0**-24
 # relative error of rounding a float32 accumulator to the bf16 output: 2^-9 to nearest (oneDNN), 2^-8 in any
@@ -154,8 +154,8 @@ def certified_argmax_for(target: PreTrainedModel) -> CertifiedArgmax:
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         raise ValueError(
             f"--cpu-argmax bf16 needs the target's output layer to be a bias-free nn.Linear, got {type(head).__name__}"
-            + ("" if not isinstance(head, torch.nn.Linear) else " with a bias")
-            + " (swap the CPU kernels after use_certified_argmax, not before)"
+            + (" with a bias" if isinstance(head, torch.nn.Linear) else "")
+            + (" (swap the CPU kernels after use_certified_argmax, not before)" if isinstance(head, OneDNNLinear) else "")
         )
     weight = head.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
