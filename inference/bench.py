@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU, float32, greedy: 'bf16' takes the target's argmax in tree verification from a bf16 "
                    "lm_head product whose error is bounded, rescoring in float32 the few tokens the bound cannot "
                    "separate (same output, cheaper lm_head; the baseline is unaffected). 'auto' (default): bf16 for a "
-                   "float32 CPU target with a plain linear lm_head where oneDNN has bf16 products")
+                   "float32 CPU target with a plain linear lm_head, on a CPU with bf16 in hardware")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/results.json", help="JSON results; .md table and PNG plots go beside it")
     return p

@@ -75,21 +75,24 @@ class CertifiedArgmax:
         rounding = (exact - approx).norm(dim=1) + self.gamma * exact.norm(dim=1)
         self.max_rounding_norm = float(rounding.max()) * (1 + 1e-6)  # max_j |w_j - w~_j| + gamma |w_j|
 
-    def approximate_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, h) float32 -> (N, V) bf16 logits of the bf16-rounded hidden states and weight."""
-        rounded = hidden.to(torch.bfloat16)
+    def approximate_logits(self, hidden: torch.Tensor, rounded: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, h) float32 -> (N, V) bf16 logits of the bf16-rounded hidden states (`rounded`, if already made) and
+        weight."""
+        rounded = hidden.to(torch.bfloat16) if rounded is None else rounded
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(rounded, self.bf16_weight, None, "none", [], "")
         return torch.nn.functional.linear(rounded, self.bf16_weight)
 
-    def error_bound(self, hidden: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    def error_bound(self, hidden: torch.Tensor, best: torch.Tensor, rounded: torch.Tensor | None = None) -> torch.Tensor:
         """(N,) bound E on |float32 logit - approximate logit| over tokens whose approximate logit is >= best - 2E.
 
         Args:
-            hidden: (N, h) float32; best: (N,) float32, each row's largest approximate logit.
+            hidden: (N, h) float32; best: (N,) float32, each row's largest approximate logit; rounded: `hidden` in
+                bf16, if already made.
         """
+        rounded = hidden.to(torch.bfloat16) if rounded is None else rounded
         x_norm = hidden.norm(dim=1)  # (N,) |x|
-        rounding = (hidden - hidden.to(torch.bfloat16).float()).norm(dim=1)  # (N,) |x - x~|
+        rounding = (hidden - rounded.float()).norm(dim=1)  # (N,) |x - x~|
         products = (rounding + self.gamma * (x_norm + rounding)) * self.max_rounded_norm + x_norm * self.max_rounding_norm
         products = products + 1e-30  # subnormal products a bf16 kernel may flush to zero
         # E = products (1 + c) + c (|best| + 2E) covers the output rounding of every token whose approximate logit
@@ -101,9 +104,10 @@ class CertifiedArgmax:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, h) float32 final hidden states -> (N,) long: the argmax of the float32 lm_head's logits."""
         n, vocab = hidden.shape[0], self.weight.shape[0]
-        approx = self.approximate_logits(hidden).float()  # (N, V)
+        rounded = hidden.to(torch.bfloat16)  # (N, h) x~
+        approx = self.approximate_logits(hidden, rounded).float()  # (N, V)
         best = approx.amax(dim=1)  # (N,)
-        floor = best - 2 * self.error_bound(hidden, best)  # (N,) a token below its row's floor is not its argmax
+        floor = best - 2 * self.error_bound(hidden, best, rounded)  # (N,) a token below its row's floor is not its argmax
         if not bool(torch.isfinite(floor).all()):  # inf / nan hidden states: no bound holds
             return self.full_argmax(hidden)
         rows, ids = self.candidates(approx, floor)  # (k,) each, by row then id
@@ -150,18 +154,10 @@ def certified_argmax_for(target: PreTrainedModel) -> CertifiedArgmax:
             forward has no `logits_to_keep`; or its logits are not the product of its last hidden state with the
             lm_head weight (each named in the message).
     """
-    head = target.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        raise ValueError(
-            f"--cpu-argmax bf16 needs the target's output layer to be a bias-free nn.Linear, got {type(head).__name__}"
-            + (" with a bias" if isinstance(head, torch.nn.Linear) else "")
-            + (" (swap the CPU kernels after use_certified_argmax, not before)" if isinstance(head, OneDNNLinear) else "")
-        )
-    weight = head.weight
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"--cpu-argmax bf16 is for float32 CPU targets; the lm_head is {weight.dtype} on {weight.device}")
-    if "logits_to_keep" not in declared_parameters(type(target).forward):
-        raise ValueError(f"--cpu-argmax bf16 needs a target forward with logits_to_keep; {type(target).__name__} has none")
+    reason = unsupported_reason(target)
+    if reason is not None:
+        raise ValueError(f"--cpu-argmax bf16 {reason}")
+    weight = target.get_output_embeddings().weight
     with torch.no_grad():  # a model whose logits are scaled, biased or capped after the lm_head is not supported
         probe = torch.arange(1, 9, device=weight.device)[None] % target.config.get_text_config().vocab_size
         out = target(input_ids=probe, output_hidden_states=True, use_cache=False)
@@ -172,6 +168,22 @@ def certified_argmax_for(target: PreTrainedModel) -> CertifiedArgmax:
                 "capped logits?); use --cpu-argmax default"
             )
     return CertifiedArgmax(weight, output_layer=target.get_output_embeddings)
+
+
+def unsupported_reason(target: PreTrainedModel) -> str | None:
+    """Why `CertifiedArgmax` cannot serve this target (its output layer, dtype, device or forward), or None."""
+    head = target.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return (
+            f"needs the target's output layer to be a bias-free nn.Linear, got {type(head).__name__}"
+            + (" with a bias" if isinstance(head, torch.nn.Linear) else "")
+            + (" (swap the CPU kernels after use_certified_argmax, not before)" if isinstance(head, OneDNNLinear) else "")
+        )
+    if head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
+        return f"is for float32 CPU targets; the lm_head is {head.weight.dtype} on {head.weight.device}"
+    if "logits_to_keep" not in declared_parameters(type(target).forward):
+        return f"needs a target forward with logits_to_keep; {type(target).__name__} has none"
+    return None
 
 
 def has_native_bf16_products() -> bool:
@@ -189,12 +201,4 @@ def wants_certified_argmax(choice: str, target: PreTrainedModel) -> bool:
         raise ValueError(f"--cpu-argmax {choice!r}; expected one of {CPU_ARGMAX_CHOICES}")
     if choice != "auto":
         return choice == "bf16"
-    head = target.get_output_embeddings()
-    return (
-        isinstance(head, torch.nn.Linear)
-        and head.bias is None
-        and head.weight.dtype == torch.float32
-        and head.weight.device.type == "cpu"
-        and has_native_bf16_products()
-        and "logits_to_keep" in declared_parameters(type(target).forward)
-    )
+    return has_native_bf16_products() and unsupported_reason(target) is None
