@@ -9,18 +9,21 @@ outputs are checked identical.
     python scripts/tree_sweep.py --per-category 2 --lookup-tokens 10 --draft-linear int8 --cpu-attention default,gqa 4,4,8
     python scripts/tree_sweep.py --per-category 2 --lookup-tokens 10,10:40 --draft-linear int8 4,4,8
     python scripts/tree_sweep.py --per-category 4 --lookup-tokens 10:40 --draft-linear int8 --cpu-argmax default,bf16 4,4,8,0.2,0.03
+    python scripts/tree_sweep.py --per-category 4 --lookup-tokens 10:40 --draft-linear int8 --heads OLD,NEW 4,4,8,0.2,0.03
 
 Trees are `depth,top_k,nodes[,stop_prob[,min_prob]]` as for `specheads bench --tree`; with several
 `--lookup-tokens` values (a comma list; `N:M` grows the guess from N up to M tokens while whole guesses are
 accepted, `lookup_max_tokens`) every tree runs with each (prompt lookup grafted onto it, 0 = off), and
 likewise with several `--draft-linear` values (float32 or int8 heads; each its own copy of the heads, one target)
 and `--cpu-attention` values (transformers' SDPA or grouped SDPA, switched on the one target before each run) and
-`--cpu-argmax` values (greedy verification from the full float32 logits, or the certified bf16 argmax).
+`--cpu-argmax` values (greedy verification from the full float32 logits, or the certified bf16 argmax), and
+several `--heads` (two versions of a checkpoint, say: each loaded onto the one target).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -65,7 +68,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trees", nargs="+", help="depth,top_k,nodes[,stop_prob[,min_prob]]")
     p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-eagle3")
+    p.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-eagle3",
+                   help="heads folder or Hub id, or a comma list of them (compared side by side on the one target)")
     p.add_argument("--prompts", default="configs/prompts/mt_bench_questions.jsonl")
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -84,33 +88,35 @@ def main() -> None:
     draft_linears = comma_list(args.draft_linear, "--draft-linear", DRAFT_LINEAR_CHOICES)
     attentions = comma_list(args.cpu_attention, "--cpu-attention", CPU_ATTENTION_CHOICES)
     argmaxes = comma_list(args.cpu_argmax, "--cpu-argmax", CPU_ARGMAX_CHOICES)
+    heads_list = [h for h in args.heads.split(",") if h]
+    if not heads_list:
+        raise SystemExit(f"--heads {args.heads!r}: expected a heads folder or Hub id, or a comma list of them")
     trees = {}  # bad specs fail before any loading
-    for spec in args.trees:
-        for lookup in args.lookup_tokens.split(","):
-            for draft_linear in draft_linears:
-                for attention in attentions:
-                    for argmax in argmaxes:
-                        name = spec if lookup == "0" else f"{spec} +lookup {lookup}"
-                        name = name if len(draft_linears) == 1 else f"{name} ({draft_linear} heads)"
-                        name = name if len(attentions) == 1 else f"{name} ({attention} attention)"
-                        name = name if len(argmaxes) == 1 else f"{name} ({argmax} argmax)"
-                        trees[name] = (parse_eagle_tree(spec), parse_lookup(lookup), draft_linear, attention, argmax)
+    for spec, lookup, heads, draft_linear, attention, argmax in itertools.product(
+        args.trees, args.lookup_tokens.split(","), heads_list, draft_linears, attentions, argmaxes
+    ):
+        name = spec if lookup == "0" else f"{spec} +lookup {lookup}"
+        name = name if len(heads_list) == 1 else f"{name} (heads {heads})"
+        name = name if len(draft_linears) == 1 else f"{name} ({draft_linear} heads)"
+        name = name if len(attentions) == 1 else f"{name} ({attention} attention)"
+        name = name if len(argmaxes) == 1 else f"{name} ({argmax} argmax)"
+        trees[name] = (parse_eagle_tree(spec), parse_lookup(lookup), (heads, draft_linear), attention, argmax)
     torch.set_num_threads(args.threads)
-    lm = SpeculativeLM.from_pretrained(args.target, args.heads)
+    lm = SpeculativeLM.from_pretrained(args.target, heads_list[0])
     # what each --cpu-attention choice means, decided before any switch ('auto' reads the target's attention)
     grouped = {choice: wants_gqa_attention(choice, lm.target) for choice in attentions}
     certified = {choice: wants_certified_argmax(choice, lm.target) for choice in argmaxes}
-    # one SpeculativeLM per draft-linear choice on the one target, each with its own copy of the heads (the first
-    # choice's swaps the target's layers to oneDNN; the others find them swapped already)
-    lms = {choice: lm if i == 0 else SpeculativeLM(lm.target, load_heads(args.heads, target=lm.target),
-                                                   tokenizer=lm.tokenizer)
-           for i, choice in enumerate(draft_linears)}
+    # one SpeculativeLM per (heads, draft-linear choice) on the one target, each with its own copy of the heads (the
+    # first one's swaps the target's layers to oneDNN; the others find them swapped already)
+    lms = {variant: lm if i == 0 else SpeculativeLM(lm.target, load_heads(variant[0], target=lm.target),
+                                                    tokenizer=lm.tokenizer)
+           for i, variant in enumerate(itertools.product(heads_list, draft_linears))}
     scorer = None  # greedy verification's certified argmax, built before the target's layers go to oneDNN
     if any(certified.values()):
         lm.use_certified_argmax()
         scorer = lm.certified_argmax
-    for choice, one in lms.items():
-        one.use_cpu_kernels(args.cpu_linear, choice, "default", "default")  # attention and argmax: set before each run
+    for (_, draft_linear), one in lms.items():
+        one.use_cpu_kernels(args.cpu_linear, draft_linear, "default", "default")  # attention and argmax: set before each run
     prompts = tokenize_prompts(read_prompts(args.prompts, per_category=args.per_category), lm.tokenizer)
     for one in lms.values():
         one.generate(prompts[0].input_ids, max_new_tokens=16)  # warm-up
@@ -119,8 +125,8 @@ def main() -> None:
     rows: dict[str, list[dict]] = {spec: [] for spec in trees}
     for number, prompt in enumerate(prompts, start=1):
         order = list(trees.items()) if number % 2 else list(trees.items())[::-1]  # neither variant always first
-        for spec, (tree, lookup, draft_linear, attention, argmax) in order:
-            one = lms[draft_linear]
+        for spec, (tree, lookup, variant, attention, argmax) in order:
+            one = lms[variant]
             one.certified_argmax = scorer if certified[argmax] else None
             switch = use_gqa_attention if grouped[attention] else use_sdpa_attention  # same output, other cost
             switch(one.target)

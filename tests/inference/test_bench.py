@@ -118,3 +118,40 @@ def test_eagle_tree_specs_parse_with_optional_probabilities():
     for bad in ("5,8", "5,8,24,0.1,0.1,0.1", "5,x,24", "5,8,24,high"):
         with pytest.raises(ValueError, match=rf"--tree '{bad}': expected depth,top_k,nodes\[,stop_prob\[,min_prob\]\]"):
             parse_eagle_tree(bad)
+
+
+def test_tree_sweep_runs_several_heads_side_by_side_on_one_target(tmp_path, eagle_heads_dir, monkeypatch):
+    """scripts/tree_sweep.py --heads A,B: each heads folder is loaded onto the ONE target and runs every prompt."""
+    import runpy
+    import sys
+
+    import specheads.heads.loading as loading
+
+    target, _ = load_target("stories260K")
+    torch.manual_seed(1)
+    other = tmp_path / "other_heads"
+    create_heads(target, "eagle", tree_depth=3, tree_top_k=2, tree_num_nodes=4).save_pretrained(other)
+    loaded = []
+    real_load_heads = loading.load_heads
+
+    def spy(path, *args, **kwargs):
+        loaded.append((str(path), kwargs.get("target")))
+        return real_load_heads(path, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_heads", spy)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat\n")
+    out = tmp_path / "sweep.json"
+    script = Path(__file__).parents[2] / "scripts" / "tree_sweep.py"
+    monkeypatch.setattr(sys, "argv", [
+        str(script), "--target", "stories260K", "--heads", f"{eagle_heads_dir},{other}", "--prompts", str(prompts),
+        "--per-category", "2", "--max-new-tokens", "10", "--threads", "1", "--cpu-linear", "default",
+        "--cpu-attention", "default", "--out", str(out), "3,2,4",
+    ])
+    runpy.run_path(str(script), run_name="__main__")
+    results = json.loads(out.read_text())["trees"]
+    assert set(results) == {f"3,2,4 (heads {eagle_heads_dir})", f"3,2,4 (heads {other})"}
+    assert all(r["prompts"] == 2 and r["greedy_identical"] for r in results.values())
+    # the second heads were loaded onto the first one's target (the first come with SpeculativeLM.from_pretrained)
+    second = [target_seen for path, target_seen in loaded if path == str(other)]
+    assert len(second) == 1 and second[0] is not None
