@@ -167,6 +167,7 @@ def run_prompt(
         static, static_s = _timed(lambda: static_decoder.generate(ids, args.max_new_tokens))
         row["static_baseline_tokens"] = static.shape[1] - ids.shape[1]
         row["static_baseline_seconds"] = static_s
+        row["static_baseline_prefill_seconds"] = static_decoder.last_prefill_seconds
         row["static_baseline_tokens_per_second"] = row["static_baseline_tokens"] / static_s
         row["speedup_vs_static"] = row["tokens_per_second"] / row["static_baseline_tokens_per_second"]
         row["static_identical"] = torch.equal(static.cpu(), baseline.cpu())  # bf16 kernels may differ: recorded
@@ -223,6 +224,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         static_tokens = sum(r["static_baseline_tokens"] for r in rows)
         result["static_baseline_tokens_per_second"] = static_tokens / sum(r["static_baseline_seconds"] for r in rows)
         result["speedup_vs_static"] = result["tokens_per_second"] / result["static_baseline_tokens_per_second"]
+        result["static_baseline_prefill_seconds"] = sum(r.get("static_baseline_prefill_seconds", 0.0) for r in rows)
         result["static_identical"] = all(r["static_identical"] for r in rows)
     for peer in ("prompt_lookup", "assisted"):
         key = f"{peer}_tokens_per_second"

@@ -27,6 +27,7 @@ Sliding-window targets whose window could be reached fall back to the normal pat
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -365,6 +366,7 @@ class StaticGreedyDecoder:
         self.mask = torch.full((1, 1, 1, capacity), torch.finfo(dtype).min, dtype=dtype, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_failed = False
+        self.last_prefill_seconds = 0.0  # the last `generate`'s prompt forward, up to its first token on the host
 
     @property
     def capacity(self) -> int:
@@ -433,9 +435,13 @@ class StaticGreedyDecoder:
         if max_new_tokens == 0:
             return prompt[None].to(input_ids.device)
 
-        # Prefill (eager: prompt lengths vary), then the first token comes from its last logits.
+        # Prefill (eager: prompt lengths vary), then the first token comes from its last logits. Reading it waits
+        # for the prefill (as the speculative path's first token does), so `last_prefill_seconds` is its real time.
+        prefill_start = time.perf_counter()
         logits = prefill_static(self.target, self.cache, prompt).logits
         first = logits[0, -1].argmax()
+        first.item()  # one host sync a call
+        self.last_prefill_seconds = time.perf_counter() - prefill_start
         self.tokens[0] = first
         self.ids.copy_(first.view(1, 1))
         self.positions.fill_(n)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specheads import SpeculativeLM, create_heads, load_target
-from specheads.inference.bench import bench_main, build_parser, run_prompt
+from specheads.inference.bench import aggregate, bench_main, build_parser, run_prompt
+from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts
 
 
@@ -86,6 +87,22 @@ def test_a_greedy_difference_fails_in_float32_and_is_recorded_in_16_bit(eagle_he
         with pytest.warns(UserWarning, match="new token 2"):
             row = run_prompt(_CorruptingLM(lm), prompt, "greedy", args, None)
         assert row["greedy_identical"] is False and row["first_difference"] == 2
+
+
+def test_our_static_plain_decoding_is_timed_beside_generate_with_its_prefill(eagle_heads_dir):
+    """The CUDA bench's honest baseline (`StaticGreedyDecoder`), run here on the CPU without graphs: identical to
+    `generate`, and its prompt forward timed apart (as the speculative path's `prefill_seconds`)."""
+    lm = SpeculativeLM.from_pretrained("stories260K", eagle_heads_dir)
+    ids = lm.tokenizer("Once upon a time", return_tensors="pt").input_ids
+    args = build_parser().parse_args(["--heads", "x", "--prompts", "x", "--max-new-tokens", "12", "--prompt-lookup", "0"])
+    decoder = StaticGreedyDecoder(lm.target, capacity=64)
+    row = run_prompt(lm, Prompt("p1", "text", "Once upon a time", ids), "greedy", args, None, decoder)
+    assert row["static_identical"] is True and row["greedy_identical"] is True
+    assert row["static_baseline_tokens"] == row["baseline_tokens"]
+    assert 0 < row["static_baseline_prefill_seconds"] < row["static_baseline_seconds"]
+    totals = aggregate([row, row])
+    assert totals["static_baseline_prefill_seconds"] == pytest.approx(2 * row["static_baseline_prefill_seconds"])
+    assert totals["speedup_vs_static"] == pytest.approx(row["speedup_vs_static"])
 
 
 def test_prompts_per_category_keeps_the_first_of_each(tmp_path):
