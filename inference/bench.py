@@ -31,6 +31,7 @@ from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
 from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts, tokenize_prompts
 
 GRAPHED_ROUNDS = {"auto": None, "on": True, "off": False}  # --graphed-rounds -> SpeculativeLM(graphed_rounds=)
+FAST_PATH = {"auto": None, "on": True, "off": False}  # --fast-path -> generate(fast_path=)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphed-rounds", choices=["auto", "on", "off"], default="auto",
                    help="fast path, greedy, EAGLE/EAGLE-3 heads: each round as one CUDA graph (auto: on CUDA; off: "
                    "the per-phase loop, two graphs a round)")
+    p.add_argument("--graphed-prefill", choices=["on", "off"], default="off",
+                   help="fast path: prompts padded to a multiple of 64 tokens, one CUDA graph per padded length, for "
+                   "the speculative path and our plain decoding alike (off: eager prompt forwards; not yet measured)")
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="default",
                    help="CPU, float32: 'onednn' runs the target's and heads' linear layers on oneDNN (faster few-row "
                    "products); the plain `generate` baseline then uses them too. 'auto': onednn for a float32 CPU "
@@ -149,7 +153,7 @@ def run_prompt(
         options = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         gen_kwargs.update({k: v for k, v in options.items() if v is not None})  # unset: the generation config
     baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs))
-    fast_path = {"auto": None, "on": True, "off": False}[getattr(args, "fast_path", "auto")]
+    fast_path = FAST_PATH[getattr(args, "fast_path", "auto")]
     spec, spec_s = _timed(lambda: lm.generate(ids, fast_path=fast_path,
                                               **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
     stats = lm.last_stats
@@ -247,6 +251,7 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "python": platform.python_version(),
         "graphed_rounds": {None: "auto", True: "on", False: "off"}[lm.graphed_rounds],
+        "graphed_prefill": "on" if lm.graphed_prefill else "off",
         "cpu_linear": "onednn" if any(isinstance(m, OneDNNLinear) for m in lm.target.modules()) else "default",
         "draft_linear": "int8" if any(isinstance(m, Int8Linear) for m in lm.heads.modules()) else "default",
         "cpu_attention": "gqa" if lm.target.config.get_text_config()._attn_implementation == GQA_ATTENTION else "default",
@@ -263,7 +268,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
-                                       graphed_rounds=GRAPHED_ROUNDS[getattr(args, "graphed_rounds", "auto")])
+                                       graphed_rounds=GRAPHED_ROUNDS[getattr(args, "graphed_rounds", "auto")],
+                                       graphed_prefill=getattr(args, "graphed_prefill", "off") == "on")
     lm.use_cpu_kernels(getattr(args, "cpu_linear", "default"), getattr(args, "draft_linear", "default"),
                        getattr(args, "cpu_attention", "default"), getattr(args, "cpu_argmax", "default"))
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
@@ -287,9 +293,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     static_decoder = None
     if lm.target.device.type == "cuda":  # our own compiled plain decoding, sized for the longest prompt
         longest = max(p.input_ids.shape[-1] for p in prompts)
-        static_decoder = StaticGreedyDecoder(lm.target, -(-(longest + args.max_new_tokens) // 64) * 64)
+        static_decoder = StaticGreedyDecoder(lm.target, -(-(longest + args.max_new_tokens) // 64) * 64,
+                                             graphed_prefill=lm.graphed_prefill)
     # Warm-up, not recorded: the longest prompt, so the fast path sizes its static cache and captures once.
     run_prompt(lm, max(prompts, key=lambda p: p.input_ids.shape[-1]), "greedy", args, None, static_decoder)
+    if lm.graphed_prefill:  # and one prompt of each padded length, so every prompt graph is captured before timing
+        for prompt in {-(-p.input_ids.shape[-1] // 64): p for p in prompts}.values():
+            lm.generate(prompt.input_ids.to(lm.target.device), max_new_tokens=2,
+                        fast_path=FAST_PATH[getattr(args, "fast_path", "auto")])
+            if static_decoder is not None:
+                static_decoder.generate(prompt.input_ids.to(lm.target.device), 2)
     rows = []
     for mode in modes:
         for prompt in tqdm(prompts, desc=f"bench {mode}", unit="prompt"):

@@ -170,6 +170,53 @@ class TreeVerifier:
         return self.forward()
 
 
+def prompt_chain(length: int, device: torch.device, dtype: torch.dtype) -> TreeBuffers:
+    """A prompt of `length` tokens as a chain: each token sees itself and the tokens before it (causal)."""
+    ancestors = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    bias = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~ancestors, torch.finfo(dtype).min)
+    return TreeBuffers(torch.arange(-1, length - 1, device=device), torch.arange(length, device=device), ancestors, bias)
+
+
+class GraphedPrefill:
+    """The prompt's forward at a fixed shape: padded to a multiple of `CAPACITY_ALIGN` tokens, so that a few CUDA
+    graphs (one per padded length, captured on first use) replace an eager forward of every prompt length.
+
+    The prompt is loaded as a chain into a `TreeVerifier` of that many slots at prefix 0: its tokens see the ones
+    before them, padding tokens only themselves, and the padding's cache entries (slots n .. N-1, beyond the committed
+    prompt) stay hidden until later tokens overwrite them, as a padded tree's do. Off by default
+    (`SpeculativeLM(graphed_prefill=True)`, `StaticGreedyDecoder(graphed_prefill=True)`, `bench --graphed-prefill on`)
+    until measured on a GPU; on the CPU it runs eagerly (the same outputs, more rows computed).
+
+    Args:
+        target, cache: the target and the static cache the prompt is written to.
+        select_features: as `TreeVerifier`'s (None: no hidden states, plain decoding).
+        use_graph: capture the forwards as CUDA graphs (default: when the target is on CUDA).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        cache: StaticTreeCache,
+        select_features: FeatureFn | None = None,
+        use_graph: bool | None = None,
+    ) -> None:
+        self.target, self.cache, self.select_features, self.use_graph = target, cache, select_features, use_graph
+        self.verifiers: dict[int, TreeVerifier] = {}  # padded length -> its verifier (and graph)
+
+    def __call__(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write the (n,) prompt into slots [0, n); returns its last logits (1, V) and features (n, h) or None (copies:
+        the graph's outputs are overwritten by its next replay)."""
+        n = prompt.shape[0]
+        slots = -(-n // CAPACITY_ALIGN) * CAPACITY_ALIGN
+        if slots not in self.verifiers:
+            self.verifiers[slots] = TreeVerifier(self.target, self.cache, slots, self.select_features, self.use_graph)
+        verifier = self.verifiers[slots]
+        # at prefix 0 the load rewrites every mask column a prompt can see ([0, N)); later columns stay hidden
+        verifier.load(prompt, prompt_chain(n, prompt.device, verifier.mask.dtype), 0)
+        logits, features = verifier.run()  # (N, V), (N, h) or None
+        return logits[n - 1 : n].clone(), None if features is None else features[:n].clone()
+
+
 class FastPathRunner:
     """Batch-1 speculative decoding on a static cache (one `TreeVerifier` per padded tree size).
 
@@ -200,6 +247,8 @@ class FastPathRunner:
         self.drafter: Drafter | None = None  # what drafts on this path; set by use_drafter
         self.static_drafter: StaticEagleDrafter | None = None  # kept with its graph while the EAGLE drafter stays
         self.greedy_round: GraphedGreedyRound | None = None  # kept with its graph while the static drafter stays
+        self.graphed_prefill = False  # prompts through `GraphedPrefill` (set by `generate` from the SpeculativeLM)
+        self.prompt_graphs: GraphedPrefill | None = None  # created on first use
 
     @property
     def capacity(self) -> int:
@@ -247,16 +296,23 @@ class FastPathRunner:
         return self.greedy_round
 
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the (n,) prompt into slots [0, n) (eager: prompt lengths vary). Returns last logits (1, V), features (n, h).
+        """Run the (n,) prompt into slots [0, n) (eager: prompt lengths vary; `graphed_prefill`: padded, a CUDA graph per
+        padded length). Returns last logits (1, V), features (n, h).
 
         Raises a ValueError first when prompt + max_new_tokens + the drafter's trees do not fit the cache.
         """
         self.cache.check_room(prompt.shape[0] + max_new_tokens + self.reserve)
-        out = prefill_static(self.target, self.cache, prompt, output_hidden_states=True)
+        if self.graphed_prefill:
+            if self.prompt_graphs is None:
+                self.prompt_graphs = GraphedPrefill(self.target, self.cache, self.select_features, self.use_graphs)
+            last_logits, features = self.prompt_graphs(prompt)
+        else:
+            out = prefill_static(self.target, self.cache, prompt, output_hidden_states=True)
+            last_logits, features = out.logits[0, -1:], self.select_features(out.hidden_states)[0]
         self.cache.committed_length = prompt.shape[0]
         for verifier in self.verifiers.values():
             verifier.reset()
-        return out.logits[0, -1:], self.select_features(out.hidden_states)[0]
+        return last_logits, features
 
     def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify the (n,) tree padded to a fixed node count (a graph replay on CUDA).
@@ -347,10 +403,16 @@ class StaticGreedyDecoder:
         capacity: cache slots: at least prompt + max_new_tokens.
         use_graph: capture the step as a CUDA graph (default: when the target is on CUDA).
         eos_check_every: steps between EOS checks (more = fewer syncs, more wasted steps after EOS).
+        graphed_prefill: run prompts through `GraphedPrefill` (padded; CUDA graphs where `use_graph`).
     """
 
     def __init__(
-        self, target: PreTrainedModel, capacity: int, use_graph: bool | None = None, eos_check_every: int = 8
+        self,
+        target: PreTrainedModel,
+        capacity: int,
+        use_graph: bool | None = None,
+        eos_check_every: int = 8,
+        graphed_prefill: bool = False,
     ) -> None:
         device, dtype = target.device, target.dtype
         self.target, self.device, self.dtype = target, device, dtype
@@ -367,6 +429,7 @@ class StaticGreedyDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_failed = False
         self.last_prefill_seconds = 0.0  # the last `generate`'s prompt forward, up to its first token on the host
+        self.prompt_graphs = GraphedPrefill(target, self.cache, None, self.use_graph) if graphed_prefill else None
 
     @property
     def capacity(self) -> int:
@@ -438,8 +501,11 @@ class StaticGreedyDecoder:
         # Prefill (eager: prompt lengths vary), then the first token comes from its last logits. Reading it waits
         # for the prefill (as the speculative path's first token does), so `last_prefill_seconds` is its real time.
         prefill_start = time.perf_counter()
-        logits = prefill_static(self.target, self.cache, prompt).logits
-        first = logits[0, -1].argmax()
+        if self.prompt_graphs is not None:
+            last_logits = self.prompt_graphs(prompt)[0]  # (1, V)
+        else:
+            last_logits = prefill_static(self.target, self.cache, prompt).logits[0, -1:]
+        first = last_logits[0].argmax()
         first.item()  # one host sync a call
         self.last_prefill_seconds = time.perf_counter() - prefill_start
         self.tokens[0] = first

@@ -53,6 +53,9 @@ class SpeculativeLM:
             (verify, accept, compact, draft; inference/graphed_round.py) instead of two graphs joined by eager
             glue. None (default): when the fast path captures graphs (CUDA); True: also eagerly on the CPU (how
             it is tested); False: the per-phase loop. A failed capture falls back to the per-phase graphs.
+        graphed_prefill: fast path only: the prompt's forward padded to a multiple of 64 tokens and captured as a
+            CUDA graph per padded length (`GraphedPrefill`, inference/fast_path.py) instead of an eager forward of
+            each prompt length. Off by default (not yet measured on a GPU); on the CPU it runs eagerly.
         lookup_tokens: prompt lookup in the tree (inference/lookup.py): each round, the tokens that followed the
             latest earlier occurrence of the context's last `lookup_max_ngram` (down to 2) tokens, at most this
             many, are grafted onto the heads' tree as one more branch (0 = off). Any heads; exact either way.
@@ -74,6 +77,7 @@ class SpeculativeLM:
         tree_stop_prob: float | None = None,
         tree_min_prob: float | None = None,
         graphed_rounds: bool | None = None,
+        graphed_prefill: bool = False,
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
         lookup_max_tokens: int | None = None,
@@ -87,6 +91,7 @@ class SpeculativeLM:
         self.last_stats: dict[str, Any] = {}
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
         self.graphed_rounds = graphed_rounds
+        self.graphed_prefill = graphed_prefill
         self.certified_argmax: CertifiedArgmax | None = None  # greedy verification's scorer (use_certified_argmax)
 
     def configure_tree(
@@ -333,6 +338,7 @@ class SpeculativeLM:
         stats["fast_path"] = runner is not None
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
+            runner.graphed_prefill = self.graphed_prefill
             row_drafter = runner.use_drafter(self.drafter)
         else:
             row_drafter = self.drafter

@@ -3,9 +3,10 @@
     python scripts/gpu_fast_path_check.py --out gpu_check.json
 
 Sections (each runs even if an earlier one failed; failures are printed and recorded):
-  1. identity, stories260K fp32: plain_greedy_static, fast-path speculative decoding (untrained Medusa and
-     EAGLE heads, and a drafter that knows the greedy continuation: real acceptance, KV compaction) vs
-     target.generate. Any difference is a FAILURE (exit code 1).
+  1. identity, stories260K fp32: plain_greedy_static, fast-path speculative decoding (untrained Medusa,
+     EAGLE and EAGLE-3 heads, the EAGLE-3 ones also with the padded, graphed prompt forward, and a drafter that
+     knows the greedy continuation: real acceptance, KV compaction), our plain decoding with and without the
+     graphed prompt forward, vs target.generate. Any difference is a FAILURE (exit code 1).
   2. the same in bf16: differences are REPORTED, not failures (bf16 kernels may legitimately differ between a
      static-cache forward and transformers' dynamic-cache generate).
   3. timing, a random Llama of 1B shape in bf16: one verification forward vs tree size (1..64 nodes), eager vs
@@ -128,15 +129,19 @@ def identity_section(dtype: torch.dtype, max_new_tokens: int = 64) -> dict[str, 
     for head_type in ("medusa", "eagle", "eagle3"):
         torch.manual_seed(0)
         lms[head_type] = SpeculativeLM(target, create_heads(target, head_type))
+    torch.manual_seed(0)  # the same heads again, with the padded, graphed prompt forward (GraphedPrefill)
+    lms["eagle3_graphed_prefill"] = SpeculativeLM(target, create_heads(target, "eagle3"), graphed_prefill=True)
     torch.manual_seed(0)
     oracle = SpeculativeLM(target, create_heads(target, "medusa"))
     decoder = StaticGreedyDecoder(target, 512)
+    prefill_decoder = StaticGreedyDecoder(target, 512, graphed_prefill=True)
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids.cuda()
         expected = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
         checks: dict[str, tuple[Callable[[], torch.Tensor], SpeculativeLM | None]] = {
             "plain_greedy_static": (lambda ids=ids: plain_greedy_static(target, ids, max_new_tokens), None),
             "static_decoder_reused": (lambda ids=ids: decoder.generate(ids, max_new_tokens), None),
+            "static_decoder_graphed_prefill": (lambda ids=ids: prefill_decoder.generate(ids, max_new_tokens), None),
         }
         for head_type, lm in lms.items():
             checks[f"fast_{head_type}"] = (
@@ -162,12 +167,19 @@ def identity_section(dtype: torch.dtype, max_new_tokens: int = 64) -> dict[str, 
         results[f"fast_{name}"]["graphs_captured"] = sorted(
             n for n, v in (runner.verifiers.items() if runner else []) if v.graph is not None
         )
+        if runner is not None and runner.prompt_graphs is not None:
+            results[f"fast_{name}"]["prompt_graphs_captured"] = sorted(
+                n for n, v in runner.prompt_graphs.verifiers.items() if v.graph is not None
+            )
         drafter = getattr(runner, "drafter", None)
         if isinstance(drafter, StaticEagleDrafter):
             results[f"fast_{name}"]["draft_graph_captured"] = drafter.graph is not None
             greedy_round = runner.greedy_round  # greedy EAGLE rounds run as one graph by default
             results[f"fast_{name}"]["round_graph_captured"] = greedy_round is not None and greedy_round.graph is not None
     results["static_decoder_reused"]["graph_captured"] = decoder.graph is not None
+    results["static_decoder_graphed_prefill"]["prompt_graphs_captured"] = sorted(
+        n for n, v in prefill_decoder.prompt_graphs.verifiers.items() if v.graph is not None
+    )
     return results
 
 

@@ -73,6 +73,12 @@ class _CorruptingLM:
         return out
 
 
+def test_bench_graphed_prefill_is_recorded_and_exact(tmp_path, eagle_heads_dir):
+    results, _ = run_bench(tmp_path, eagle_heads_dir, "Once upon a time\nThe cat sat on the mat and looked\n",
+                           "--modes", "greedy", "--prompt-lookup", "0", "--fast-path", "on", "--graphed-prefill", "on")
+    assert results["greedy_identical"] is True and results["environment"]["graphed_prefill"] == "on"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_greedy_difference_fails_in_float32_and_is_recorded_in_16_bit(eagle_heads_dir, dtype):
     lm = SpeculativeLM.from_pretrained("stories260K", eagle_heads_dir, dtype=dtype)

@@ -307,6 +307,40 @@ def test_static_greedy_decoder_reuse_and_eos(stories260k, greedy_reference):
         assert out.shape[1] == short_ids.shape[1] + offset + 1
 
 
+# --- the padded prompt forward (GraphedPrefill) -----------------------------------------------------------------
+PROMPT_LENGTHS = (130, 5, 64, 70)  # 192, 64, 64 and 128 slots (longest first: the runner keeps its size)
+
+
+def random_prompt(target, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, target.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    "family, head_type, graphed_rounds",
+    [("stories260K", "eagle", None), ("stories260K", "eagle3", True), ("llama", "eagle3", None),
+     ("qwen2", "eagle", True), ("llama", "medusa", None)],
+)
+def test_padded_prefill_gives_the_target_greedy_output(family, head_type, graphed_rounds, stories260k, tiny_target_factory):
+    """Prompts of several padded lengths one after another through one SpeculativeLM (each leaves padding entries
+    beyond its prompt in the cache, stale for the next): the target's greedy output, with the prompt forwards padded."""
+    target = stories260k[0] if family == "stories260K" else tiny_target_factory(family)
+    lm = SpeculativeLM(target, make_heads(target, head_type), graphed_rounds=graphed_rounds, graphed_prefill=True)
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        ids = random_prompt(target, length, seed)
+        assert torch.equal(lm.generate(ids, max_new_tokens=24, fast_path=True), hf_greedy(target, ids, 24))
+    assert sorted(lm._fast_runner.prompt_graphs.verifiers) == [64, 128, 192]
+
+
+@pytest.mark.parametrize("family", ["stories260K", "llama"])
+def test_padded_prefill_in_our_plain_decoding(family, stories260k, tiny_target_factory):
+    target = stories260k[0] if family == "stories260K" else tiny_target_factory(family)
+    decoder = StaticGreedyDecoder(target, capacity=256, graphed_prefill=True)
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        ids = random_prompt(target, length, seed)
+        assert torch.equal(decoder.generate(ids, 30), hf_greedy(target, ids, 30))
+    assert sorted(decoder.prompt_graphs.verifiers) == [64, 128, 192]
+
+
 # --- errors and the switch -------------------------------------------------------------------------------------
 def test_clear_errors_when_the_allocation_is_too_small(stories260k):
     target, tokenizer = stories260k
