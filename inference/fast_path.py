@@ -208,6 +208,11 @@ class GraphedPrefill:
         the graph's outputs are overwritten by its next replay)."""
         n = prompt.shape[0]
         slots = -(-n // CAPACITY_ALIGN) * CAPACITY_ALIGN
+        if slots > self.cache.capacity:
+            raise ValueError(
+                f"graphed_prefill pads the {n}-token prompt to {slots} slots, more than the cache's {self.cache.capacity}: "
+                f"allocate a capacity that is a multiple of {CAPACITY_ALIGN} (or leave graphed_prefill off)"
+            )
         if slots not in self.verifiers:
             self.verifiers[slots] = TreeVerifier(self.target, self.cache, slots, self.select_features, self.use_graph)
         verifier = self.verifiers[slots]

@@ -339,6 +339,8 @@ def test_padded_prefill_in_our_plain_decoding(family, stories260k, tiny_target_f
         ids = random_prompt(target, length, seed)
         assert torch.equal(decoder.generate(ids, 30), hf_greedy(target, ids, 30))
     assert sorted(decoder.prompt_graphs.verifiers) == [64, 128, 192]
+    with pytest.raises(ValueError, match="pads the 70-token prompt to 128 slots, more than the cache's 100"):
+        StaticGreedyDecoder(target, capacity=100, graphed_prefill=True).generate(random_prompt(target, 70, 0), 20)
 
 
 # --- errors and the switch -------------------------------------------------------------------------------------
