@@ -15,15 +15,18 @@ def markdown_table(results: dict[str, Any]) -> str:
         if mode not in results:
             continue
         peers = [p for p in ("prompt_lookup", "assisted") if f"{p}_speedup" in results[mode]["overall"]]
+        static = "speedup_vs_static" in results[mode]["overall"]  # CUDA greedy: our graphed plain decoding too
         header = "| category | prompts | tau | tokens/s | baseline tokens/s | speedup |" + "".join(
             f" {p.replace('_', '-')} speedup |" for p in peers)
-        lines += [f"**{mode}**", "", header, "|" + "---|" * (6 + len(peers))]
+        header += " our plain decoding tokens/s | speedup vs it |" if static else ""
+        lines += [f"**{mode}**", "", header, "|" + "---|" * (6 + len(peers) + 2 * static)]
         rows = list(results[mode]["by_category"].items()) + [("**overall**", results[mode]["overall"])]
         for name, agg in rows:
             lines.append(
                 f"| {name} | {agg['prompts']} | {agg['tau']:.2f} | {agg['tokens_per_second']:.1f} | "
                 f"{agg['baseline_tokens_per_second']:.1f} | {agg['speedup']:.2f}x |"
                 + "".join(f" {agg[f'{p}_speedup']:.2f}x |" for p in peers)
+                + (f" {agg['static_baseline_tokens_per_second']:.1f} | {agg['speedup_vs_static']:.2f}x |" if static else "")
             )
         lines.append("")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ import torch
 
 from specheads import SpeculativeLM, create_heads, load_target
 from specheads.inference.bench import aggregate, bench_main, build_parser, run_prompt
+from specheads.inference.bench_report import markdown_table
 from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts
 
@@ -109,6 +110,13 @@ def test_our_static_plain_decoding_is_timed_beside_generate_with_its_prefill(eag
     totals = aggregate([row, row])
     assert totals["static_baseline_prefill_seconds"] == pytest.approx(2 * row["static_baseline_prefill_seconds"])
     assert totals["speedup_vs_static"] == pytest.approx(row["speedup_vs_static"])
+    # the markdown table gets our plain decoding's columns (the CUDA bench's honest baseline)
+    results = {"target": "t", "head_type": "eagle", "tree": "x", "max_new_tokens": 12,
+               "environment": {"device": "cpu", "dtype": "float32", "threads": 1},
+               "greedy": {"overall": totals, "by_category": {"text": totals}}}
+    table = markdown_table(results)
+    assert "| our plain decoding tokens/s | speedup vs it |" in table
+    assert f"| {totals['static_baseline_tokens_per_second']:.1f} | {totals['speedup_vs_static']:.2f}x |" in table
 
 
 def test_prompts_per_category_keeps_the_first_of_each(tmp_path):
