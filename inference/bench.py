@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from specheads.inference.autotune import autotune_tree
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
-from specheads.inference.fast_path import StaticGreedyDecoder
+from specheads.inference.fast_path import StaticGreedyDecoder, aligned_length
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES, GQA_ATTENTION
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
@@ -30,8 +30,7 @@ from specheads.inference.lookup import check_lookup_settings
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
 from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts, tokenize_prompts
 
-GRAPHED_ROUNDS = {"auto": None, "on": True, "off": False}  # --graphed-rounds -> SpeculativeLM(graphed_rounds=)
-FAST_PATH = {"auto": None, "on": True, "off": False}  # --fast-path -> generate(fast_path=)
+SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-path -> graphed_rounds= / fast_path=
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,7 +152,7 @@ def run_prompt(
         options = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         gen_kwargs.update({k: v for k, v in options.items() if v is not None})  # unset: the generation config
     baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs))
-    fast_path = FAST_PATH[getattr(args, "fast_path", "auto")]
+    fast_path = SWITCH[getattr(args, "fast_path", "auto")]
     spec, spec_s = _timed(lambda: lm.generate(ids, fast_path=fast_path,
                                               **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
     stats = lm.last_stats
@@ -268,7 +267,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
-                                       graphed_rounds=GRAPHED_ROUNDS[getattr(args, "graphed_rounds", "auto")],
+                                       graphed_rounds=SWITCH[getattr(args, "graphed_rounds", "auto")],
                                        graphed_prefill=getattr(args, "graphed_prefill", "off") == "on")
     lm.use_cpu_kernels(getattr(args, "cpu_linear", "default"), getattr(args, "draft_linear", "default"),
                        getattr(args, "cpu_attention", "default"), getattr(args, "cpu_argmax", "default"))
@@ -293,14 +292,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     static_decoder = None
     if lm.target.device.type == "cuda":  # our own compiled plain decoding, sized for the longest prompt
         longest = max(p.input_ids.shape[-1] for p in prompts)
-        static_decoder = StaticGreedyDecoder(lm.target, -(-(longest + args.max_new_tokens) // 64) * 64,
+        static_decoder = StaticGreedyDecoder(lm.target, aligned_length(longest + args.max_new_tokens),
                                              graphed_prefill=lm.graphed_prefill)
     # Warm-up, not recorded: the longest prompt, so the fast path sizes its static cache and captures once.
     run_prompt(lm, max(prompts, key=lambda p: p.input_ids.shape[-1]), "greedy", args, None, static_decoder)
     if lm.graphed_prefill:  # and one prompt of each padded length, so every prompt graph is captured before timing
-        for prompt in {-(-p.input_ids.shape[-1] // 64): p for p in prompts}.values():
+        for prompt in {aligned_length(p.input_ids.shape[-1]): p for p in prompts}.values():
             lm.generate(prompt.input_ids.to(lm.target.device), max_new_tokens=2,
-                        fast_path=FAST_PATH[getattr(args, "fast_path", "auto")])
+                        fast_path=SWITCH[getattr(args, "fast_path", "auto")])
             if static_decoder is not None:
                 static_decoder.generate(prompt.input_ids.to(lm.target.device), 2)
     rows = []

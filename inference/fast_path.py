@@ -56,6 +56,11 @@ UNKNOWN_TREE_RESERVE = 64
 CAPACITY_ALIGN = 64  # cache slots are allocated in multiples of this (aligned masks, fewer reallocations)
 
 
+def aligned_length(length: int) -> int:
+    """`length` rounded up to a multiple of `CAPACITY_ALIGN`: cache capacities and padded prompt lengths."""
+    return -(-length // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
 # --- tree sizes --------------------------------------------------------------------------------------------
 def fixed_tree_slots(drafter: Drafter) -> int | None:
     """The node count every tree of this drafter fits in (root included), or None when unknown."""
@@ -202,12 +207,13 @@ class GraphedPrefill:
     ) -> None:
         self.target, self.cache, self.select_features, self.use_graph = target, cache, select_features, use_graph
         self.verifiers: dict[int, TreeVerifier] = {}  # padded length -> its verifier (and graph)
+        self.chains: dict[int, TreeBuffers] = {}  # padded length -> the chain of that many tokens (sliced per prompt)
 
     def __call__(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write the (n,) prompt into slots [0, n); returns its last logits (1, V) and features (n, h) or None (copies:
         the graph's outputs are overwritten by its next replay)."""
         n = prompt.shape[0]
-        slots = -(-n // CAPACITY_ALIGN) * CAPACITY_ALIGN
+        slots = aligned_length(n)
         if slots > self.cache.capacity:
             raise ValueError(
                 f"graphed_prefill pads the {n}-token prompt to {slots} slots, more than the cache's {self.cache.capacity}: "
@@ -215,9 +221,12 @@ class GraphedPrefill:
             )
         if slots not in self.verifiers:
             self.verifiers[slots] = TreeVerifier(self.target, self.cache, slots, self.select_features, self.use_graph)
-        verifier = self.verifiers[slots]
-        # at prefix 0 the load rewrites every mask column a prompt can see ([0, N)); later columns stay hidden
-        verifier.load(prompt, prompt_chain(n, prompt.device, verifier.mask.dtype), 0)
+            self.chains[slots] = prompt_chain(slots, prompt.device, self.verifiers[slots].mask.dtype)
+        verifier, chain = self.verifiers[slots], self.chains[slots]
+        # the first n tokens of the padded length's chain (views: no work per prompt); at prefix 0 the load rewrites
+        # every mask column a prompt can see ([0, N)), later columns stay hidden
+        tree = TreeBuffers(chain.parents[:n], chain.depth[:n], chain.ancestors[:n, :n], chain.attention_bias[:n, :n])
+        verifier.load(prompt, tree, 0)
         logits, features = verifier.run()  # (N, V), (N, h) or None
         return logits[n - 1 : n].clone(), None if features is None else features[:n].clone()
 
@@ -336,10 +345,6 @@ class FastPathRunner:
         self.cache.compact(prefix_length, path)
 
 
-def _aligned(length: int) -> int:
-    return -(-length // CAPACITY_ALIGN) * CAPACITY_ALIGN
-
-
 def use_fast_path(
     requested: bool | None,
     target: PreTrainedModel,
@@ -392,7 +397,7 @@ def fast_path_runner(
         if previous.capacity >= needed:
             return previous
         needed = max(needed, 2 * previous.capacity)  # grow geometrically: few reallocations and recaptures
-    return FastPathRunner(target, lm.heads.select_features, _aligned(needed))
+    return FastPathRunner(target, lm.heads.select_features, aligned_length(needed))
 
 
 # --- plain greedy decoding on the static cache ------------------------------------------------------------
@@ -551,6 +556,6 @@ def plain_greedy_static(
     A one-off `StaticGreedyDecoder` sized for this call; keep a decoder yourself to reuse its graph across calls.
     """
     length = input_ids.shape[-1] + max_new_tokens
-    return StaticGreedyDecoder(target, _aligned(length), use_graph=use_graph).generate(
+    return StaticGreedyDecoder(target, aligned_length(length), use_graph=use_graph).generate(
         input_ids, max_new_tokens, eos_token_id
     )
