@@ -87,7 +87,7 @@ def generate_batch(
         **({"eos_token_id": stops} if stop_token_ids is not None else {}),
     )
     new = out[:, width:].tolist()
-    return [row[: min((row.index(t) for t in stops if t in row), default=len(row) - 1) + 1] for row in new]
+    return [row[: next((i + 1 for i, token in enumerate(row) if token in stops), len(row))] for row in new]
 
 
 def story_jobs(count: int, seed: int) -> Iterator[dict[str, Any]]:
