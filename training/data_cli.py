@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -299,6 +300,10 @@ def data_main(argv: list[str]) -> int:
     if args.tool == "synth-prompts":
         from specheads.training.synth_prompts import synthesize_prompts
 
+        if args.exclude is None:  # a model writing chat prompts can write a benchmark's own
+            print("specheads data synth-prompts: no --exclude given, so the prompts are not checked against a "
+                  "benchmark's; pass the prompts you will benchmark on to keep them out of the training data",
+                  file=sys.stderr)
         summary = synthesize_prompts(target, tokenizer, args.output, args.count, batch_size=args.batch_size,
                                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                                      exclude=args.exclude, min_chars=args.min_chars, overlap_words=args.overlap_words,

@@ -126,8 +126,10 @@ def test_cli_writes_prompts_regenerate_can_answer(tmp_path, chat_stories, capsys
     prompts, answers = tmp_path / "synth.jsonl", tmp_path / "answers.jsonl"
     assert main(["data", "synth-prompts", "--target", str(folder), "--count", "3", "--output", str(prompts),
                  "--batch-size", "16", "--max-new-tokens", "256", "--seed", "3"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["kept"] == 3 and len(read(prompts)) == 3
+    assert "no --exclude given" in captured.err  # nothing kept benchmark prompts out: the user is told
     assert main(["data", "regenerate", "--target", str(folder), "--input", str(prompts), "--output", str(answers),
                  "--max-new-tokens", "8", "--batch-size", "4"]) == 0
     answered = read(answers)
