@@ -8,12 +8,16 @@ on those answers: what greedy speculative decoding of those prompts will accept,
 With `--data`, conversations (the training formats) are scored as they are: e.g. a held-out file of the target's
 own answers. Per-depth top-1 accuracy (the head's argmax equals the target's), simulated tau, loss, and the share of
 answer tokens inside the draft vocabulary (EAGLE-3).
+
+`--heads A,B,...` scores several heads (of one target) on the same rows, answered once: the output is then a JSON
+list of reports in that order, and a table of the main figures goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,8 @@ from specheads.training.config import RunConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specheads eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="stories260K", help="target path, Hub id or alias (default: stories260K)")
-    p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
+    p.add_argument("--heads", required=True,
+                   help="heads checkpoint folder or Hub id; a comma list scores each on the same rows")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="conversations (JSON/JSONL in the training formats, or a saved dataset folder)")
     source.add_argument("--prompts", help="prompts (MT-bench JSONL or text lines): the target answers them first")
@@ -58,6 +63,16 @@ def answer_prompts(target: Any, tokenizer: Any, path: str, args: argparse.Namesp
     return rows
 
 
+def comparison_table(reports: list[dict[str, Any]]) -> str:
+    """A markdown table of each report's depth-1 accuracy, simulated tau and draft-vocabulary coverage."""
+    lines = ["| heads | depth-1 accuracy | simulated tau | draft-vocab coverage |", "|---|---|---|---|"]
+    for r in reports:
+        coverage = r.get("draft_vocab_coverage")
+        lines.append(f"| {r['heads']} | {r.get('acc_depth1', float('nan')):.4f} | {r.get('sim_tau', float('nan')):.3f} | "
+                     f"{'-' if coverage is None else f'{coverage:.3f}'} |")
+    return "\n".join(lines)
+
+
 def eval_main(argv: list[str] | None = None) -> int:
     """Entry point of `specheads eval`: prints (and with --out writes) the held-out metrics as JSON."""
     from specheads import load_heads, load_target
@@ -71,28 +86,39 @@ def eval_main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}; expected a positive integer")
     if args.threads:
         torch.set_num_threads(args.threads)
+    heads_list = [name.strip() for name in args.heads.split(",")]
+    if not all(heads_list):
+        raise ValueError(f"--heads {args.heads!r}: an empty name in the comma list; expected folders or Hub ids")
     target, tokenizer = load_target(args.target, device=args.device)
-    heads = load_heads(args.heads, target=target).to(device=target.device, dtype=target.dtype).eval()
+    # all loaded (and checked against the target) before the minutes the target's answers may take
+    heads_models = [load_heads(name, target=target).to(device=target.device, dtype=target.dtype).eval()
+                    for name in heads_list]
     if args.prompts:
         rows: Any = answer_prompts(target, tokenizer, args.prompts, args)
     else:
         rows = build_dataset(args.data, tokenizer, "auto", args.max_length)
         if args.limit:
             rows = rows.select(range(min(args.limit, len(rows))))
-    config = RunConfig(target=args.target)
-    config.head.type = heads.config.head_type
-    config.loss.input_noise = 0.0
-    if args.ttt_steps is not None:
-        config.loss.ttt_steps = args.ttt_steps
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    metrics = evaluate(
-        lambda batch: compute_loss(config, heads, heads, target, batch, []),
-        rows, lambda batch_rows: collate(batch_rows, pad_id), args.batch_size, target.device,
-    )
-    report = {"heads": str(args.heads), "target": str(args.target), "source": args.prompts or args.data,
-              "examples": len(rows), **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}}
-    print(json.dumps(report, indent=2))
+    reports = []
+    for name, heads in zip(heads_list, heads_models, strict=True):
+        config = RunConfig(target=args.target)
+        config.head.type = heads.config.head_type
+        config.loss.input_noise = 0.0
+        if args.ttt_steps is not None:
+            config.loss.ttt_steps = args.ttt_steps
+        metrics = evaluate(
+            lambda batch, heads=heads, config=config: compute_loss(config, heads, heads, target, batch, []),
+            rows, lambda batch_rows: collate(batch_rows, pad_id), args.batch_size, target.device,
+        )
+        reports.append({"heads": name, "target": str(args.target), "source": args.prompts or args.data,
+                        "examples": len(rows),
+                        **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}})
+    result: Any = reports[0] if len(reports) == 1 else reports
+    print(json.dumps(result, indent=2))
+    if len(reports) > 1:
+        print(comparison_table(reports), file=sys.stderr)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

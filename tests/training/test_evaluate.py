@@ -129,6 +129,31 @@ def test_eval_cli_scores_heads_on_a_file_and_on_the_targets_answers(tmp_path, st
     assert report["examples"] == 2 and 2 <= report["tokens"] <= 40
 
 
+def test_eval_cli_scores_a_comma_list_of_heads_on_one_set_of_answers(tmp_path, eagle_heads, capsys):
+    """`--heads A,B` answers the prompts once and gives each heads the report a run of its own would give."""
+    from specheads import create_heads, load_target
+
+    target, _ = load_target("stories260K")
+    torch.manual_seed(1)
+    other = tmp_path / "other"
+    create_heads(target, "eagle").save_pretrained(other)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat\n")
+    args = ["--prompts", str(prompts), "--max-new-tokens", "16"]
+    singles = []
+    for heads in (eagle_heads, other):
+        assert main(["eval", "--heads", str(heads), *args, "--out", str(tmp_path / "one.json")]) == 0
+        singles.append(json.loads((tmp_path / "one.json").read_text()))
+    capsys.readouterr()
+    assert main(["eval", "--heads", f"{eagle_heads},{other}", *args, "--out", str(tmp_path / "both.json")]) == 0
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert both == singles and singles[0]["loss"] != singles[1]["loss"]  # untrained: the losses tell them apart
+    table = capsys.readouterr().err
+    assert f"| {other} |" in table and "simulated tau" in table
+    assert main(["eval", "--heads", f"{eagle_heads},", *args]) == 2
+    assert "an empty name" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("head_type", ["medusa", "eagle3"])
 def test_eval_cli_scores_every_head_type(tmp_path, stories_file, target_and_tokenizer, head_type):
     from specheads import create_heads
