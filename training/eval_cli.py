@@ -63,6 +63,24 @@ def answer_prompts(target: Any, tokenizer: Any, path: str, args: argparse.Namesp
     return rows
 
 
+def score_heads(heads: Any, target: Any, rows: Any, pad_id: int, args: argparse.Namespace) -> dict[str, float]:
+    """The training loss's metrics of `heads` on `rows` (eval mode, no input noise), floats rounded to 4 places."""
+    from specheads.training.data import collate
+    from specheads.training.evaluate import evaluate
+    from specheads.training.train import compute_loss
+
+    config = RunConfig(target=args.target)
+    config.head.type = heads.config.head_type
+    config.loss.input_noise = 0.0
+    if args.ttt_steps is not None:
+        config.loss.ttt_steps = args.ttt_steps
+    metrics = evaluate(
+        lambda batch: compute_loss(config, heads, heads, target, batch, []),
+        rows, lambda batch_rows: collate(batch_rows, pad_id), args.batch_size, target.device,
+    )
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}
+
+
 def comparison_table(reports: list[dict[str, Any]]) -> str:
     """A markdown table of each report's depth-1 accuracy, simulated tau and draft-vocabulary coverage."""
     lines = ["| heads | depth-1 accuracy | simulated tau | draft-vocab coverage |", "|---|---|---|---|"]
@@ -76,9 +94,7 @@ def comparison_table(reports: list[dict[str, Any]]) -> str:
 def eval_main(argv: list[str] | None = None) -> int:
     """Entry point of `specheads eval`: prints (and with --out writes) the held-out metrics as JSON."""
     from specheads import load_heads, load_target
-    from specheads.training.data import build_dataset, collate
-    from specheads.training.evaluate import evaluate
-    from specheads.training.train import compute_loss
+    from specheads.training.data import build_dataset
 
     args = build_parser().parse_args(argv)
     for name in ("max_new_tokens", "max_length", "batch_size"):
@@ -100,20 +116,11 @@ def eval_main(argv: list[str] | None = None) -> int:
         if args.limit:
             rows = rows.select(range(min(args.limit, len(rows))))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    reports = []
-    for name, heads in zip(heads_list, heads_models, strict=True):
-        config = RunConfig(target=args.target)
-        config.head.type = heads.config.head_type
-        config.loss.input_noise = 0.0
-        if args.ttt_steps is not None:
-            config.loss.ttt_steps = args.ttt_steps
-        metrics = evaluate(
-            lambda batch, heads=heads, config=config: compute_loss(config, heads, heads, target, batch, []),
-            rows, lambda batch_rows: collate(batch_rows, pad_id), args.batch_size, target.device,
-        )
-        reports.append({"heads": name, "target": str(args.target), "source": args.prompts or args.data,
-                        "examples": len(rows),
-                        **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}})
+    reports = [
+        {"heads": name, "target": str(args.target), "source": args.prompts or args.data, "examples": len(rows),
+         **score_heads(heads, target, rows, pad_id, args)}
+        for name, heads in zip(heads_list, heads_models, strict=True)
+    ]
     result: Any = reports[0] if len(reports) == 1 else reports
     print(json.dumps(result, indent=2))
     if len(reports) > 1:
