@@ -4,9 +4,15 @@
 # greedily (`regenerate`) for REGEN_SECONDS. /tmp/work/train.jsonl (for chain6.sh in the next call) = those answers
 # + OLD answers drawn at random from $DATA/$ANSWERS (earlier data, so the heads do not drift to the new kind alone).
 # Prompts and answers come back gzipped through $OUT.
+# PREVIOUS=DIR (a folder holding an earlier run's synth_prompts.jsonl.gz and synth_answers.jsonl.gz): both runs go on
+# from those files (new prompts only, none repeating an earlier one; earlier answers kept), so COUNT counts them too.
 set -u -o pipefail
 source scripts/gpu/setup.sh
 W=/tmp/work; mkdir -p $W
+if [ -n "${PREVIOUS:-}" ] && [ ! -f $W/synth.jsonl ]; then
+  gunzip -c $PREVIOUS/synth_prompts.jsonl.gz > $W/synth.jsonl; gunzip -c $PREVIOUS/synth_answers.jsonl.gz > $W/synth_answers.jsonl
+  echo "earlier prompts: $(wc -l < $W/synth.jsonl), answers: $(wc -l < $W/synth_answers.jsonl)"
+fi
 python3 -c "from specheads.smollm2 import smollm2_folder; print(smollm2_folder())" 2>&1 | tail -1
 drop_torn() { python3 -c "import sys; from pathlib import Path; from specheads.training.data_cli import drop_torn_line; drop_torn_line(Path(sys.argv[1]))" "$1"; }
 date; timeout ${SYNTH_SECONDS:-80} python3 -m specheads data synth-prompts --target smollm2-135m-instruct \
