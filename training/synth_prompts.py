@@ -9,6 +9,10 @@ accuracy 0.80 on training answers, 0.66 on unseen ShareGPT prompts, 0.56 on MT-b
 package holds only ~51k distinct human turns. `synthesize_prompts` writes as many new prompts as the budget
 allows; `specheads data regenerate` then answers them like any other prompt file.
 
+Openings steer the kind of prompt: with `openings=["Write a poem", ...]` each user message starts with one of them
+(given to the model as the start of its message) and the model writes the rest, so a run can aim at the kinds of
+task (creative writing, role-play, explanations) that a benchmark's categories hold and the unsteered prompts lack.
+
 Kept: messages the model finished (its end-of-turn token within `max_new_tokens`) of at least `min_chars`
 characters, not written before (case- and whitespace-normalised), and sharing no run of `overlap_words` words
 with a benchmark prompt (`exclude`): heads are never trained on what they are measured on, nor on near copies.
@@ -144,6 +148,7 @@ def synthesize_prompts(
     min_chars: int = 16,
     overlap_words: int = 8,
     system: str | None = None,
+    openings: list[str] | None = None,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Have the target write user prompts until `output` (JSONL, appended to) holds `count` of them.
@@ -158,6 +163,8 @@ def synthesize_prompts(
         count: prompts the file should hold when done.
         exclude: benchmark prompts (MT-bench JSONL or text lines) no kept prompt may match or quote.
         system: a system message to render before the user turn (default: the template's own).
+        openings: texts the user messages start with (row r of every batch starts with `openings[r % len]`; the
+            model writes the rest; kept prompts include the opening). A resumed run needs the same openings.
 
     Returns:
         {"output", "kept" (prompts in the file), "written" (by this call), "generated" (messages this call
@@ -172,7 +179,12 @@ def synthesize_prompts(
             raise ValueError(f"{name}={value}; expected at least 1")
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}; synthesizing prompts needs sampling (> 0), greedy repeats one")
+    for opening in openings or ():
+        if not isinstance(opening, str) or not opening.strip():
+            raise ValueError(f"opening={opening!r}; expected a non-empty text the user message starts with")
     prefix, end_of_turn = user_turn_prefix(tokenizer, system)
+    opening_ids = [tokenizer(o, add_special_tokens=False).input_ids for o in openings] if openings else [[]]
+    row_prompts = [prefix + opening_ids[row % len(opening_ids)] for row in range(batch_size)]
     stops = [end_of_turn] + ([tokenizer.eos_token_id] if tokenizer.eos_token_id not in (None, end_of_turn) else [])
     output = check_writable_file(output, "synth-prompts output")
     drop_torn_line(output)
@@ -185,7 +197,7 @@ def synthesize_prompts(
     bar = tqdm(total=count, initial=min(kept, count), desc="synth-prompts", unit="prompt", disable=not show_progress)
     with output.open("a") as f:
         while kept < count:
-            rows = generate_batch(target, tokenizer, [prefix] * batch_size, max_new_tokens, temperature,
+            rows = generate_batch(target, tokenizer, row_prompts, max_new_tokens, temperature,
                                   seed * 1_000_003 + batch, stop_token_ids=stops)
             before = kept
             for row_number, tokens in enumerate(rows):
@@ -193,8 +205,11 @@ def synthesize_prompts(
                     continue
                 generated += 1
                 finished = bool(tokens) and tokens[-1] in stops
-                text = tokenizer.decode(tokens[:-1] if finished else tokens, skip_special_tokens=True).strip()
+                own = tokens[:-1] if finished else tokens  # what the model wrote (after the opening, if any)
+                text = tokenizer.decode(opening_ids[row_number % len(opening_ids)] + own, skip_special_tokens=True).strip()
                 reason = keep.reject_reason(text, finished)
+                if reason is None and not tokenizer.decode(own, skip_special_tokens=True).strip():
+                    reason = "short"  # an opening alone is no prompt
                 if reason is not None:
                     rejected[reason] = rejected.get(reason, 0) + 1
                     continue

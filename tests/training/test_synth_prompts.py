@@ -9,6 +9,7 @@ import re
 import pytest
 
 from specheads.cli import main
+from specheads.training import synth_prompts
 from specheads.training.synth_prompts import PromptFilter, synthesize_prompts, user_turn_prefix
 
 # stories260K has no chat template. Its stories end with a BOS token (how llama2.c separates them), so a template
@@ -109,6 +110,35 @@ def test_benchmark_prompts_never_come_out(tmp_path, chat_stories):
     assert texts[0] not in kept and texts[1] not in kept and kept[:2] == texts[2:4]
 
 
+def test_openings_start_the_messages_and_the_model_writes_on_from_them(tmp_path, chat_stories, monkeypatch):
+    target, tok = chat_stories
+    openings = ["Lily found a shiny", "Tom and his dog"]
+    steered, plain = tmp_path / "steered.jsonl", tmp_path / "plain.jsonl"
+    synthesize_prompts(target, tok, steered, 6, openings=openings, **FAST)
+    synthesize_prompts(target, tok, plain, 6, **FAST)
+    plain_by_id = {r["id"]: r["messages"][0]["content"] for r in read(plain)}
+    steered_records = read(steered)
+    assert len(steered_records) == 6
+    for record in steered_records:
+        row = int(record["id"].rsplit("-", 1)[1])
+        text = record["messages"][0]["content"]
+        assert text.startswith(openings[row % 2])  # row r of a batch starts with opening r mod 2
+        # the model wrote on from the opening: not the unsteered message of the same batch and row behind it
+        if record["id"] in plain_by_id:
+            assert text[len(openings[row % 2]):].strip() != plain_by_id[record["id"]]
+    assert {r["messages"][0]["content"].startswith(openings[0]) for r in steered_records} == {True, False}
+    # a model that ends its message right after the opening wrote no prompt
+    stop = tok.bos_token_id
+    story = tok("Lily found a shiny red ball in the park.", add_special_tokens=False).input_ids
+    monkeypatch.setattr(synth_prompts, "generate_batch", lambda *a, **k: [[stop], story + [stop]])
+    summary = synthesize_prompts(target, tok, tmp_path / "bare.jsonl", 1, openings=["Write a long story about"],
+                                 batch_size=2, show_progress=False)
+    assert summary["rejected"] == {"short": 1} and summary["kept"] == 1
+    assert read(tmp_path / "bare.jsonl")[0]["messages"][0]["content"].startswith("Write a long story about Lily")
+    with pytest.raises(ValueError, match="opening=' '"):
+        synthesize_prompts(target, tok, tmp_path / "z.jsonl", 2, openings=["Tom", " "], show_progress=False)
+
+
 def test_a_target_that_never_finishes_a_turn_is_stopped_with_a_reason(tmp_path, chat_stories):
     target, tok = chat_stories
     with pytest.raises(RuntimeError, match="no prompt worth keeping.*unfinished"):
@@ -135,5 +165,11 @@ def test_cli_writes_prompts_regenerate_can_answer(tmp_path, chat_stories, capsys
     answered = read(answers)
     assert [r["messages"][0] for r in answered] == [r["messages"][0] for r in read(prompts)]
     assert all(r["messages"][-1]["role"] == "assistant" for r in answered)
+    steered = tmp_path / "steered.jsonl"
+    assert main(["data", "synth-prompts", "--target", str(folder), "--count", "2", "--output", str(steered),
+                 "--batch-size", "16", "--seed", "3", "--max-new-tokens", "256", "--exclude", str(prompts),
+                 "--opening", "Lily found a shiny", "--opening", "Tom and his dog"]) == 0
+    assert all(r["messages"][0]["content"].startswith(("Lily found a shiny", "Tom and his dog")) for r in read(steered))
+    capsys.readouterr()
     assert main(["data", "synth-prompts", "--target", "stories260K", "--count", "2", "--output", str(tmp_path / "z.jsonl")]) == 2
     assert "synthesizing prompts needs a chat template" in capsys.readouterr().err
