@@ -17,8 +17,9 @@ CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
     "name, head_type, steps, min_acc",
     [
         ("smollm2-135m-instruct-eagle", "eagle", 3000, 0.7),
-        # trained on four times from the first EAGLE-3 heads (init_heads): every ShareGPT turn (37,227 greedy
-        # answers), 17,920 sampled ones (temperature 0.7), then 7,934 greedy answers to prompts SmolLM2 wrote
+        # trained on five times from the first EAGLE-3 heads (init_heads): every ShareGPT turn (37,227 greedy
+        # answers), 17,920 sampled ones (temperature 0.7), then greedy answers to prompts SmolLM2 wrote (7,934,
+        # then 18,234)
         ("smollm2-135m-instruct-eagle3", "eagle3", 2729, 0.6),
     ],
 )

@@ -167,7 +167,7 @@ def test_cli_writes_prompts_regenerate_can_answer(tmp_path, chat_stories, capsys
     assert all(r["messages"][-1]["role"] == "assistant" for r in answered)
     steered = tmp_path / "steered.jsonl"
     assert main(["data", "synth-prompts", "--target", str(folder), "--count", "2", "--output", str(steered),
-                 "--batch-size", "16", "--seed", "3", "--max-new-tokens", "256", "--exclude", str(prompts),
+                 "--batch-size", "16", "--seed", "3", "--max-new-tokens", "256",
                  "--opening", "Lily found a shiny", "--opening", "Tom and his dog"]) == 0
     assert all(r["messages"][0]["content"].startswith(("Lily found a shiny", "Tom and his dog")) for r in read(steered))
     capsys.readouterr()
