@@ -290,6 +290,10 @@ def data_main(argv: list[str]) -> int:
         print(json.dumps(add_draft_vocab(args.heads, args.data, args.size, args.out, args.target, args.format,
                                          args.max_length)))
         return 0
+    if args.tool == "synth-prompts":
+        from specheads.training.synth_prompts import check_openings
+
+        check_openings(args.opening)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, device=device)
     if args.tool == "regenerate":

@@ -68,6 +68,13 @@ def user_turn_prefix(tokenizer: PreTrainedTokenizerBase, system: str | None = No
     return prefix, closing[0]
 
 
+def check_openings(openings: list[str] | None) -> None:
+    """Raise a ValueError naming the first opening that is not a non-empty text (the CLI calls it before loading)."""
+    for opening in openings or ():
+        if not isinstance(opening, str) or not opening.strip():
+            raise ValueError(f"opening={opening!r}; expected a non-empty text the user message starts with")
+
+
 def normalised(text: str) -> str:
     """Lower case, whitespace runs as one space: the key under which prompts count as the same."""
     return " ".join(text.lower().split())
@@ -179,9 +186,7 @@ def synthesize_prompts(
             raise ValueError(f"{name}={value}; expected at least 1")
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}; synthesizing prompts needs sampling (> 0), greedy repeats one")
-    for opening in openings or ():
-        if not isinstance(opening, str) or not opening.strip():
-            raise ValueError(f"opening={opening!r}; expected a non-empty text the user message starts with")
+    check_openings(openings)
     prefix, end_of_turn = user_turn_prefix(tokenizer, system)
     opening_ids = [tokenizer(o, add_special_tokens=False).input_ids for o in openings] if openings else [[]]
     row_prompts = [prefix + opening_ids[row % len(opening_ids)] for row in range(batch_size)]

@@ -173,3 +173,7 @@ def test_cli_writes_prompts_regenerate_can_answer(tmp_path, chat_stories, capsys
     capsys.readouterr()
     assert main(["data", "synth-prompts", "--target", "stories260K", "--count", "2", "--output", str(tmp_path / "z.jsonl")]) == 2
     assert "synthesizing prompts needs a chat template" in capsys.readouterr().err
+    # a blank opening is named before any model loads (this target folder does not even exist)
+    assert main(["data", "synth-prompts", "--target", str(tmp_path / "missing"), "--count", "2", "--output", str(tmp_path / "z.jsonl"),
+                 "--opening", "Write a", "--opening", ""]) == 2
+    assert "opening=''" in capsys.readouterr().err
