@@ -290,8 +290,8 @@ def data_main(argv: list[str]) -> int:
         print(json.dumps(add_draft_vocab(args.heads, args.data, args.size, args.out, args.target, args.format,
                                          args.max_length)))
         return 0
-    if args.tool == "synth-prompts":
-        from specheads.training.synth_prompts import check_openings
+    if args.tool == "synth-prompts":  # imported here: synth_prompts imports this module
+        from specheads.training.synth_prompts import check_openings, synthesize_prompts
 
         check_openings(args.opening)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -305,8 +305,6 @@ def data_main(argv: list[str]) -> int:
         print(json.dumps({"output": args.output, "written": written}))
         return 0
     if args.tool == "synth-prompts":
-        from specheads.training.synth_prompts import synthesize_prompts
-
         if args.exclude is None:  # a model writing chat prompts can write a benchmark's own
             print("specheads data synth-prompts: no --exclude given, so the prompts are not checked against a "
                   "benchmark's; pass the prompts you will benchmark on to keep them out of the training data",

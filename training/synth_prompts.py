@@ -189,7 +189,8 @@ def synthesize_prompts(
     check_openings(openings)
     prefix, end_of_turn = user_turn_prefix(tokenizer, system)
     opening_ids = [tokenizer(o, add_special_tokens=False).input_ids for o in openings] if openings else [[]]
-    row_prompts = [prefix + opening_ids[row % len(opening_ids)] for row in range(batch_size)]
+    row_openings = [opening_ids[row % len(opening_ids)] for row in range(batch_size)]  # [] for all without openings
+    row_prompts = [prefix + opening for opening in row_openings]
     stops = [end_of_turn] + ([tokenizer.eos_token_id] if tokenizer.eos_token_id not in (None, end_of_turn) else [])
     output = check_writable_file(output, "synth-prompts output")
     drop_torn_line(output)
@@ -211,9 +212,10 @@ def synthesize_prompts(
                 generated += 1
                 finished = bool(tokens) and tokens[-1] in stops
                 own = tokens[:-1] if finished else tokens  # what the model wrote (after the opening, if any)
-                text = tokenizer.decode(opening_ids[row_number % len(opening_ids)] + own, skip_special_tokens=True).strip()
+                opening = row_openings[row_number]
+                text = tokenizer.decode(opening + own, skip_special_tokens=True).strip()
                 reason = keep.reject_reason(text, finished)
-                if reason is None and not tokenizer.decode(own, skip_special_tokens=True).strip():
+                if reason is None and opening and not tokenizer.decode(own, skip_special_tokens=True).strip():
                     reason = "short"  # an opening alone is no prompt
                 if reason is not None:
                     rejected[reason] = rejected.get(reason, 0) + 1
