@@ -451,7 +451,8 @@ def train(config: RunConfig) -> dict[str, Any]:
 
     # save
     metrics = {**last, **({"init_heads": config.init_heads} if config.init_heads else {}), "steps": done if config.max_steps > start_step else config.max_steps, "world_size": world, "training_seconds": round(time.time() - started, 2),
-               "tokens_seen_this_session": tokens_seen}
+               "tokens_seen_this_session": tokens_seen,
+               "mixed_precision": accelerator.mixed_precision}  # "no" | "bf16" (CPU autocast too) | "fp16"
     if coverage is not None:  # over the whole training data (the logged per-step value is the batch's)
         metrics["draft_vocab_coverage"] = coverage
     if eval_examples is not None:  # the held-out scores of the final heads (checked to be scorable at the start)

@@ -135,6 +135,31 @@ def test_two_processes_match_one(tmp_path, stories_file):
         torch.testing.assert_close(two[name], one[name], atol=1e-4, rtol=0, msg=name)
 
 
+def test_bf16_autocast_on_the_cpu_trains_float32_heads(tmp_path, stories_file):
+    """`accelerate launch --mixed_precision bf16` (ACCELERATE_MIXED_PRECISION) on the CPU runs the heads under
+    bf16 autocast: the heads stay float32 and end close to, but not equal to, a float32 run's."""
+    config = str(CONFIGS / "eagle3_stories260k.yaml")
+    # Adam moves a weight by at most about the learning rate per step, so 4 steps at 1e-3 differ by < 1e-2
+    steps = {"max_steps": 4, "save_steps": 4, "optim.learning_rate": 1e-3}
+    finals, losses = {}, {}
+    for precision in ("no", "bf16"):  # separate processes: Accelerate's state is per process
+        out = tmp_path / precision
+        command = [sys.executable, "-m", "specheads", "train", config, *overrides(stories_file, out, **steps)]
+        proc = _run_cli(command, {"ACCELERATE_MIXED_PRECISION": precision})
+        log, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, log
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["mixed_precision"] == precision
+        losses[precision] = metrics["loss"]
+        finals[precision] = load_file(out / "final" / "model.safetensors")
+    full, autocast = finals["no"], finals["bf16"]
+    assert all(t.dtype == torch.float32 for name, t in autocast.items() if t.is_floating_point())
+    assert any(not torch.equal(autocast[name], full[name]) for name in full if full[name].is_floating_point())
+    for name in full:
+        torch.testing.assert_close(autocast[name], full[name], atol=1e-2, rtol=0, msg=name)
+    assert abs(losses["bf16"] - losses["no"]) < 0.05 * losses["no"], losses
+
+
 def test_rank_zero_of_one_trap_is_detected(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="WORLD_SIZE=2.*num_processes=1"):
