@@ -153,7 +153,7 @@ def test_bf16_autocast_on_the_cpu_trains_float32_heads(tmp_path, stories_file):
         losses[precision] = metrics["loss"]
         finals[precision] = load_file(out / "final" / "model.safetensors")
     full, autocast = finals["no"], finals["bf16"]
-    assert all(t.dtype == torch.float32 for name, t in autocast.items() if t.is_floating_point())
+    assert all(t.dtype == torch.float32 for t in autocast.values() if t.is_floating_point())
     assert any(not torch.equal(autocast[name], full[name]) for name in full if full[name].is_floating_point())
     for name in full:
         torch.testing.assert_close(autocast[name], full[name], atol=1e-2, rtol=0, msg=name)
