@@ -65,6 +65,30 @@ def online_features(
     return select(out.hidden_states), out.logits
 
 
+@torch.no_grad()
+def offline_target_logits(lm_head: torch.nn.Module, final: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The target's logits `lm_head(final)` where a loss reads them, zeros elsewhere.
+
+    Every loss reads the target's logits at position p (its prediction of x_{p+1}) only as the label of a trained
+    token x_{p+1}; prompt tokens and padding (about half of a chat batch) skip the (h x V) product.
+
+    Args:
+        lm_head: the target's output layer.
+        final: (B, T, h) the dumped final, post-norm states.
+        loss_mask: (B, T) 1 where predicting that token is trained.
+
+    Returns:
+        (B, T, V) logits in `final`'s dtype: lm_head(final[b, p]) where loss_mask[b, p + 1] == 1, else 0.
+    """
+    needed = torch.zeros_like(loss_mask, dtype=torch.bool)  # (B, T)
+    needed[:, :-1] = loss_mask[:, 1:].bool()
+    rows_b, rows_p = needed.nonzero(as_tuple=True)  # (M,), (M,)
+    vocab_size = lm_head.weight.shape[0]
+    logits = final.new_zeros(*final.shape[:2], vocab_size)  # (B, T, V)
+    logits[rows_b, rows_p] = lm_head(final[rows_b, rows_p]).to(final.dtype)  # (M, V)
+    return logits
+
+
 def file_sha256(path: str | Path) -> str:
     """Hex sha256 of a file (read in 1 MiB blocks)."""
     digest = hashlib.sha256()

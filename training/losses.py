@@ -133,7 +133,8 @@ def eagle_loss(
 
     Depth 1 is teacher-forced on the target's real features (plus `noise`). Depth d > 1 feeds the head its own
     depth-(d-1) predictions (with the data's tokens): depths up to `train_depth` add to the loss (weighted
-    depth_decay**(d-1)), depths up to `eval_depth` only estimate how far a draft chain would be accepted.
+    depth_decay**(d-1)), depths up to `eval_depth` only estimate how far a draft chain would be accepted (sim_tau:
+    a chain stops at an untrained token, padding included).
 
     Args:
         heads: EagleHeads (attached to the target).
@@ -157,16 +158,30 @@ def eagle_loss(
     label_logits = target_logits[:, 1:]  # (B, n, V): the target's distribution of x_{t+2}
     next_tokens = torch.cat([input_ids[:, 2:], input_ids[:, -1:]], dim=1)  # (B, n): x_{t+2} (last unused)
     valid = torch.cat([loss_mask[:, 2:], torch.zeros_like(loss_mask[:, :1])], dim=1)  # (B, n)
-    target_top1 = label_logits.argmax(-1)  # (B, n)
+    # The lm_head (h x V) and the softmaxes run on the M trained rows only (prompt tokens and padding, about half
+    # of a chat batch, never reach them); the other rows count as misses.
+    rows_b, rows_t = valid.bool().nonzero(as_tuple=True)  # (M,), (M,)
+    row_labels, row_tokens = label_logits[rows_b, rows_t], next_tokens[rows_b, rows_t]  # (M, V), (M,)
+    row_top1 = row_labels.argmax(-1)  # (M,)
+
+    def hits(row_logits: torch.Tensor) -> torch.Tensor:
+        """(M, V) logits of the trained rows -> (B, n) bool: the draft's argmax is the target's."""
+        hit = torch.zeros(batch, n, dtype=torch.bool, device=row_logits.device)
+        hit[rows_b, rows_t] = row_logits.argmax(-1) == row_top1
+        return hit
+
+    def feature_and_token_loss(pred: torch.Tensor, row_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        feat = masked_mean(F.smooth_l1_loss(pred.float(), labels_feat.float(), reduction="none").mean(-1), valid)
+        ce = token_cross_entropy(row_logits, row_labels, row_tokens, config.labels)  # (M,)
+        return feat, masked_mean(ce, torch.ones_like(ce))
 
     pred = heads(in_features, in_ids, positions, mask4d)  # (B, n, h)
-    pred_logits = heads.logits(pred)  # (B, n, V)
-    feat_loss = masked_mean(F.smooth_l1_loss(pred.float(), labels_feat.float(), reduction="none").mean(-1), valid)
-    tok_loss = masked_mean(token_cross_entropy(pred_logits, label_logits, next_tokens, config.labels), valid)
+    row_logits = heads.logits(pred[rows_b, rows_t])  # (M, V)
+    feat_loss, tok_loss = feature_and_token_loss(pred, row_logits)
     loss = config.feature_weight * feat_loss + config.token_weight * tok_loss
 
     metrics = {"loss": float(loss.detach()), "loss_feature": float(feat_loss.detach()), "loss_token": float(tok_loss.detach())}
-    correct = [pred_logits.argmax(-1) == target_top1]  # depth 1, indexed by the predicting position t
+    correct = [hits(row_logits)]  # depth 1, indexed by the predicting position t
     prev = pred
     for depth in range(2, max(config.eval_depth, config.train_depth) + 1):
         trained = depth <= config.train_depth  # unrolled depths with gradients ("training-time test")
@@ -174,12 +189,11 @@ def eagle_loss(
             # position s now reads its own predicted f_s (made at s-1); s = 0 keeps the real f_0
             unrolled = torch.cat([features[:, :1], prev[:, :-1] if trained else prev[:, :-1].detach()], dim=1)
             prev = heads(unrolled, in_ids, positions, mask4d)  # (B, n, h)
-            logits_d = heads.logits(prev)
+            row_logits = heads.logits(prev[rows_b, rows_t])  # (M, V)
             if trained:
-                feat_d = masked_mean(F.smooth_l1_loss(prev.float(), labels_feat.float(), reduction="none").mean(-1), valid)
-                tok_d = masked_mean(token_cross_entropy(logits_d, label_logits, next_tokens, config.labels), valid)
+                feat_d, tok_d = feature_and_token_loss(prev, row_logits)
                 loss = loss + config.depth_decay ** (depth - 1) * (config.feature_weight * feat_d + config.token_weight * tok_d)
-        correct.append(logits_d.argmax(-1) == target_top1)
+        correct.append(hits(row_logits))
     metrics["loss"] = float(loss.detach())
     chains = []
     for d, hit in enumerate(correct):
@@ -221,37 +235,41 @@ def eagle3_loss(
 
     Returns:
         The weighted loss; metrics loss_depth{d} and acc_depth{d} (draft argmax mapped through d2t equals the
-        target's argmax) for d = 1 .. ttt_steps, acc, sim_tau, and draft_vocab_coverage (share of this batch's
-        trained labels x_{t+2} inside the draft vocabulary).
+        target's argmax) for d = 1 .. ttt_steps, acc, sim_tau (a chain stops at an untrained token), and
+        draft_vocab_coverage (share of this batch's trained labels x_{t+2} inside the draft vocabulary).
     """
-    n = input_ids.shape[1] - 1
+    batch, n = input_ids.shape[0], input_ids.shape[1] - 1
     d2t = heads.d2t  # (Vd,) target id of each draft id, sorted
     in_draft = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=d2t.device)
     in_draft[d2t] = True  # (V,)
-    draft_target_logits = target_logits[..., d2t].float()  # (B, T, Vd)
     target_top1 = target_logits.argmax(-1)  # (B, T) over the full vocabulary: what greedy decoding accepts
+    if config.labels == "target":  # once for all steps: step i reads it i positions further on
+        label_probs_all = F.softmax(target_logits[..., d2t].float(), dim=-1)  # (B, T, Vd)
     outputs = unroll_ttt(heads, features, input_ids, attention_mask, config.ttt_steps, noise)
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     correct: list[torch.Tensor] = []
     for step, hidden in enumerate(outputs):
-        log_probs = F.log_softmax(heads.logits(hidden).float(), dim=-1)  # (B, n, Vd)
-        valid = shift_left(loss_mask, 2 + step, n, fill=0).bool()  # (B, n): x_{t+2+step} is trained
+        # Only the M trained rows go through the draft lm_head and the softmaxes (prompt tokens and padding,
+        # about half of a batch, never reach them): rows (b, t) where x_{t+2+step} is trained.
+        rows_b, rows_t = shift_left(loss_mask, 2 + step, n, fill=0).bool().nonzero(as_tuple=True)  # (M,), (M,)
+        log_probs = F.log_softmax(heads.logits(hidden[rows_b, rows_t]).float(), dim=-1)  # (M, Vd)
         if config.labels == "target":
-            label_probs = F.softmax(shift_left(draft_target_logits, 1 + step, n, fill=0.0), dim=-1)  # (B, n, Vd)
-            ce = -(label_probs * log_probs).sum(-1)
-            counted = valid
+            label_probs = label_probs_all[rows_b, rows_t + 1 + step]  # (M, Vd)
+            ce = -(label_probs * log_probs).sum(-1)  # (M,)
+            counted = torch.ones_like(ce, dtype=torch.bool)
         else:
-            tokens = shift_left(input_ids, 2 + step, n, fill=0)  # (B, n): x_{t+2+step}
+            tokens = input_ids[rows_b, rows_t + 2 + step]  # (M,): x_{t+2+step}
             draft_ids = torch.searchsorted(d2t, tokens).clamp(max=d2t.shape[0] - 1)
             ce = -log_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
-            counted = valid & in_draft[tokens]
+            counted = in_draft[tokens]
         step_loss = masked_mean(ce, counted)
         total = total + config.ttt_decay**step * step_loss
-        top1 = shift_left(target_top1, 1 + step, n, fill=-1)  # (B, n): -1 past the end never matches
-        hit = d2t[log_probs.argmax(-1)] == top1  # (B, n)
+        hit_rows = d2t[log_probs.argmax(-1)] == target_top1[rows_b, rows_t + 1 + step]  # (M,)
         metrics[f"loss_depth{step + 1}"] = float(step_loss.detach())
-        metrics[f"acc_depth{step + 1}"] = float(masked_mean(hit.float(), valid))
+        metrics[f"acc_depth{step + 1}"] = float(hit_rows.float().mean()) if hit_rows.numel() else 0.0
+        hit = torch.zeros(batch, n, dtype=torch.bool, device=hit_rows.device)  # untrained rows count as misses
+        hit[rows_b, rows_t] = hit_rows
         correct.append(hit)  # the chain at index t is the draft path rooted at t: no shift
     first_valid = shift_left(loss_mask, 2, n, fill=0).bool()  # (B, n)
     metrics["loss"] = float(total.detach())

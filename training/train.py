@@ -38,7 +38,12 @@ from specheads.training.draft_vocab import (
     vocab_coverage,
 )
 from specheads.training.evaluate import evaluate, split_eval_indices
-from specheads.training.features import OfflineFeatures, collate_offline, online_features
+from specheads.training.features import (
+    OfflineFeatures,
+    collate_offline,
+    offline_target_logits,
+    online_features,
+)
 from specheads.training.joint_lora import JointMedusa, joint_loss, keep_trainable_weights_only
 from specheads.training.losses import LossOutput, eagle3_loss, eagle_loss, medusa_loss, uniform_noise
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
@@ -182,8 +187,7 @@ def compute_loss(
     if "features" in batch:  # offline: [tapped layers (EAGLE-3) | final post-norm state]; lm_head(final) = target logits
         final = batch["features"][..., -heads.config.hidden_size:]
         features = batch["features"][..., : -heads.config.hidden_size] if heads.config.head_type == "eagle3" else final
-        with torch.no_grad():
-            target_logits = target.get_output_embeddings()(final)
+        target_logits = offline_target_logits(target.get_output_embeddings(), final, batch["loss_mask"])
     else:
         features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
     if heads.config.head_type == "medusa":

@@ -145,7 +145,8 @@ def reference_eagle3_loss(
                 counts[i] += 1
                 hits[i] += int(d2t[log_probs.argmax()] == target_logits[b, t + 1 + i].argmax())
     per_step = [s / max(c, 1) for s, c in zip(sums, counts)]
-    return sum(config.ttt_decay**i * per_step[i] for i in range(steps)), per_step
+    accuracy = [h / max(c, 1) for h, c in zip(hits, counts)]
+    return sum(config.ttt_decay**i * per_step[i] for i in range(steps)), per_step, accuracy
 
 
 @pytest.mark.parametrize("labels", ["target", "tokens"])
@@ -158,11 +159,13 @@ def test_loss_equals_step_by_step_drafting_reference(tiny_target_factory, labels
     config = LossSection(ttt_steps=4, ttt_decay=0.7, labels=labels)
     with torch.no_grad():
         out = eagle3_loss(heads, features, target_logits, ids, mask, loss_mask, config)
-        expected, per_step = reference_eagle3_loss(
+        expected, per_step, accuracy = reference_eagle3_loss(
             heads, features, target_logits, ids, mask, loss_mask, config
         )
     for i, value in enumerate(per_step):
         assert out.metrics[f"loss_depth{i + 1}"] == pytest.approx(value, rel=1e-5, abs=1e-5), i
+        if labels == "target":  # "tokens" leaves out-of-vocabulary labels out of the loss, not of the accuracy
+            assert out.metrics[f"acc_depth{i + 1}"] == pytest.approx(accuracy[i], abs=1e-6), i
     assert float(out.loss) == pytest.approx(expected, rel=1e-5)
 
 
@@ -332,3 +335,38 @@ def test_eagle3_offline_features_train_like_online(tmp_path, stories_file, capsy
         )
         error = capsys.readouterr().err
         assert "--head-type eagle3 --feature-layers 1,3,4" in error and "feature_mode=online" in error, error
+
+
+class _AlwaysRightHeads:
+    """A stand-in drafter whose argmax is always draft id 0: with target logits whose argmax is d2t[0] everywhere,
+    every draft it makes is right, so the simulated chains run exactly as far as the trained tokens go."""
+
+    d2t = torch.tensor([2, 5, 9])
+
+    def __call__(self, features, input_ids, position_ids, attention_mask, cache=None):
+        return features[..., :4]  # (B, n, h=4)
+
+    def logits(self, hidden):
+        out = torch.zeros(*hidden.shape[:-1], 3)
+        out[..., 0] = 1.0
+        return out
+
+
+def test_simulated_chains_stop_at_untrained_tokens_and_padding():
+    lengths, steps = [9, 6], 4
+    batch = random_batch(12, lengths, seed=5)
+    ids, mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    features = torch.randn(2, ids.shape[1], 12)
+    target_logits = torch.zeros(2, ids.shape[1], 12)
+    target_logits[..., 2] = 1.0  # argmax d2t[0] everywhere, the padding too
+    heads, config = _AlwaysRightHeads(), LossSection(ttt_steps=steps)
+
+    def expected(rows: list[int]) -> float:  # chain at t: depths while x_{t+1+d} is a trained token of the row
+        chains = [min(steps, n - 2 - t) for n in rows for t in range(n - 2)]
+        return 1.0 + sum(chains) / len(chains)
+
+    both = eagle3_loss(heads, features, target_logits, ids, mask, loss_mask, config)
+    assert both.metrics["sim_tau"] == pytest.approx(expected(lengths))
+    assert both.metrics["acc_depth1"] == 1.0
+    short = eagle3_loss(heads, features[1:, :6], target_logits[1:, :6], ids[1:, :6], mask[1:, :6], loss_mask[1:, :6], config)
+    assert short.metrics["sim_tau"] == pytest.approx(expected(lengths[1:]))  # the same row, unpadded

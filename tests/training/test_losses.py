@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specheads import create_heads
 from specheads.training.config import LossSection
-from specheads.training.features import online_features
-from specheads.training.losses import causal_mask, eagle_loss, medusa_loss, uniform_noise
+from specheads.training.features import offline_target_logits, online_features
+from specheads.training.losses import causal_mask, eagle3_loss, eagle_loss, medusa_loss, uniform_noise
 
 
 def _batch(target_and_tokenizer):
@@ -57,3 +58,39 @@ def test_causal_mask_and_noise():
     assert torch.equal(a, uniform_noise((2, 4, 3), 0.1, [5, 6]))
     assert torch.equal(a[1], uniform_noise((1, 4, 3), 0.1, [6])[0])
     assert a.abs().max() <= 0.1
+
+
+def test_offline_target_logits_only_where_a_loss_reads_them(target_and_tokenizer):
+    """Logits skipped on prompt tokens and padding change no loss and no per-depth accuracy of any head type."""
+    target, tok = target_and_tokenizer
+    ids = tok(["Once upon a time, there was a little girl named Lily. She liked to play."], return_tensors="pt").input_ids
+    ids = torch.cat([ids, ids.flip(1)])  # (2, T)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # right padding on the second row
+    loss_mask = mask.clone()
+    loss_mask[:, :4] = 0  # a "prompt"
+    loss_mask[0, 9] = 0  # a hole
+    final = online_features(target, ids, mask, lambda hs: hs[-1])[0]  # (B, T, h) post-norm
+    dense = target.get_output_embeddings()(final)
+    sparse = offline_target_logits(target.get_output_embeddings(), final, loss_mask)
+    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
+    needed[:, :-1] = loss_mask[:, 1:].bool()
+    torch.testing.assert_close(sparse[needed], dense[needed])
+    assert not sparse[~needed].any() and (~needed).sum() > 4  # the test has teeth: rows were skipped
+    torch.manual_seed(0)
+    for head_type in ("medusa", "eagle", "eagle3"):
+        heads = create_heads(target, head_type, **({"draft_vocab_size": 64} if head_type == "eagle3" else {}))
+        features = online_features(target, ids, mask, heads.select_features)[0]
+        with torch.no_grad():
+            outs = []
+            for logits in (dense, sparse):
+                if head_type == "medusa":
+                    outs.append(medusa_loss(heads(features), logits, ids, loss_mask, LossSection()))
+                elif head_type == "eagle":
+                    outs.append(eagle_loss(heads, features, logits, ids, mask, loss_mask, LossSection(eval_depth=3)))
+                else:
+                    outs.append(eagle3_loss(heads, features, logits, ids, mask, loss_mask, LossSection(ttt_steps=3)))
+        assert float(outs[1].loss) == pytest.approx(float(outs[0].loss), rel=1e-5), head_type
+        for key, value in outs[0].metrics.items():
+            if key.startswith(("loss", "acc")):
+                assert outs[1].metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (head_type, key)
