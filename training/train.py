@@ -11,6 +11,7 @@ same weights as one (up to float summation order).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -18,6 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -175,12 +177,15 @@ def compute_loss(
     target: torch.nn.Module,
     batch: dict[str, torch.Tensor],
     noise_seeds: list[int],
+    autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> LossOutput:
     """Target features (online or from the batch) -> head forward -> loss.
 
     Args:
         model: the prepared (possibly DDP-wrapped) heads, used for the forward that gets gradients.
         heads: the same heads unwrapped (config, lm_head access, gradient-free unrolls).
+        autocast: context for the draft logits, which run outside the prepared model's forward
+            (`accelerator.autocast`: bf16 autocast under native mixed precision, a no-op otherwise).
     """
     if config.joint.enabled:  # Medusa-2: `model` is the adapted target + heads; features get gradients
         return joint_loss(model, batch, config)
@@ -191,7 +196,7 @@ def compute_loss(
     else:
         features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
     if heads.config.head_type == "medusa":
-        medusa_logits = _HeadsView(model, heads)(features)
+        medusa_logits = _HeadsView(model, heads, autocast)(features)
         return medusa_loss(medusa_logits, target_logits, batch["input_ids"], batch["loss_mask"], config.loss)
     noise = None
     if config.loss.input_noise > 0:
@@ -199,11 +204,11 @@ def compute_loss(
         noise = uniform_noise((batch_size, seq_len - 1, hidden), config.loss.input_noise, noise_seeds).to(features.device)
     if heads.config.head_type == "eagle3":
         return eagle3_loss(
-            _HeadsView(model, heads), features, target_logits, batch["input_ids"], batch["attention_mask"],
+            _HeadsView(model, heads, autocast), features, target_logits, batch["input_ids"], batch["attention_mask"],
             batch["loss_mask"], config.loss, noise,
         )
     return eagle_loss(
-        _HeadsView(model, heads), features, target_logits, batch["input_ids"], batch["attention_mask"],
+        _HeadsView(model, heads, autocast), features, target_logits, batch["input_ids"], batch["attention_mask"],
         batch["loss_mask"], config.loss, noise,
     )
 
@@ -213,11 +218,17 @@ class _HeadsView:
 
     Float tensors go in at the heads' parameter dtype and come out as float32: DeepSpeed with bf16 turns the
     prepared heads' weights into bf16 (no autocast), while the frozen target's features and the losses stay
-    float32. Everywhere else the heads are float32 and the casts do nothing.
+    float32. Everywhere else the heads are float32 and the casts do nothing. The draft logits run outside the
+    prepared model's forward, so they get the run's `autocast` context themselves (bf16 under native mixed precision).
     """
 
-    def __init__(self, model: torch.nn.Module, heads: torch.nn.Module) -> None:
-        self.model, self.heads = model, heads
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        heads: torch.nn.Module,
+        autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.model, self.heads, self.autocast = model, heads, autocast
         self.dtype = next(heads.parameters()).dtype
 
     def _inputs(self, args: tuple[Any, ...]) -> list[Any]:
@@ -227,7 +238,8 @@ class _HeadsView:
         return (self.model if torch.is_grad_enabled() else self.heads)(*self._inputs(args)).float()
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        return self.heads.logits(*self._inputs((predicted,))).float()
+        with self.autocast():
+            return self.heads.logits(*self._inputs((predicted,))).float()
 
     @property
     def d2t(self) -> torch.Tensor:
@@ -410,7 +422,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             # accumulate: gradients are all-reduced and the optimizer steps only on the last micro-batch,
             # and backward divides the loss by the accumulation steps (DeepSpeed handles it the same way)
             with accelerator.accumulate(model):
-                out = compute_loss(config, model, heads, target, batch, seeds)
+                out = compute_loss(config, model, heads, target, batch, seeds, accelerator.autocast)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients and config.optim.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)

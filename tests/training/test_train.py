@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from specheads import create_heads, load_heads
 from specheads.cli import main
 from specheads.training.config import load_run_config
-from specheads.training.train import check_world_size, latest_checkpoint
+from specheads.training.train import _HeadsView, check_world_size, latest_checkpoint
 
 from .conftest import CONFIGS, REPO, depth1_accuracy, overrides
 
@@ -158,6 +158,21 @@ def test_bf16_autocast_on_the_cpu_trains_float32_heads(tmp_path, stories_file):
     for name in full:
         torch.testing.assert_close(autocast[name], full[name], atol=1e-2, rtol=0, msg=name)
     assert abs(losses["bf16"] - losses["no"]) < 0.05 * losses["no"], losses
+
+
+def test_draft_logits_run_under_the_runs_autocast(target_and_tokenizer):
+    """The draft lm_head runs outside the prepared model's forward: it gets the run's autocast context itself
+    (bf16 products, float32 out), and none by default."""
+    target, _ = target_and_tokenizer
+    torch.manual_seed(0)
+    heads = create_heads(target, "eagle3", draft_vocab_size=64)
+    hidden = torch.randn(2, 5, target.config.hidden_size)
+    plain = _HeadsView(heads, heads).logits(hidden)
+    bf16 = _HeadsView(heads, heads, lambda: torch.autocast("cpu", dtype=torch.bfloat16)).logits(hidden)
+    assert plain.dtype == bf16.dtype == torch.float32
+    torch.testing.assert_close(plain, heads.logits(hidden), rtol=0, atol=0)
+    assert not torch.equal(bf16, plain)  # bf16 products round differently
+    torch.testing.assert_close(bf16, plain, rtol=0.05, atol=0.05)
 
 
 def test_rank_zero_of_one_trap_is_detected(monkeypatch):
