@@ -66,42 +66,62 @@ def chain_acceptance(correct: list[torch.Tensor], valid: torch.Tensor) -> float:
     return total
 
 
+def medusa_rows(loss_mask: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions t some Medusa head is trained at: x_{t+k+2} trained for a k < num_heads. (B, T) -> (M,), (M,)."""
+    batch, seq_len = loss_mask.shape
+    needed = torch.zeros(batch, seq_len, dtype=torch.bool, device=loss_mask.device)
+    for k in range(num_heads):
+        needed[:, : max(seq_len - k - 2, 0)] |= loss_mask[:, k + 2:].bool()
+    return needed.nonzero(as_tuple=True)
+
+
 def medusa_loss(
     logits: torch.Tensor,
     target_logits: torch.Tensor,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     config: LossSection,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> LossOutput:
     """Cross-entropy per Medusa head, head k weighted by medusa_decay**k.
 
     Args:
-        logits: (K, B, T, V) head logits; head k at position t predicts x_{t+k+2}.
+        logits: (K, B, T, V) head logits; head k at position t predicts x_{t+k+2}. With `rows`: (K, M, V), the
+            logits at those positions only (`medusa_rows`: the heads' (h x V) projections skip the others).
         target_logits: (B, T, V) the target's logits (position t predicts x_{t+1}).
         input_ids: (B, T) tokens.
         loss_mask: (B, T) 1 where predicting that token is trained (0 on prompts and padding).
         config: loss weights.
+        rows: (M,) batch and (M,) position indices of `logits`, or None (dense logits).
+
+    Returns:
+        The weighted loss; metrics loss_head{k}, acc_depth{k}, acc and sim_tau (a chain stops at an untrained token).
     """
-    num_heads, _, seq_len, _ = logits.shape
+    batch, seq_len = input_ids.shape
+    if rows is None:
+        rows = medusa_rows(loss_mask, logits.shape[0])
+        logits = logits[:, rows[0], rows[1]]  # (K, M, V)
+    rows_b, rows_t = rows
     total = logits.new_zeros(())
     metrics: dict[str, float] = {}
     correct: list[torch.Tensor] = []
     valid0 = loss_mask[:, 2:].bool()  # (B, T-2): positions whose first draft token is trained
-    for k in range(num_heads):
-        span = seq_len - k - 2  # positions t with a token x_{t+k+2}
-        if span <= 0:
+    for k in range(logits.shape[0]):
+        if seq_len - k - 2 <= 0:
             break
-        head_logits = logits[k, :, :span]  # (B, span, V)
-        label_logits = target_logits[:, k + 1: k + 1 + span]  # (B, span, V): target at t+k+1
-        valid = loss_mask[:, k + 2: k + 2 + span]  # (B, span)
-        ce = token_cross_entropy(head_logits, label_logits, input_ids[:, k + 2: k + 2 + span], config.labels)
-        head_loss = masked_mean(ce, valid)
+        label_pos = (rows_t + k + 2).clamp(max=seq_len - 1)  # (M,): x_{t+k+2}
+        valid = (rows_t + k + 2 < seq_len) & loss_mask[rows_b, label_pos].bool()  # (M,)
+        b, t, head_logits = rows_b[valid], rows_t[valid], logits[k][valid]  # (m,), (m,), (m, V)
+        label_logits = target_logits[b, t + k + 1]  # (m, V): the target at t+k+1
+        ce = token_cross_entropy(head_logits, label_logits, input_ids[b, t + k + 2], config.labels)  # (m,)
+        head_loss = masked_mean(ce, torch.ones_like(ce))
         total = total + (config.medusa_decay**k) * head_loss
-        hit = head_logits.argmax(-1) == label_logits.argmax(-1)  # (B, span)
+        hit_rows = head_logits.argmax(-1) == label_logits.argmax(-1)  # (m,)
         metrics[f"loss_head{k + 1}"] = float(head_loss.detach())
-        metrics[f"acc_depth{k + 1}"] = float(masked_mean(hit.float(), valid))
-        pad = torch.zeros(hit.shape[0], (seq_len - 2) - span, dtype=torch.bool, device=hit.device)
-        correct.append(torch.cat([hit, pad], dim=1))  # (B, T-2), aligned on the chain start t
+        metrics[f"acc_depth{k + 1}"] = float(hit_rows.float().mean()) if hit_rows.numel() else 0.0
+        hit = torch.zeros(batch, seq_len - 2, dtype=torch.bool, device=hit_rows.device)  # aligned on the chain start t
+        hit[b, t] = hit_rows
+        correct.append(hit)
     metrics["loss"] = float(total.detach())
     metrics["acc"] = metrics.get("acc_depth1", 0.0)
     metrics["sim_tau"] = chain_acceptance(correct, valid0)

@@ -47,7 +47,14 @@ from specheads.training.features import (
     online_features,
 )
 from specheads.training.joint_lora import JointMedusa, joint_loss, keep_trainable_weights_only
-from specheads.training.losses import LossOutput, eagle3_loss, eagle_loss, medusa_loss, uniform_noise
+from specheads.training.losses import (
+    LossOutput,
+    eagle3_loss,
+    eagle_loss,
+    medusa_loss,
+    medusa_rows,
+    uniform_noise,
+)
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 
 CHECKPOINTS = "checkpoints"
@@ -196,8 +203,9 @@ def compute_loss(
     else:
         features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
     if heads.config.head_type == "medusa":
-        medusa_logits = _HeadsView(model, heads, autocast)(features)
-        return medusa_loss(medusa_logits, target_logits, batch["input_ids"], batch["loss_mask"], config.loss)
+        rows = medusa_rows(batch["loss_mask"], heads.config.num_heads)  # (M,), (M,): the positions a head trains at
+        medusa_logits = _HeadsView(model, heads, autocast)(features[rows])  # (K, M, V)
+        return medusa_loss(medusa_logits, target_logits, batch["input_ids"], batch["loss_mask"], config.loss, rows)
     noise = None
     if config.loss.input_noise > 0:
         batch_size, seq_len, hidden = features.shape

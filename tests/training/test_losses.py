@@ -8,7 +8,14 @@ import torch
 from specheads import create_heads
 from specheads.training.config import LossSection
 from specheads.training.features import offline_target_logits, online_features
-from specheads.training.losses import causal_mask, eagle3_loss, eagle_loss, medusa_loss, uniform_noise
+from specheads.training.losses import (
+    causal_mask,
+    eagle3_loss,
+    eagle_loss,
+    medusa_loss,
+    medusa_rows,
+    uniform_noise,
+)
 
 
 def _batch(target_and_tokenizer):
@@ -61,7 +68,8 @@ def test_causal_mask_and_noise():
 
 
 def test_offline_target_logits_only_where_a_loss_reads_them(target_and_tokenizer):
-    """Logits skipped on prompt tokens and padding change no loss and no per-depth accuracy of any head type."""
+    """Logits skipped on prompt tokens and padding (the target's, and Medusa's own) change no loss and no
+    per-depth accuracy of any head type."""
     target, tok = target_and_tokenizer
     ids = tok(["Once upon a time, there was a little girl named Lily. She liked to play."], return_tensors="pt").input_ids
     ids = torch.cat([ids, ids.flip(1)])  # (2, T)
@@ -86,11 +94,15 @@ def test_offline_target_logits_only_where_a_loss_reads_them(target_and_tokenizer
             for logits in (dense, sparse):
                 if head_type == "medusa":
                     outs.append(medusa_loss(heads(features), logits, ids, loss_mask, LossSection()))
+                    rows = medusa_rows(loss_mask, heads.config.num_heads)  # the training path: trained rows only
+                    outs.append(medusa_loss(heads(features[rows]), logits, ids, loss_mask, LossSection(), rows))
+                    assert rows[0].numel() < ids.numel() - 4  # the test has teeth: positions were skipped
                 elif head_type == "eagle":
                     outs.append(eagle_loss(heads, features, logits, ids, mask, loss_mask, LossSection(eval_depth=3)))
                 else:
                     outs.append(eagle3_loss(heads, features, logits, ids, mask, loss_mask, LossSection(ttt_steps=3)))
-        assert float(outs[1].loss) == pytest.approx(float(outs[0].loss), rel=1e-5), head_type
-        for key, value in outs[0].metrics.items():
-            if key.startswith(("loss", "acc")):
-                assert outs[1].metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (head_type, key)
+        for other in outs[1:]:
+            assert float(other.loss) == pytest.approx(float(outs[0].loss), rel=1e-5), head_type
+            for key, value in outs[0].metrics.items():
+                if key.startswith(("loss", "acc")):
+                    assert other.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (head_type, key)
