@@ -83,9 +83,9 @@ def offline_target_logits(lm_head: torch.nn.Module, final: torch.Tensor, loss_ma
     needed = torch.zeros_like(loss_mask, dtype=torch.bool)  # (B, T)
     needed[:, :-1] = loss_mask[:, 1:].bool()
     rows_b, rows_p = needed.nonzero(as_tuple=True)  # (M,), (M,)
-    vocab_size = lm_head.weight.shape[0]
-    logits = final.new_zeros(*final.shape[:2], vocab_size)  # (B, T, V)
-    logits[rows_b, rows_p] = lm_head(final[rows_b, rows_p]).to(final.dtype)  # (M, V)
+    row_logits = lm_head(final[rows_b, rows_p])  # (M, V)
+    logits = final.new_zeros(*final.shape[:2], row_logits.shape[-1])  # (B, T, V)
+    logits[rows_b, rows_p] = row_logits.to(final.dtype)
     return logits
 
 

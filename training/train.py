@@ -19,7 +19,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +183,7 @@ def compute_loss(
     target: torch.nn.Module,
     batch: dict[str, torch.Tensor],
     noise_seeds: list[int],
-    autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> LossOutput:
     """Target features (online or from the batch) -> head forward -> loss.
 
@@ -234,7 +233,7 @@ class _HeadsView:
         self,
         model: torch.nn.Module,
         heads: torch.nn.Module,
-        autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.model, self.heads, self.autocast = model, heads, autocast
         self.dtype = next(heads.parameters()).dtype
