@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 
 from specheads.training.data import collate
 from specheads.training.preflight import check_free_disk, check_writable_dir
+from specheads.training.ttt import shift_left
 
 INDEX_NAME = "index.json"
 PROGRESS_NAME = "progress.json"  # the finished shards of a dump still running (or killed)
@@ -80,8 +81,7 @@ def offline_target_logits(lm_head: torch.nn.Module, final: torch.Tensor, loss_ma
     Returns:
         (B, T, V) logits in `final`'s dtype: lm_head(final[b, p]) where loss_mask[b, p + 1] == 1, else 0.
     """
-    needed = torch.zeros_like(loss_mask, dtype=torch.bool)  # (B, T)
-    needed[:, :-1] = loss_mask[:, 1:].bool()
+    needed = shift_left(loss_mask, 1, loss_mask.shape[1], fill=0).bool()  # (B, T): x_{p+1} is trained
     rows_b, rows_p = needed.nonzero(as_tuple=True)  # (M,), (M,)
     row_logits = lm_head(final[rows_b, rows_p])  # (M, V)
     logits = final.new_zeros(*final.shape[:2], row_logits.shape[-1])  # (B, T, V)

@@ -40,6 +40,18 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
 
 
+def rows_mean(values: torch.Tensor) -> torch.Tensor:
+    """Mean of per-row values (M,), 0 when M == 0 (still in the graph: every parameter gets a gradient)."""
+    return masked_mean(values, torch.ones_like(values))
+
+
+def hits_at(hit_rows: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """Per-row hits (M,) placed at `rows` ((M,) batch, (M,) position) of a (B, n) bool grid; elsewhere misses."""
+    hit = torch.zeros(shape, dtype=torch.bool, device=hit_rows.device)
+    hit[rows] = hit_rows
+    return hit
+
+
 def token_cross_entropy(
     logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor, labels: str
 ) -> torch.Tensor:
@@ -114,14 +126,12 @@ def medusa_loss(
         b, t, head_logits = rows_b[valid], rows_t[valid], logits[k][valid]  # (m,), (m,), (m, V)
         label_logits = target_logits[b, t + k + 1]  # (m, V): the target at t+k+1
         ce = token_cross_entropy(head_logits, label_logits, input_ids[b, t + k + 2], config.labels)  # (m,)
-        head_loss = masked_mean(ce, torch.ones_like(ce))
+        head_loss = rows_mean(ce)
         total = total + (config.medusa_decay**k) * head_loss
         hit_rows = head_logits.argmax(-1) == label_logits.argmax(-1)  # (m,)
         metrics[f"loss_head{k + 1}"] = float(head_loss.detach())
-        metrics[f"acc_depth{k + 1}"] = float(hit_rows.float().mean()) if hit_rows.numel() else 0.0
-        hit = torch.zeros(batch, seq_len - 2, dtype=torch.bool, device=hit_rows.device)  # aligned on the chain start t
-        hit[b, t] = hit_rows
-        correct.append(hit)
+        metrics[f"acc_depth{k + 1}"] = float(rows_mean(hit_rows.float()))
+        correct.append(hits_at(hit_rows, (b, t), (batch, seq_len - 2)))  # aligned on the chain start t
     metrics["loss"] = float(total.detach())
     metrics["acc"] = metrics.get("acc_depth1", 0.0)
     metrics["sim_tau"] = chain_acceptance(correct, valid0)
@@ -186,14 +196,11 @@ def eagle_loss(
 
     def hits(row_logits: torch.Tensor) -> torch.Tensor:
         """(M, V) logits of the trained rows -> (B, n) bool: the draft's argmax is the target's."""
-        hit = torch.zeros(batch, n, dtype=torch.bool, device=row_logits.device)
-        hit[rows_b, rows_t] = row_logits.argmax(-1) == row_top1
-        return hit
+        return hits_at(row_logits.argmax(-1) == row_top1, (rows_b, rows_t), (batch, n))
 
     def feature_and_token_loss(pred: torch.Tensor, row_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         feat = masked_mean(F.smooth_l1_loss(pred.float(), labels_feat.float(), reduction="none").mean(-1), valid)
-        ce = token_cross_entropy(row_logits, row_labels, row_tokens, config.labels)  # (M,)
-        return feat, masked_mean(ce, torch.ones_like(ce))
+        return feat, rows_mean(token_cross_entropy(row_logits, row_labels, row_tokens, config.labels))
 
     pred = heads(in_features, in_ids, positions, mask4d)  # (B, n, h)
     row_logits = heads.logits(pred[rows_b, rows_t])  # (M, V)
@@ -276,21 +283,18 @@ def eagle3_loss(
         log_probs = F.log_softmax(heads.logits(hidden[rows_b, rows_t]).float(), dim=-1)  # (M, Vd)
         if config.labels == "target":
             label_probs = label_probs_all[rows_b, rows_t + 1 + step]  # (M, Vd)
-            ce = -(label_probs * log_probs).sum(-1)  # (M,)
-            counted = torch.ones_like(ce, dtype=torch.bool)
+            step_loss = rows_mean(-(label_probs * log_probs).sum(-1))
         else:
             tokens = input_ids[rows_b, rows_t + 2 + step]  # (M,): x_{t+2+step}
             draft_ids = torch.searchsorted(d2t, tokens).clamp(max=d2t.shape[0] - 1)
-            ce = -log_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
-            counted = in_draft[tokens]
-        step_loss = masked_mean(ce, counted)
+            ce = -log_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)  # (M,)
+            step_loss = masked_mean(ce, in_draft[tokens])  # out-of-vocabulary labels left out
         total = total + config.ttt_decay**step * step_loss
         hit_rows = d2t[log_probs.argmax(-1)] == target_top1[rows_b, rows_t + 1 + step]  # (M,)
         metrics[f"loss_depth{step + 1}"] = float(step_loss.detach())
-        metrics[f"acc_depth{step + 1}"] = float(hit_rows.float().mean()) if hit_rows.numel() else 0.0
-        hit = torch.zeros(batch, n, dtype=torch.bool, device=hit_rows.device)  # untrained rows count as misses
-        hit[rows_b, rows_t] = hit_rows
-        correct.append(hit)  # the chain at index t is the draft path rooted at t: no shift
+        metrics[f"acc_depth{step + 1}"] = float(rows_mean(hit_rows.float()))
+        # the chain at index t is the draft path rooted at t: no shift; untrained rows count as misses
+        correct.append(hits_at(hit_rows, (rows_b, rows_t), (batch, n)))
     first_valid = shift_left(loss_mask, 2, n, fill=0).bool()  # (B, n)
     metrics["loss"] = float(total.detach())
     metrics["acc"] = metrics["acc_depth1"]
