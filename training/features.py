@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 
 from specheads.training.data import collate
 from specheads.training.preflight import check_free_disk, check_writable_dir
-from specheads.training.ttt import shift_left
+from specheads.training.target_labels import TargetLabels, labelled_positions, labels_from_rows
 
 INDEX_NAME = "index.json"
 PROGRESS_NAME = "progress.json"  # the finished shards of a dump still running (or killed)
@@ -67,26 +67,27 @@ def online_features(
 
 
 @torch.no_grad()
-def offline_target_logits(lm_head: torch.nn.Module, final: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """The target's logits `lm_head(final)` where a loss reads them, zeros elsewhere.
+def offline_target_labels(
+    lm_head: torch.nn.Module,
+    final: torch.Tensor,
+    loss_mask: torch.Tensor,
+    label_vocab: torch.Tensor | None = None,
+    with_probs: bool = True,
+) -> TargetLabels:
+    """The target's labels from dumped final states: `lm_head` runs only where a loss reads the target.
 
     Every loss reads the target's logits at position p (its prediction of x_{p+1}) only as the label of a trained
-    token x_{p+1}; prompt tokens and padding (about half of a chat batch) skip the (h x V) product.
+    token x_{p+1} (training/target_labels.py); prompt tokens and padding (about half of a chat batch) skip the
+    (h x V) product, and no (B, T, V) tensor is made.
 
     Args:
         lm_head: the target's output layer.
         final: (B, T, h) the dumped final, post-norm states.
         loss_mask: (B, T) 1 where predicting that token is trained.
-
-    Returns:
-        (B, T, V) logits in `final`'s dtype: lm_head(final[b, p]) where loss_mask[b, p + 1] == 1, else 0.
+        label_vocab, with_probs: as in `labels_from_rows` (EAGLE-3: the heads' `d2t`).
     """
-    needed = shift_left(loss_mask, 1, loss_mask.shape[1], fill=0).bool()  # (B, T): x_{p+1} is trained
-    rows_b, rows_p = needed.nonzero(as_tuple=True)  # (M,), (M,)
-    row_logits = lm_head(final[rows_b, rows_p])  # (M, V)
-    logits = final.new_zeros(*final.shape[:2], row_logits.shape[-1])  # (B, T, V)
-    logits[rows_b, rows_p] = row_logits.to(final.dtype)
-    return logits
+    row_logits = lm_head(final[labelled_positions(loss_mask)])  # (R, V)
+    return labels_from_rows(row_logits, loss_mask, label_vocab, with_probs)
 
 
 def file_sha256(path: str | Path) -> str:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specheads.training.config import LossSection
+from specheads.training.target_labels import TargetLabels, as_target_labels, label_cross_entropy
 from specheads.training.ttt import shift_left, unroll_ttt
 
 
@@ -52,17 +53,6 @@ def hits_at(hit_rows: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], sha
     return hit
 
 
-def token_cross_entropy(
-    logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor, labels: str
-) -> torch.Tensor:
-    """Per-position cross-entropy. logits, target_logits: (B, T, V); tokens: (B, T). Returns (B, T)."""
-    log_probs = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
-    if labels == "target":
-        target_probs = F.softmax(target_logits.float(), dim=-1)  # (B, T, V)
-        return -(target_probs * log_probs).sum(-1)
-    return -log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 def chain_acceptance(correct: list[torch.Tensor], valid: torch.Tensor) -> float:
     """Expected accepted length 1 + sum_d P(depths 1..d all correct), from per-depth (B, T) correctness.
 
@@ -89,7 +79,7 @@ def medusa_rows(loss_mask: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, 
 
 def medusa_loss(
     logits: torch.Tensor,
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | TargetLabels,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     config: LossSection,
@@ -100,7 +90,8 @@ def medusa_loss(
     Args:
         logits: (K, B, T, V) head logits; head k at position t predicts x_{t+k+2}. With `rows`: (K, M, V), the
             logits at those positions only (`medusa_rows`: the heads' (h x V) projections skip the others).
-        target_logits: (B, T, V) the target's logits (position t predicts x_{t+1}).
+        target_logits: (B, T, V) the target's logits (position t predicts x_{t+1}), or the `TargetLabels` made
+            from them.
         input_ids: (B, T) tokens.
         loss_mask: (B, T) 1 where predicting that token is trained (0 on prompts and padding).
         config: loss weights.
@@ -110,6 +101,7 @@ def medusa_loss(
         The weighted loss; metrics loss_head{k}, acc_depth{k}, acc and sim_tau (a chain stops at an untrained token).
     """
     batch, seq_len = input_ids.shape
+    labels = as_target_labels(target_logits, loss_mask, None, config.labels == "target")
     if rows is None:
         rows = medusa_rows(loss_mask, logits.shape[0])
         logits = logits[:, rows[0], rows[1]]  # (K, M, V)
@@ -124,11 +116,11 @@ def medusa_loss(
         label_pos = (rows_t + k + 2).clamp(max=seq_len - 1)  # (M,): x_{t+k+2}
         valid = (rows_t + k + 2 < seq_len) & loss_mask[rows_b, label_pos].bool()  # (M,)
         b, t, head_logits = rows_b[valid], rows_t[valid], logits[k][valid]  # (m,), (m,), (m, V)
-        label_logits = target_logits[b, t + k + 1]  # (m, V): the target at t+k+1
-        ce = token_cross_entropy(head_logits, label_logits, input_ids[b, t + k + 2], config.labels)  # (m,)
+        label_rows = labels.row_of[b, t + k + 1]  # (m,): the target at t+k+1
+        ce, head_top1 = label_cross_entropy(head_logits, labels, label_rows, input_ids[b, t + k + 2])  # (m,) each
         head_loss = rows_mean(ce)
         total = total + (config.medusa_decay**k) * head_loss
-        hit_rows = head_logits.argmax(-1) == label_logits.argmax(-1)  # (m,)
+        hit_rows = head_top1 == labels.top1[label_rows]  # (m,)
         metrics[f"loss_head{k + 1}"] = float(head_loss.detach())
         metrics[f"acc_depth{k + 1}"] = float(rows_mean(hit_rows.float()))
         correct.append(hits_at(hit_rows, (b, t), (batch, seq_len - 2)))  # aligned on the chain start t
@@ -152,7 +144,7 @@ def causal_mask(key_padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def eagle_loss(
     heads: torch.nn.Module,
     features: torch.Tensor,
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | TargetLabels,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -169,7 +161,7 @@ def eagle_loss(
     Args:
         heads: EagleHeads (attached to the target).
         features: (B, T, h) the target's features f_0 .. f_{T-1}.
-        target_logits: (B, T, V) lm_head(features).
+        target_logits: (B, T, V) lm_head(features), or the `TargetLabels` made from them.
         input_ids: (B, T) tokens x_0 .. x_{T-1}.
         attention_mask: (B, T) 1 on real tokens.
         loss_mask: (B, T) 1 where predicting that token is trained.
@@ -185,30 +177,31 @@ def eagle_loss(
     positions = torch.arange(n, device=features.device).expand(batch, n)  # (B, n)
     mask4d = causal_mask(attention_mask[:, 1:], features.dtype)  # (B, 1, n, n)
     labels_feat = features[:, 1:]  # (B, n, h): f_{t+1}
-    label_logits = target_logits[:, 1:]  # (B, n, V): the target's distribution of x_{t+2}
+    labels = as_target_labels(target_logits, loss_mask, None, config.labels == "target")
     next_tokens = torch.cat([input_ids[:, 2:], input_ids[:, -1:]], dim=1)  # (B, n): x_{t+2} (last unused)
     valid = torch.cat([loss_mask[:, 2:], torch.zeros_like(loss_mask[:, :1])], dim=1)  # (B, n)
     # The lm_head (h x V) and the softmaxes run on the M trained rows only (prompt tokens and padding, about half
     # of a chat batch, never reach them); the other rows count as misses.
     rows_b, rows_t = valid.bool().nonzero(as_tuple=True)  # (M,), (M,)
-    row_labels, row_tokens = label_logits[rows_b, rows_t], next_tokens[rows_b, rows_t]  # (M, V), (M,)
-    row_top1 = row_labels.argmax(-1)  # (M,)
+    label_rows, row_tokens = labels.row_of[rows_b, rows_t + 1], next_tokens[rows_b, rows_t]  # (M,): the target at t+1
+    row_top1 = labels.top1[label_rows]  # (M,)
 
-    def hits(row_logits: torch.Tensor) -> torch.Tensor:
-        """(M, V) logits of the trained rows -> (B, n) bool: the draft's argmax is the target's."""
-        return hits_at(row_logits.argmax(-1) == row_top1, (rows_b, rows_t), (batch, n))
+    def hits(draft_top1: torch.Tensor) -> torch.Tensor:
+        """(M,) draft argmax of the trained rows -> (B, n) bool: the draft's argmax is the target's."""
+        return hits_at(draft_top1 == row_top1, (rows_b, rows_t), (batch, n))
 
-    def feature_and_token_loss(pred: torch.Tensor, row_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def feature_and_token_loss(pred: torch.Tensor, row_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The feature and token losses, and the draft's (M,) argmax."""
         feat = masked_mean(F.smooth_l1_loss(pred.float(), labels_feat.float(), reduction="none").mean(-1), valid)
-        return feat, rows_mean(token_cross_entropy(row_logits, row_labels, row_tokens, config.labels))
+        ce, draft_top1 = label_cross_entropy(row_logits, labels, label_rows, row_tokens)
+        return feat, rows_mean(ce), draft_top1
 
     pred = heads(in_features, in_ids, positions, mask4d)  # (B, n, h)
-    row_logits = heads.logits(pred[rows_b, rows_t])  # (M, V)
-    feat_loss, tok_loss = feature_and_token_loss(pred, row_logits)
+    feat_loss, tok_loss, draft_top1 = feature_and_token_loss(pred, heads.logits(pred[rows_b, rows_t]))  # logits (M, V)
     loss = config.feature_weight * feat_loss + config.token_weight * tok_loss
 
     metrics = {"loss": float(loss.detach()), "loss_feature": float(feat_loss.detach()), "loss_token": float(tok_loss.detach())}
-    correct = [hits(row_logits)]  # depth 1, indexed by the predicting position t
+    correct = [hits(draft_top1)]  # depth 1, indexed by the predicting position t
     prev = pred
     for depth in range(2, max(config.eval_depth, config.train_depth) + 1):
         trained = depth <= config.train_depth  # unrolled depths with gradients ("training-time test")
@@ -218,9 +211,11 @@ def eagle_loss(
             prev = heads(unrolled, in_ids, positions, mask4d)  # (B, n, h)
             row_logits = heads.logits(prev[rows_b, rows_t])  # (M, V)
             if trained:
-                feat_d, tok_d = feature_and_token_loss(prev, row_logits)
+                feat_d, tok_d, draft_top1 = feature_and_token_loss(prev, row_logits)
                 loss = loss + config.depth_decay ** (depth - 1) * (config.feature_weight * feat_d + config.token_weight * tok_d)
-        correct.append(hits(row_logits))
+            else:
+                draft_top1 = row_logits.argmax(-1)
+        correct.append(hits(draft_top1))
     metrics["loss"] = float(loss.detach())
     chains = []
     for d, hit in enumerate(correct):
@@ -236,7 +231,7 @@ def eagle_loss(
 def eagle3_loss(
     heads: Any,
     features: torch.Tensor,
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | TargetLabels,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -253,7 +248,8 @@ def eagle3_loss(
     Args:
         heads: Eagle3Heads (or a view of them: callable like its forward, with `logits` and `d2t`).
         features: (B, T, 3h) the target's tapped features (`heads.select_features`).
-        target_logits: (B, T, V) the target's logits (position t predicts x_{t+1}).
+        target_logits: (B, T, V) the target's logits (position t predicts x_{t+1}), or the `TargetLabels` made
+            from them with `heads.d2t` as the label vocabulary.
         input_ids: (B, T) tokens.
         attention_mask: (B, T) 1 on real tokens.
         loss_mask: (B, T) 1 where predicting that token is trained.
@@ -267,11 +263,11 @@ def eagle3_loss(
     """
     batch, n = input_ids.shape[0], input_ids.shape[1] - 1
     d2t = heads.d2t  # (Vd,) target id of each draft id, sorted
-    in_draft = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=d2t.device)
+    # once for all steps (step i reads position t+1+i): the target's argmax over its whole vocabulary (what greedy
+    # decoding accepts) and its distribution over the draft vocabulary
+    labels = as_target_labels(target_logits, loss_mask, d2t, config.labels == "target")
+    in_draft = torch.zeros(labels.vocab_size, dtype=torch.bool, device=d2t.device)
     in_draft[d2t] = True  # (V,)
-    target_top1 = target_logits.argmax(-1)  # (B, T) over the full vocabulary: what greedy decoding accepts
-    if config.labels == "target":  # once for all steps: step i reads it i positions further on
-        label_probs_all = F.softmax(target_logits[..., d2t].float(), dim=-1)  # (B, T, Vd)
     outputs = unroll_ttt(heads, features, input_ids, attention_mask, config.ttt_steps, noise)
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
@@ -280,17 +276,14 @@ def eagle3_loss(
         # Only the M trained rows go through the draft lm_head and the softmaxes (prompt tokens and padding,
         # about half of a batch, never reach them): rows (b, t) where x_{t+2+step} is trained.
         rows_b, rows_t = shift_left(loss_mask, 2 + step, n, fill=0).bool().nonzero(as_tuple=True)  # (M,), (M,)
-        log_probs = F.log_softmax(heads.logits(hidden[rows_b, rows_t]).float(), dim=-1)  # (M, Vd)
-        if config.labels == "target":
-            label_probs = label_probs_all[rows_b, rows_t + 1 + step]  # (M, Vd)
-            step_loss = rows_mean(-(label_probs * log_probs).sum(-1))
-        else:
-            tokens = input_ids[rows_b, rows_t + 2 + step]  # (M,): x_{t+2+step}
-            draft_ids = torch.searchsorted(d2t, tokens).clamp(max=d2t.shape[0] - 1)
-            ce = -log_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)  # (M,)
-            step_loss = masked_mean(ce, in_draft[tokens])  # out-of-vocabulary labels left out
+        label_rows = labels.row_of[rows_b, rows_t + 1 + step]  # (M,): the target at t+1+step
+        tokens = input_ids[rows_b, rows_t + 2 + step]  # (M,): x_{t+2+step}
+        draft_ids = torch.searchsorted(d2t, tokens).clamp(max=d2t.shape[0] - 1)  # (M,): read with labels="tokens"
+        ce, draft_top1 = label_cross_entropy(heads.logits(hidden[rows_b, rows_t]), labels, label_rows, draft_ids)
+        # with labels="tokens", labels outside the draft vocabulary are left out
+        step_loss = rows_mean(ce) if labels.probs is not None else masked_mean(ce, in_draft[tokens])
         total = total + config.ttt_decay**step * step_loss
-        hit_rows = d2t[log_probs.argmax(-1)] == target_top1[rows_b, rows_t + 1 + step]  # (M,)
+        hit_rows = d2t[draft_top1] == labels.top1[label_rows]  # (M,)
         metrics[f"loss_depth{step + 1}"] = float(step_loss.detach())
         metrics[f"acc_depth{step + 1}"] = float(rows_mean(hit_rows.float()))
         # the chain at index t is the draft path rooted at t: no shift; untrained rows count as misses

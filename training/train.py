@@ -42,7 +42,7 @@ from specheads.training.evaluate import evaluate, split_eval_indices
 from specheads.training.features import (
     OfflineFeatures,
     collate_offline,
-    offline_target_logits,
+    offline_target_labels,
     online_features,
 )
 from specheads.training.joint_lora import JointMedusa, joint_loss, keep_trainable_weights_only
@@ -198,12 +198,16 @@ def compute_loss(
     if "features" in batch:  # offline: [tapped layers (EAGLE-3) | final post-norm state]; lm_head(final) = target logits
         final = batch["features"][..., -heads.config.hidden_size:]
         features = batch["features"][..., : -heads.config.hidden_size] if heads.config.head_type == "eagle3" else final
-        target_logits = offline_target_logits(target.get_output_embeddings(), final, batch["loss_mask"])
+        # no (B, T, V) logits: the target's labels only where a loss reads them
+        label_vocab = heads.d2t if heads.config.head_type == "eagle3" else None
+        target_logits = offline_target_labels(
+            target.get_output_embeddings(), final, batch["loss_mask"], label_vocab, config.loss.labels == "target"
+        )
     else:
         features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
     if heads.config.head_type == "medusa":
         rows = medusa_rows(batch["loss_mask"], heads.config.num_heads)  # (M,), (M,): the positions a head trains at
-        medusa_logits = _HeadsView(model, heads, autocast)(features[rows])  # (K, M, V)
+        medusa_logits = _HeadsView(model, heads, autocast).forward_in_heads_dtype(features[rows])  # (K, M, V)
         return medusa_loss(medusa_logits, target_logits, batch["input_ids"], batch["loss_mask"], config.loss, rows)
     noise = None
     if config.loss.input_noise > 0:
@@ -223,9 +227,11 @@ def compute_loss(
 class _HeadsView:
     """Calls go through the prepared (DDP) model when gradients are on, else through the plain heads.
 
-    Float tensors go in at the heads' parameter dtype and come out as float32: DeepSpeed with bf16 turns the
-    prepared heads' weights into bf16 (no autocast), while the frozen target's features and the losses stay
-    float32. Everywhere else the heads are float32 and the casts do nothing. The draft logits run outside the
+    Float tensors go in at the heads' parameter dtype and hidden states come out as float32: DeepSpeed with bf16
+    turns the prepared heads' weights into bf16 (no autocast), while the frozen target's features and the next
+    TTT step's input stay float32. Everywhere else the heads are float32 and the casts do nothing. Logits come
+    out as they are (bf16 under mixed precision): the losses compute in float32 a chunk of rows at a time, and a
+    float32 copy of a (rows, vocabulary) tensor costs more than its loss. The draft logits run outside the
     prepared model's forward, so they get the run's `autocast` context themselves (bf16 under native mixed precision).
     """
 
@@ -242,11 +248,17 @@ class _HeadsView:
         return [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
 
     def __call__(self, *args: Any) -> torch.Tensor:
-        return (self.model if torch.is_grad_enabled() else self.heads)(*self._inputs(args)).float()
+        """The heads' forward, float32 out (EAGLE's and EAGLE-3's hidden states)."""
+        return self.forward_in_heads_dtype(*args).float()
+
+    def forward_in_heads_dtype(self, *args: Any) -> torch.Tensor:
+        """The heads' forward, out in the heads' (or autocast's) dtype (Medusa's (K, M, V) logits)."""
+        return (self.model if torch.is_grad_enabled() else self.heads)(*self._inputs(args))
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """The draft logits under the run's autocast, in their own dtype."""
         with self.autocast():
-            return self.heads.logits(*self._inputs((predicted,))).float()
+            return self.heads.logits(*self._inputs((predicted,)))
 
     @property
     def d2t(self) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from specheads import create_heads
 from specheads.training.config import LossSection
-from specheads.training.features import offline_target_logits, online_features
+from specheads.training.features import offline_target_labels, online_features
 from specheads.training.losses import (
     causal_mask,
     eagle3_loss,
@@ -16,6 +16,7 @@ from specheads.training.losses import (
     medusa_rows,
     uniform_noise,
 )
+from specheads.training.target_labels import target_labels
 
 
 def _batch(target_and_tokenizer):
@@ -67,9 +68,9 @@ def test_causal_mask_and_noise():
     assert a.abs().max() <= 0.1
 
 
-def test_offline_target_logits_only_where_a_loss_reads_them(target_and_tokenizer):
-    """Logits skipped on prompt tokens and padding (the target's, and Medusa's own) change no loss and no
-    per-depth accuracy of any head type."""
+def test_offline_target_labels_only_where_a_loss_reads_them(target_and_tokenizer):
+    """Labels made from the lm_head at the positions a loss reads (offline features), or from dense logits,
+    give the same loss and per-depth accuracies as the dense logits themselves, for every head type."""
     target, tok = target_and_tokenizer
     ids = tok(["Once upon a time, there was a little girl named Lily. She liked to play."], return_tensors="pt").input_ids
     ids = torch.cat([ids, ids.flip(1)])  # (2, T)
@@ -80,29 +81,54 @@ def test_offline_target_logits_only_where_a_loss_reads_them(target_and_tokenizer
     loss_mask[0, 9] = 0  # a hole
     final = online_features(target, ids, mask, lambda hs: hs[-1])[0]  # (B, T, h) post-norm
     dense = target.get_output_embeddings()(final)
-    sparse = offline_target_logits(target.get_output_embeddings(), final, loss_mask)
+    offline = offline_target_labels(target.get_output_embeddings(), final, loss_mask)
     needed = torch.zeros_like(loss_mask, dtype=torch.bool)
     needed[:, :-1] = loss_mask[:, 1:].bool()
-    torch.testing.assert_close(sparse[needed], dense[needed])
-    assert not sparse[~needed].any() and (~needed).sum() > 4  # the test has teeth: rows were skipped
+    assert offline.row_of[needed].tolist() == list(range(int(needed.sum()))) and (offline.row_of[~needed] == -1).all()
+    torch.testing.assert_close(offline.probs, torch.softmax(dense[needed], -1))
+    assert torch.equal(offline.top1, dense[needed].argmax(-1))
+    assert (~needed).sum() > 4  # the test has teeth: rows were skipped
     torch.manual_seed(0)
     for head_type in ("medusa", "eagle", "eagle3"):
         heads = create_heads(target, head_type, **({"draft_vocab_size": 64} if head_type == "eagle3" else {}))
         features = online_features(target, ids, mask, heads.select_features)[0]
-        with torch.no_grad():
-            outs = []
-            for logits in (dense, sparse):
-                if head_type == "medusa":
-                    outs.append(medusa_loss(heads(features), logits, ids, loss_mask, LossSection()))
-                    rows = medusa_rows(loss_mask, heads.config.num_heads)  # the training path: trained rows only
-                    outs.append(medusa_loss(heads(features[rows]), logits, ids, loss_mask, LossSection(), rows))
-                    assert rows[0].numel() < ids.numel() - 4  # the test has teeth: positions were skipped
-                elif head_type == "eagle":
-                    outs.append(eagle_loss(heads, features, logits, ids, mask, loss_mask, LossSection(eval_depth=3)))
-                else:
-                    outs.append(eagle3_loss(heads, features, logits, ids, mask, loss_mask, LossSection(ttt_steps=3)))
-        for other in outs[1:]:
-            assert float(other.loss) == pytest.approx(float(outs[0].loss), rel=1e-5), head_type
-            for key, value in outs[0].metrics.items():
-                if key.startswith(("loss", "acc")):
-                    assert other.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (head_type, key)
+        vocab = heads.d2t if head_type == "eagle3" else None
+        for labels in ("target", "tokens"):
+            config = LossSection(labels=labels, ttt_steps=3, eval_depth=3)
+            with torch.no_grad():
+                outs = []
+                sources = (
+                    dense,
+                    target_labels(dense, loss_mask, vocab, labels == "target"),
+                    offline_target_labels(target.get_output_embeddings(), final, loss_mask, vocab, labels == "target"),
+                )
+                for source in sources:
+                    if head_type == "medusa":
+                        outs.append(medusa_loss(heads(features), source, ids, loss_mask, config))
+                        rows = medusa_rows(loss_mask, heads.config.num_heads)  # the training path: trained rows only
+                        outs.append(medusa_loss(heads(features[rows]), source, ids, loss_mask, config, rows))
+                        assert rows[0].numel() < ids.numel() - 4  # the test has teeth: positions were skipped
+                    elif head_type == "eagle":
+                        outs.append(eagle_loss(heads, features, source, ids, mask, loss_mask, config))
+                    else:
+                        outs.append(eagle3_loss(heads, features, source, ids, mask, loss_mask, config))
+            for other in outs[1:]:
+                assert float(other.loss) == pytest.approx(float(outs[0].loss), rel=1e-5), (head_type, labels)
+                for key, value in outs[0].metrics.items():
+                    if key.startswith(("loss", "acc")):
+                        assert other.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (head_type, labels, key)
+
+
+def test_target_labels_reject_a_mismatched_batch_or_vocabulary(target_and_tokenizer):
+    target, ids, mask, loss_mask = _batch(target_and_tokenizer)
+    heads = create_heads(target, "eagle3", draft_vocab_size=64)
+    features, logits = online_features(target, ids, mask, heads.select_features)
+    full = target_labels(logits, loss_mask)  # over the whole vocabulary: not EAGLE-3's draft vocabulary
+    with pytest.raises(ValueError, match="over 512 tokens; this loss needs 64"):
+        eagle3_loss(heads, features, full, ids, mask, loss_mask, LossSection(ttt_steps=1))
+    with pytest.raises(ValueError, match="batch"):
+        eagle3_loss(heads, features[:, :-1], target_labels(logits, loss_mask, heads.d2t), ids[:, :-1], mask[:, :-1],
+                    loss_mask[:, :-1], LossSection(ttt_steps=1))
+    tokens_only = target_labels(logits, loss_mask, heads.d2t, with_probs=False)
+    with pytest.raises(ValueError, match="over None tokens"):
+        eagle3_loss(heads, features, tokens_only, ids, mask, loss_mask, LossSection(ttt_steps=1))

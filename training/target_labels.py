@@ -1,0 +1,141 @@
+"""The target's labels, kept only at the positions a loss reads them.
+
+Every training loss reads the target at position p (its prediction of x_{p+1}) only as the label of a trained token
+x_{p+1}: Medusa head k at t reads p = t+k+1, EAGLE at t reads p = t+1, EAGLE-3 step i at index t reads p = t+1+i,
+each only where the token it predicts, x_{p+1}, is trained. So the labels are computed once per batch at those R
+positions (prompt tokens and padding, about half of a chat batch, have none): the target's argmax over its whole
+vocabulary, and with labels="target" its softmax over the vocabulary the heads draft from. A loss row (b, p) finds
+its label at `row_of[b, p]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from specheads.training.soft_cross_entropy import soft_cross_entropy
+from specheads.training.ttt import shift_left
+
+
+@dataclass
+class TargetLabels:
+    """The target's labels at the R positions p whose next token x_{p+1} is trained.
+
+    Attributes:
+        top1: (R,) the target's argmax over its whole vocabulary (what greedy decoding accepts).
+        probs: (R, V') float32 softmax of the target's logits over the label vocabulary (EAGLE-3's draft
+            vocabulary, else the whole one); None when the loss trains on the data's tokens (labels="tokens").
+        row_of: (B, T) long: the row of position (b, p), -1 where x_{p+1} is not trained.
+        vocab_size: V, the target's vocabulary size.
+    """
+
+    top1: torch.Tensor
+    probs: torch.Tensor | None
+    row_of: torch.Tensor
+    vocab_size: int
+
+
+def labelled_positions(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R,) batch and (R,) position indices p where x_{p+1} is trained, by row then position. loss_mask: (B, T)."""
+    return shift_left(loss_mask, 1, loss_mask.shape[1], fill=0).bool().nonzero(as_tuple=True)
+
+
+def _row_of(positions: tuple[torch.Tensor, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """(B, T) long: i at positions[.][i], -1 elsewhere."""
+    row_of = torch.full(tuple(shape), -1, dtype=torch.long, device=positions[0].device)
+    row_of[positions] = torch.arange(positions[0].numel(), device=positions[0].device)
+    return row_of
+
+
+def labels_from_rows(
+    row_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    label_vocab: torch.Tensor | None = None,
+    with_probs: bool = True,
+) -> TargetLabels:
+    """Labels from the target's logits at `labelled_positions(loss_mask)` only (an offline run's lm_head skips the rest).
+
+    Args:
+        row_logits: (R, V) the target's logits at those positions, in their order.
+        loss_mask: (B, T) 1 where predicting that token is trained.
+        label_vocab: (V',) the target ids the label distributions range over (EAGLE-3's `d2t`), or None: all.
+        with_probs: compute the label distributions (labels="target").
+    """
+    positions = labelled_positions(loss_mask)
+    if row_logits.dim() != 2 or row_logits.shape[0] != positions[0].numel():
+        raise ValueError(
+            f"labels_from_rows: row_logits {tuple(row_logits.shape)}; expected ({positions[0].numel()}, vocab): one "
+            "row per position whose next token is trained"
+        )
+    probs = None
+    if with_probs:
+        chosen = row_logits if label_vocab is None else row_logits.index_select(1, label_vocab)  # (R, V')
+        probs = F.softmax(chosen.float(), dim=-1)
+    return TargetLabels(row_logits.argmax(-1), probs, _row_of(positions, loss_mask.shape), row_logits.shape[-1])
+
+
+def target_labels(
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    label_vocab: torch.Tensor | None = None,
+    with_probs: bool = True,
+) -> TargetLabels:
+    """Labels from the target's dense logits (an online run's forward makes them at every position).
+
+    Args:
+        target_logits: (B, T, V) the target's logits (position p predicts x_{p+1}).
+        loss_mask: (B, T) 1 where predicting that token is trained.
+        label_vocab, with_probs: as in `labels_from_rows`.
+    """
+    if target_logits.dim() != 3 or target_logits.shape[:2] != loss_mask.shape:
+        raise ValueError(
+            f"target_labels: target_logits {tuple(target_logits.shape)} and loss_mask {tuple(loss_mask.shape)}; "
+            "expected (B, T, V) and (B, T)"
+        )
+    rows_b, rows_p = positions = labelled_positions(loss_mask)
+    top1 = target_logits.argmax(-1)[positions]  # (R,): an argmax reads the logits in place, no (R, V) copy
+    probs = None
+    if with_probs:
+        if label_vocab is None:
+            chosen = target_logits[positions]  # (R, V)
+        else:  # one gather straight to (R, V'), never (R, V)
+            chosen = target_logits[rows_b[:, None], rows_p[:, None], label_vocab[None, :]]
+        probs = F.softmax(chosen.float(), dim=-1)
+    return TargetLabels(top1, probs, _row_of(positions, loss_mask.shape), target_logits.shape[-1])
+
+
+def as_target_labels(
+    target: torch.Tensor | TargetLabels,
+    loss_mask: torch.Tensor,
+    label_vocab: torch.Tensor | None,
+    with_probs: bool,
+) -> TargetLabels:
+    """`target` as labels: dense (B, T, V) logits go through `target_labels`; labels are checked (their distributions
+    dropped when the loss trains on the data's tokens)."""
+    if isinstance(target, torch.Tensor):
+        return target_labels(target, loss_mask, label_vocab, with_probs)
+    if target.row_of.shape != loss_mask.shape:
+        raise ValueError(f"TargetLabels for a {tuple(target.row_of.shape)} batch; this batch is {tuple(loss_mask.shape)}")
+    if not with_probs:  # the loss trains on the data's tokens
+        return replace(target, probs=None)
+    expected = target.vocab_size if label_vocab is None else label_vocab.numel()
+    if target.probs is None or target.probs.shape[-1] != expected:
+        got = None if target.probs is None else target.probs.shape[-1]
+        raise ValueError(
+            f"TargetLabels hold label distributions over {got} tokens; this loss needs {expected} "
+            "(make them with the heads' label vocabulary and with_probs=True)"
+        )
+    return target
+
+
+def label_cross_entropy(
+    logits: torch.Tensor, labels: TargetLabels, label_rows: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy and argmax of (M, V') `logits`: against the target's distributions at `label_rows` (M,)
+    when `labels` hold them, else against the data's `tokens` (M,) (ids of the logits' vocabulary)."""
+    if labels.probs is not None:
+        return soft_cross_entropy(logits, labels.probs, label_rows)
+    log_probs = F.log_softmax(logits.float(), dim=-1)  # (M, V')
+    return -log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), logits.argmax(-1)
