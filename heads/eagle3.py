@@ -93,6 +93,7 @@ class Eagle3Heads(DraftHeads):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         past_key_values: Any | None = None,
+        **attention_kwargs: Any,
     ) -> torch.Tensor:
         """One decoder step of the head.
 
@@ -102,7 +103,8 @@ class Eagle3Heads(DraftHeads):
             input_ids: (B, T) the tokens x_{t+1} that followed each feature.
             position_ids: (B, T) positions t.
             attention_mask: (B or 1, 1, T, S) additive float mask over the S = cached + T keys.
-            past_key_values: the head's own `DynamicCache` (drafting), or None (training).
+            past_key_values: the head's own `DynamicCache` (drafting, and the TTT unroll), or None.
+            attention_kwargs: passed on to the attention function (the TTT unroll's `ttt_chain`).
 
         Returns:
             (B, T, h) the pre-norm hidden state: `logits` reads it, and it is the next step's input feature.
@@ -129,6 +131,7 @@ class Eagle3Heads(DraftHeads):
             use_cache=past_key_values is not None,
             **cache_kwargs(layer.self_attn, past_key_values),
             position_embeddings=position_embeddings,
+            **attention_kwargs,
         )
         hidden = residual + attn_out
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # (B, T, h)

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+TTT_ATTENTION_CHOICES = ("auto", "chain", "dense")  # loss.ttt_attention (training/chain_attention.py)
+
 
 @dataclass
 class HeadSection:
@@ -67,6 +69,7 @@ class LossSection:
     depth_decay: float = 0.8  # EAGLE: loss weight of unrolled depth d is depth_decay**(d-1)
     ttt_steps: int = 7  # EAGLE-3: training-time test steps (draft depths trained on the head's own outputs)
     ttt_decay: float = 0.8  # EAGLE-3: loss weight of TTT step i (0-based) is ttt_decay**i
+    ttt_attention: str = "auto"  # EAGLE-3: chain (each query scores its own chain) | dense (one masked SDPA) | auto (chain on the CPU)
 
 
 @dataclass
@@ -154,6 +157,7 @@ class RunConfig:
             "data.format": (self.data.format, ("auto", "sharegpt", "openai", "text")),
             "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
             "loss.labels": (self.loss.labels, ("target", "tokens")),
+            "loss.ttt_attention": (self.loss.ttt_attention, TTT_ATTENTION_CHOICES),
         }
         for key, (value, allowed) in choices.items():
             if value not in allowed:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specheads.training.chain_attention import uses_ttt_chain_attention
 from specheads.training.config import LossSection
 from specheads.training.target_labels import TargetLabels, as_target_labels, label_cross_entropy
 from specheads.training.ttt import shift_left, unroll_ttt
@@ -268,7 +269,8 @@ def eagle3_loss(
     labels = as_target_labels(target_logits, loss_mask, d2t, config.labels == "target")
     in_draft = torch.zeros(labels.vocab_size, dtype=torch.bool, device=d2t.device)
     in_draft[d2t] = True  # (V,)
-    outputs = unroll_ttt(heads, features, input_ids, attention_mask, config.ttt_steps, noise)
+    chain = uses_ttt_chain_attention(getattr(heads, "heads", heads))  # a training run's heads (`_HeadsView.heads`)
+    outputs = unroll_ttt(heads, features, input_ids, attention_mask, config.ttt_steps, noise, chain)
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     correct: list[torch.Tensor] = []

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from specheads import create_heads, load_heads, load_target
 from specheads.heads.base import DraftHeads
+from specheads.training.chain_attention import use_ttt_chain_attention, wants_ttt_chain_attention
 from specheads.training.config import RunConfig, config_to_dict, load_run_config
 from specheads.training.data import BatchOrder, build_dataset, collate, micro_batches_for_process
 from specheads.training.draft_vocab import (
@@ -247,13 +248,13 @@ class _HeadsView:
     def _inputs(self, args: tuple[Any, ...]) -> list[Any]:
         return [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
 
-    def __call__(self, *args: Any) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The heads' forward, float32 out (EAGLE's and EAGLE-3's hidden states)."""
-        return self.forward_in_heads_dtype(*args).float()
+        return self.forward_in_heads_dtype(*args, **kwargs).float()
 
-    def forward_in_heads_dtype(self, *args: Any) -> torch.Tensor:
+    def forward_in_heads_dtype(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The heads' forward, out in the heads' (or autocast's) dtype (Medusa's (K, M, V) logits)."""
-        return (self.model if torch.is_grad_enabled() else self.heads)(*self._inputs(args))
+        return (self.model if torch.is_grad_enabled() else self.heads)(*self._inputs(args), **kwargs)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """The draft logits under the run's autocast, in their own dtype."""
@@ -355,6 +356,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     target, tokenizer = load_target(config.target, device=accelerator.device)
     heads = initial_heads(config, target)
     heads.train()
+    if config.head.type == "eagle3" and wants_ttt_chain_attention(config.loss.ttt_attention, accelerator.device):
+        use_ttt_chain_attention(heads)  # this run's TTT unroll: each query scores its own chain (no dense masks)
     # Medusa-2 (joint.enabled): the heads plus a LoRA adapter on the target, trained as one module
     joint = JointMedusa(target, heads, config.joint) if config.joint.enabled else None
     trained: torch.nn.Module = heads if joint is None else joint

@@ -13,6 +13,9 @@ the keys of steps 1..i at index t only (its own chain), never to anything later.
 
     mask of step i (B, 1, n, (i+1)*n), one n x n block per step, 0 = attend:
         [ causal(step 0) | diag(step 1) | ... | diag(step i) ]
+
+With `chain=True` the steps pass only the step-0 block's mask and `ttt_chain=True`: the heads' attention must be
+training/chain_attention.py's, which scores each query's own chain keys directly instead of the diagonal blocks.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def unroll_ttt(
     attention_mask: torch.Tensor,
     steps: int,
     noise: torch.Tensor | None = None,
+    chain: bool = False,
 ) -> list[torch.Tensor]:
     """Run `steps` TTT steps of an EAGLE-3 head over a batch; keep the graph for back-propagation.
 
@@ -76,6 +80,7 @@ def unroll_ttt(
         attention_mask: (B, T) 1 on real tokens.
         steps: number of steps (>= 1).
         noise: (B, T-1, 3h) added to the step-0 features, or None.
+        chain: the heads attend through TTT chain attention (`use_ttt_chain_attention`): no dense masks.
 
     Returns:
         `steps` tensors (B, n, h), n = T-1: step i's output a^i_t at index t (its logits predict x_{t+2+i}).
@@ -93,9 +98,13 @@ def unroll_ttt(
     base_positions = torch.arange(n, device=input_ids.device).expand(batch, n)  # (B, n)
     cache = DynamicCache()
     outputs = []
+    block_mask = ttt_attention_mask(key_padding, 0, features.dtype) if chain else None  # (B, 1, n, n)
     for step in range(steps):
         tokens = shift_left(input_ids, 1 + step, n, fill=0)  # (B, n): x_{t+1+step}
-        mask = ttt_attention_mask(key_padding, step, features.dtype)  # (B, 1, n, (step+1)*n)
-        hidden = heads(hidden, tokens, base_positions + step, mask, cache)  # (B, n, h)
+        if chain:
+            hidden = heads(hidden, tokens, base_positions + step, block_mask, cache, ttt_chain=True)  # (B, n, h)
+        else:
+            mask = ttt_attention_mask(key_padding, step, features.dtype)  # (B, 1, n, (step+1)*n)
+            hidden = heads(hidden, tokens, base_positions + step, mask, cache)  # (B, n, h)
         outputs.append(hidden)
     return outputs
