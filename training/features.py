@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from datasets import Dataset
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -35,7 +36,7 @@ from transformers import PreTrainedModel
 
 from specheads.training.data import collate
 from specheads.training.preflight import check_free_disk, check_writable_dir
-from specheads.training.target_labels import TargetLabels, labelled_positions, labels_from_rows
+from specheads.training.target_labels import TargetLabels, labelled_positions, labels_from_rows, row_index
 
 INDEX_NAME = "index.json"
 PROGRESS_NAME = "progress.json"  # the finished shards of a dump still running (or killed)
@@ -73,21 +74,34 @@ def offline_target_labels(
     loss_mask: torch.Tensor,
     label_vocab: torch.Tensor | None = None,
     with_probs: bool = True,
+    target_top1: torch.Tensor | None = None,
 ) -> TargetLabels:
     """The target's labels from dumped final states: `lm_head` runs only where a loss reads the target.
 
     Every loss reads the target's logits at position p (its prediction of x_{p+1}) only as the label of a trained
     token x_{p+1} (training/target_labels.py); prompt tokens and padding (about half of a chat batch) skip the
-    (h x V) product, and no (B, T, V) tensor is made.
+    (h x V) product, and no (B, T, V) tensor is made. With the target's argmax from the dump (`target_top1`) and a
+    label vocabulary (EAGLE-3's draft vocabulary), only the lm_head rows of that vocabulary run (8,192 of SmolLM2's
+    49,152), and none with labels="tokens".
 
     Args:
         lm_head: the target's output layer.
         final: (B, T, h) the dumped final, post-norm states.
         loss_mask: (B, T) 1 where predicting that token is trained.
         label_vocab, with_probs: as in `labels_from_rows` (EAGLE-3: the heads' `d2t`).
+        target_top1: (B, T) the target's argmax over its whole vocabulary, stored by the dump (dumps made before
+            session 22 have none: it is then computed here).
     """
-    row_logits = lm_head(final[labelled_positions(loss_mask)])  # (R, V)
-    return labels_from_rows(row_logits, loss_mask, label_vocab, with_probs)
+    positions = labelled_positions(loss_mask)
+    rows = final[positions]  # (R, h)
+    if target_top1 is None or label_vocab is None or not isinstance(lm_head, torch.nn.Linear):
+        return labels_from_rows(lm_head(rows), loss_mask, label_vocab, with_probs)  # (R, V) logits
+    probs = None
+    if with_probs:
+        bias = None if lm_head.bias is None else lm_head.bias[label_vocab]
+        logits = F.linear(rows, lm_head.weight[label_vocab], bias)  # (R, V') the label vocabulary's rows only
+        probs = F.softmax(logits.float(), dim=-1)
+    return TargetLabels(target_top1[positions], probs, row_index(positions, loss_mask.shape), lm_head.out_features)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -100,10 +114,10 @@ def file_sha256(path: str | Path) -> str:
 
 
 def estimate_dump_bytes(dataset: Dataset, hidden_size: int, dtype: torch.dtype, num_layers: int = 1) -> int:
-    """Disk a feature dump of `dataset` needs: features (`num_layers` states per token) + token ids + masks
-    (safetensors headers excluded)."""
+    """Disk a feature dump of `dataset` needs: features (`num_layers` states per token) + token ids + masks + the
+    target's argmax (safetensors headers excluded)."""
     tokens = sum(dataset["length"])
-    return tokens * (num_layers * hidden_size * torch.finfo(dtype).bits // 8 + 8 + 1)
+    return tokens * (num_layers * hidden_size * torch.finfo(dtype).bits // 8 + 8 + 1 + 4)
 
 
 def dataset_sha256(dataset: Dataset) -> str:
@@ -185,6 +199,7 @@ def dump_features(
         "num_examples": len(dataset),
         "examples_per_shard": examples_per_shard,
         "data_sha256": dataset_sha256(dataset),
+        "stores_target_top1": True,  # target_top1.{i}: the target's argmax at every token (session 22)
     }
     reusable = _reusable_shards(out, layout)
     starts = range(0, len(dataset), examples_per_shard)
@@ -204,13 +219,15 @@ def dump_features(
         for b in range(start, stop, batch_size):
             rows = [dataset[i] for i in range(b, min(b + batch_size, stop))]
             batch = collate(rows, pad_token_id)
-            feats, _ = online_features(
+            feats, logits = online_features(
                 target, batch["input_ids"], batch["attention_mask"],
                 lambda states: torch.cat([states[k] for k in stored_layers], dim=-1),
             )
+            top1 = logits.argmax(-1)  # (B, T): the exact labels of greedy acceptance, whatever `dtype` rounds away
             for j, row in enumerate(rows):
                 n, i = len(row["input_ids"]), b + j
                 tensors[f"features.{i}"] = feats[j, :n].to(dtype).contiguous()
+                tensors[f"target_top1.{i}"] = top1[j, :n].to(torch.int32).contiguous()
                 tensors[f"input_ids.{i}"] = torch.as_tensor(row["input_ids"], dtype=torch.long)
                 tensors[f"loss_mask.{i}"] = torch.as_tensor(row["loss_mask"], dtype=torch.uint8)
             bar.update(len(rows))
@@ -261,11 +278,14 @@ class OfflineFeatures:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         f = self._handle(self._shard_of(i))
-        return {
+        example = {
             "features": f.get_tensor(f"features.{i}"),  # (T_i, (len(tapped_layers) + 1) * h)
             "input_ids": f.get_tensor(f"input_ids.{i}").tolist(),
             "loss_mask": f.get_tensor(f"loss_mask.{i}").long().tolist(),
         }
+        if self.index.get("stores_target_top1"):
+            example["target_top1"] = f.get_tensor(f"target_top1.{i}").long()  # (T_i,)
+        return example
 
     @property
     def tapped_layers(self) -> list[int]:
@@ -294,11 +314,17 @@ class OfflineFeatures:
 
 
 def collate_offline(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Like `collate`, plus right-padded features (B, T, h)."""
+    """Like `collate`, plus right-padded features (B, T, h) and, from dumps that store it, the target's argmax
+    `target_top1` (B, T) (0 on padding)."""
     batch = collate(rows, pad_token_id)
     width, hidden = batch["input_ids"].shape[1], rows[0]["features"].shape[-1]
     feats = torch.zeros(len(rows), width, hidden, dtype=rows[0]["features"].dtype)
     for i, r in enumerate(rows):
         feats[i, : r["features"].shape[0]] = r["features"]
     batch["features"] = feats
+    if all("target_top1" in r for r in rows):
+        top1 = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            top1[i, : r["target_top1"].shape[0]] = r["target_top1"]
+        batch["target_top1"] = top1
     return batch

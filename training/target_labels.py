@@ -42,8 +42,8 @@ def labelled_positions(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return shift_left(loss_mask, 1, loss_mask.shape[1], fill=0).bool().nonzero(as_tuple=True)
 
 
-def _row_of(positions: tuple[torch.Tensor, torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    """(B, T) long: i at positions[.][i], -1 elsewhere."""
+def row_index(positions: tuple[torch.Tensor, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """`TargetLabels.row_of` of `labelled_positions`: (B, T) long, i at (positions[0][i], positions[1][i]), -1 elsewhere."""
     row_of = torch.full(tuple(shape), -1, dtype=torch.long, device=positions[0].device)
     row_of[positions] = torch.arange(positions[0].numel(), device=positions[0].device)
     return row_of
@@ -73,7 +73,7 @@ def labels_from_rows(
     if with_probs:
         chosen = row_logits if label_vocab is None else row_logits.index_select(1, label_vocab)  # (R, V')
         probs = F.softmax(chosen.float(), dim=-1)
-    return TargetLabels(row_logits.argmax(-1), probs, _row_of(positions, loss_mask.shape), row_logits.shape[-1])
+    return TargetLabels(row_logits.argmax(-1), probs, row_index(positions, loss_mask.shape), row_logits.shape[-1])
 
 
 def target_labels(
@@ -103,7 +103,7 @@ def target_labels(
         else:  # one gather straight to (R, V'), never (R, V)
             chosen = target_logits[rows_b[:, None], rows_p[:, None], label_vocab[None, :]]
         probs = F.softmax(chosen.float(), dim=-1)
-    return TargetLabels(top1, probs, _row_of(positions, loss_mask.shape), target_logits.shape[-1])
+    return TargetLabels(top1, probs, row_index(positions, loss_mask.shape), target_logits.shape[-1])
 
 
 def as_target_labels(

@@ -202,7 +202,8 @@ def compute_loss(
         # no (B, T, V) logits: the target's labels only where a loss reads them
         label_vocab = heads.d2t if heads.config.head_type == "eagle3" else None
         target_logits = offline_target_labels(
-            target.get_output_embeddings(), final, batch["loss_mask"], label_vocab, config.loss.labels == "target"
+            target.get_output_embeddings(), final, batch["loss_mask"], label_vocab, config.loss.labels == "target",
+            batch.get("target_top1"),
         )
     else:
         features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)

@@ -10,7 +10,7 @@ import torch
 from specheads.cli import main
 from specheads.training.data import build_dataset
 from specheads.training.data_cli import regenerate
-from specheads.training.features import OfflineFeatures, file_sha256, online_features
+from specheads.training.features import OfflineFeatures, collate_offline, file_sha256, online_features
 
 
 def test_regenerate_stories_is_resumable(tmp_path, target_and_tokenizer):
@@ -53,9 +53,19 @@ def test_dump_features_shards_index_and_lazy_reads(tmp_path, stories_file, targe
     assert feats.lengths() == ds["length"]
     row = feats[30]
     ids = torch.tensor([ds[30]["input_ids"]])
-    expected, _ = online_features(target, ids, torch.ones_like(ids), lambda hs: hs[-1])
+    expected, logits = online_features(target, ids, torch.ones_like(ids), lambda hs: hs[-1])
     torch.testing.assert_close(row["features"], expected[0], atol=1e-5, rtol=1e-5)
     assert row["input_ids"] == ds[30]["input_ids"]
+    assert index["stores_target_top1"] and torch.equal(row["target_top1"], logits[0].argmax(-1))
+    shorter = min(range(64), key=lambda i: ds[i]["length"])
+    batch = collate_offline([feats[30], feats[shorter]])  # right-padded, the argmax too (0 on padding)
+    assert batch["target_top1"].shape == batch["input_ids"].shape
+    assert torch.equal(batch["target_top1"][1, : ds[shorter]["length"]], feats[shorter]["target_top1"])
+    assert not batch["target_top1"][1, ds[shorter]["length"]:].any() and ds[shorter]["length"] < ds[30]["length"]
+    # a dump written before session 22 has no stored argmax: examples and batches come without it
+    (out / "index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "stores_target_top1"}))
+    old = OfflineFeatures(out)
+    assert "target_top1" not in old[30] and "target_top1" not in collate_offline([old[30], old[shorter]])
     # a changed shard is caught by its checksum
     shard = out / index["shards"][0]["file"]
     data = bytearray(shard.read_bytes())

@@ -69,8 +69,9 @@ def test_causal_mask_and_noise():
 
 
 def test_offline_target_labels_only_where_a_loss_reads_them(target_and_tokenizer):
-    """Labels made from the lm_head at the positions a loss reads (offline features), or from dense logits,
-    give the same loss and per-depth accuracies as the dense logits themselves, for every head type."""
+    """Labels made from the lm_head at the positions a loss reads (offline features; with the dump's argmax only
+    the label vocabulary's rows), or from dense logits, give the same loss and per-depth accuracies as the dense
+    logits themselves, for every head type."""
     target, tok = target_and_tokenizer
     ids = tok(["Once upon a time, there was a little girl named Lily. She liked to play."], return_tensors="pt").input_ids
     ids = torch.cat([ids, ids.flip(1)])  # (2, T)
@@ -101,6 +102,8 @@ def test_offline_target_labels_only_where_a_loss_reads_them(target_and_tokenizer
                     dense,
                     target_labels(dense, loss_mask, vocab, labels == "target"),
                     offline_target_labels(target.get_output_embeddings(), final, loss_mask, vocab, labels == "target"),
+                    offline_target_labels(target.get_output_embeddings(), final, loss_mask, vocab, labels == "target",
+                                          dense.argmax(-1)),
                 )
                 for source in sources:
                     if head_type == "medusa":
