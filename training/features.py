@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from specheads.heads.cache_keyword import declared_parameters
 from specheads.training.data import collate
 from specheads.training.preflight import check_free_disk, check_writable_dir
 from specheads.training.target_labels import TargetLabels, labelled_positions, labels_from_rows, row_index
@@ -65,6 +66,37 @@ def online_features(
         target.eval()
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     return select(out.hidden_states), out.logits
+
+
+def forward_skips_logits(target: PreTrainedModel) -> bool:
+    """Whether the target's forward takes `logits_to_keep` (transformers' causal LMs do)."""
+    return "logits_to_keep" in declared_parameters(type(target).forward)
+
+
+@torch.no_grad()
+def online_stored_features(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    select: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+) -> torch.Tensor:
+    """What a feature dump stores, computed in the step: [select(hidden states) | final post-norm state], without
+    the target's (B, T, V) logits (`offline_target_labels` makes the labels from the final state where a loss
+    reads them, as for dumped features).
+
+    Returns:
+        (B, T, w + h): the selected features (w wide) then the final state (h).
+
+    Raises:
+        ValueError: the target's forward has no `logits_to_keep` (`forward_skips_logits`; use `online_features`).
+    """
+    if not forward_skips_logits(target):
+        raise ValueError(f"online_stored_features needs a target forward with logits_to_keep; {type(target).__name__} has none")
+    if target.training:
+        target.eval()
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                 logits_to_keep=1)  # the last position's logits only: the losses never read the forward's logits
+    return torch.cat([select(out.hidden_states), out.hidden_states[-1]], dim=-1)
 
 
 @torch.no_grad()

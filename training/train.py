@@ -43,8 +43,10 @@ from specheads.training.evaluate import evaluate, split_eval_indices
 from specheads.training.features import (
     OfflineFeatures,
     collate_offline,
+    forward_skips_logits,
     offline_target_labels,
     online_features,
+    online_stored_features,
 )
 from specheads.training.joint_lora import JointMedusa, joint_loss, keep_trainable_weights_only
 from specheads.training.losses import (
@@ -56,6 +58,7 @@ from specheads.training.losses import (
     uniform_noise,
 )
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
+from specheads.training.target_labels import TargetLabels
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "train_state.json"
@@ -196,16 +199,21 @@ def compute_loss(
     """
     if config.joint.enabled:  # Medusa-2: `model` is the adapted target + heads; features get gradients
         return joint_loss(model, batch, config)
-    if "features" in batch:  # offline: [tapped layers (EAGLE-3) | final post-norm state]; lm_head(final) = target logits
-        final = batch["features"][..., -heads.config.hidden_size:]
-        features = batch["features"][..., : -heads.config.hidden_size] if heads.config.head_type == "eagle3" else final
-        # no (B, T, V) logits: the target's labels only where a loss reads them
+    hidden = heads.config.hidden_size
+    if "features" in batch or forward_skips_logits(target):
+        if "features" in batch:  # offline: [tapped layers (EAGLE-3) | final post-norm state] (EAGLE, Medusa: final)
+            stored, top1 = batch["features"], batch.get("target_top1")
+            features = stored[..., :-hidden] if heads.config.head_type == "eagle3" else stored[..., -hidden:]
+        else:  # online, the same layout: [the heads' features | final], and no (B, T, V) logits from the forward
+            stored = online_stored_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
+            features, top1 = stored[..., :-hidden], None
+        # lm_head(final) = the target's logits: its labels, made only where a loss reads them
         label_vocab = heads.d2t if heads.config.head_type == "eagle3" else None
-        target_logits = offline_target_labels(
-            target.get_output_embeddings(), final, batch["loss_mask"], label_vocab, config.loss.labels == "target",
-            batch.get("target_top1"),
+        target_logits: torch.Tensor | TargetLabels = offline_target_labels(
+            target.get_output_embeddings(), stored[..., -hidden:], batch["loss_mask"], label_vocab,
+            config.loss.labels == "target", top1,
         )
-    else:
+    else:  # a target forward without logits_to_keep: its dense logits
         features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
     if heads.config.head_type == "medusa":
         rows = medusa_rows(batch["loss_mask"], heads.config.num_heads)  # (M,), (M,): the positions a head trains at

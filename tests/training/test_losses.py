@@ -7,7 +7,12 @@ import torch
 
 from specheads import create_heads
 from specheads.training.config import LossSection
-from specheads.training.features import offline_target_labels, online_features
+from specheads.training.features import (
+    forward_skips_logits,
+    offline_target_labels,
+    online_features,
+    online_stored_features,
+)
 from specheads.training.losses import (
     causal_mask,
     eagle3_loss,
@@ -135,3 +140,22 @@ def test_target_labels_reject_a_mismatched_batch_or_vocabulary(target_and_tokeni
     tokens_only = target_labels(logits, loss_mask, heads.d2t, with_probs=False)
     with pytest.raises(ValueError, match="over None tokens"):
         eagle3_loss(heads, features, tokens_only, ids, mask, loss_mask, LossSection(ttt_steps=1))
+
+
+def test_online_stored_features_are_the_dump_layout_without_dense_logits(target_and_tokenizer):
+    """The online step reads what a dump stores ([the heads' features | final state]); a forward without
+    `logits_to_keep` is refused by name (the step then takes the target's dense logits)."""
+    target, ids, mask, _ = _batch(target_and_tokenizer)
+    heads = create_heads(target, "eagle3", draft_vocab_size=64)
+    stored = online_stored_features(target, ids, mask, heads.select_features)
+    features, _ = online_features(target, ids, mask, lambda hs: torch.cat([heads.select_features(hs), hs[-1]], -1))
+    torch.testing.assert_close(stored, features)
+    assert forward_skips_logits(target)
+
+    class NoLogitsToKeep(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, output_hidden_states=False, use_cache=False):
+            return target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=output_hidden_states)
+
+    assert not forward_skips_logits(NoLogitsToKeep())
+    with pytest.raises(ValueError, match="NoLogitsToKeep has none"):
+        online_stored_features(NoLogitsToKeep(), ids, mask, heads.select_features)
