@@ -365,8 +365,12 @@ def train(config: RunConfig) -> dict[str, Any]:
     target, tokenizer = load_target(config.target, device=accelerator.device)
     heads = initial_heads(config, target)
     heads.train()
-    if config.head.type == "eagle3" and wants_ttt_chain_attention(config.loss.ttt_attention, accelerator.device):
-        use_ttt_chain_attention(heads)  # this run's TTT unroll: each query scores its own chain (no dense masks)
+    if config.head.type == "eagle3":
+        chain = wants_ttt_chain_attention(config.loss.ttt_attention, accelerator.device)
+        if chain:
+            use_ttt_chain_attention(heads)  # this run's TTT unroll: each query scores its own chain (no dense masks)
+        accelerator.print(f"[specheads] TTT attention: {'chain' if chain else 'dense'} "
+                          f"(loss.ttt_attention={config.loss.ttt_attention} on {accelerator.device.type})")
     # Medusa-2 (joint.enabled): the heads plus a LoRA adapter on the target, trained as one module
     joint = JointMedusa(target, heads, config.joint) if config.joint.enabled else None
     trained: torch.nn.Module = heads if joint is None else joint

@@ -129,7 +129,7 @@ def test_chain_attention_refuses_what_it_does_not_model(tiny_llama):
 
 
 @pytest.mark.slow
-def test_training_runs_chain_attention_on_the_cpu_like_dense(tmp_path, stories_file, monkeypatch):
+def test_training_runs_chain_attention_on_the_cpu_like_dense(tmp_path, stories_file, monkeypatch, capsys):
     """`specheads train` on the CPU trains EAGLE-3 through chain attention (loss.ttt_attention=auto), and ends
     where the dense masked attention ends."""
     calls = []
@@ -143,5 +143,7 @@ def test_training_runs_chain_attention_on_the_cpu_like_dense(tmp_path, stories_f
         assert main(["train", config, *overrides(stories_file, out, **extra)]) == 0
         metrics[mode] = json.loads((out / "metrics.json").read_text())
         assert bool(calls) == (mode == "auto"), mode
+        said = "chain (loss.ttt_attention=auto on cpu)" if mode == "auto" else "dense (loss.ttt_attention=dense on cpu)"
+        assert f"[specheads] TTT attention: {said}" in capsys.readouterr().out
     for key in ("loss", "acc", "sim_tau", "acc_depth3"):
         assert metrics["auto"][key] == pytest.approx(metrics["dense"][key], rel=1e-4), key
