@@ -68,9 +68,17 @@ def online_features(
     return select(out.hidden_states), out.logits
 
 
-def forward_skips_logits(target: PreTrainedModel) -> bool:
-    """Whether the target's forward takes `logits_to_keep` (transformers' causal LMs do)."""
-    return "logits_to_keep" in declared_parameters(type(target).forward)
+# config fields of families whose logits are not plain lm_head(last hidden state) (Gemma 2's soft-capping,
+# Cohere's and Granite's scaling): their labels must come from the forward's own logits
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def can_skip_logits(target: PreTrainedModel) -> bool:
+    """Whether the target's labels can come from its final hidden state instead of its forward's logits: the
+    forward takes `logits_to_keep` (transformers' causal LMs do) and its config scales or caps no logits."""
+    config = target.config.get_text_config()
+    plain = all(getattr(config, name, None) in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
+    return plain and "logits_to_keep" in declared_parameters(type(target).forward)
 
 
 @torch.no_grad()
@@ -88,10 +96,13 @@ def online_stored_features(
         (B, T, w + h): the selected features (w wide) then the final state (h).
 
     Raises:
-        ValueError: the target's forward has no `logits_to_keep` (`forward_skips_logits`; use `online_features`).
+        ValueError: the target's logits cannot be skipped (`can_skip_logits`; use `online_features`).
     """
-    if not forward_skips_logits(target):
-        raise ValueError(f"online_stored_features needs a target forward with logits_to_keep; {type(target).__name__} has none")
+    if not can_skip_logits(target):
+        raise ValueError(
+            f"online_stored_features needs a target forward with logits_to_keep whose logits are lm_head(final state); "
+            f"{type(target).__name__} is not one"
+        )
     if target.training:
         target.eval()
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,

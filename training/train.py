@@ -42,8 +42,8 @@ from specheads.training.draft_vocab import (
 from specheads.training.evaluate import evaluate, split_eval_indices
 from specheads.training.features import (
     OfflineFeatures,
+    can_skip_logits,
     collate_offline,
-    forward_skips_logits,
     offline_target_labels,
     online_features,
     online_stored_features,
@@ -200,7 +200,7 @@ def compute_loss(
     if config.joint.enabled:  # Medusa-2: `model` is the adapted target + heads; features get gradients
         return joint_loss(model, batch, config)
     hidden = heads.config.hidden_size
-    if "features" in batch or forward_skips_logits(target):
+    if "features" in batch or can_skip_logits(target):
         if "features" in batch:  # offline: [tapped layers (EAGLE-3) | final post-norm state] (EAGLE, Medusa: final)
             stored, top1 = batch["features"], batch.get("target_top1")
             features = stored[..., :-hidden] if heads.config.head_type == "eagle3" else stored[..., -hidden:]
@@ -213,7 +213,7 @@ def compute_loss(
             target.get_output_embeddings(), stored[..., -hidden:], batch["loss_mask"], label_vocab,
             config.loss.labels == "target", top1,
         )
-    else:  # a target forward without logits_to_keep: its dense logits
+    else:  # a target forward without logits_to_keep, or scaled / capped logits: the forward's dense logits
         features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
     if heads.config.head_type == "medusa":
         rows = medusa_rows(batch["loss_mask"], heads.config.num_heads)  # (M,), (M,): the positions a head trains at

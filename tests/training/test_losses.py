@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from specheads import create_heads
 from specheads.training.config import LossSection
 from specheads.training.features import (
-    forward_skips_logits,
+    can_skip_logits,
     offline_target_labels,
     online_features,
     online_stored_features,
@@ -150,12 +152,19 @@ def test_online_stored_features_are_the_dump_layout_without_dense_logits(target_
     stored = online_stored_features(target, ids, mask, heads.select_features)
     features, _ = online_features(target, ids, mask, lambda hs: torch.cat([heads.select_features(hs), hs[-1]], -1))
     torch.testing.assert_close(stored, features)
-    assert forward_skips_logits(target)
+    assert can_skip_logits(target)
 
     class NoLogitsToKeep(torch.nn.Module):
+        config = target.config
+
         def forward(self, input_ids, attention_mask=None, output_hidden_states=False, use_cache=False):
             return target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=output_hidden_states)
 
-    assert not forward_skips_logits(NoLogitsToKeep())
-    with pytest.raises(ValueError, match="NoLogitsToKeep has none"):
+    class CappedLogits(torch.nn.Module):  # Gemma 2-like: its logits are not lm_head(final state)
+        config = copy.deepcopy(target.config)
+        config.final_logit_softcapping = 30.0
+        forward = type(target).forward
+
+    assert not can_skip_logits(NoLogitsToKeep()) and not can_skip_logits(CappedLogits())
+    with pytest.raises(ValueError, match="NoLogitsToKeep is not one"):
         online_stored_features(NoLogitsToKeep(), ids, mask, heads.select_features)
