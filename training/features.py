@@ -73,12 +73,18 @@ def online_features(
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
+def logits_are_lm_head_of_final_state(target: PreTrainedModel) -> bool:
+    """Whether the target's config scales or caps no logits (offline features rely on it: their labels are
+    lm_head(final state))."""
+    config = target.config.get_text_config()
+    return all(getattr(config, name, None) in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
+
+
 def can_skip_logits(target: PreTrainedModel) -> bool:
     """Whether the target's labels can come from its final hidden state instead of its forward's logits: the
     forward takes `logits_to_keep` (transformers' causal LMs do) and its config scales or caps no logits."""
-    config = target.config.get_text_config()
-    plain = all(getattr(config, name, None) in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
-    return plain and "logits_to_keep" in declared_parameters(type(target).forward)
+    forward_keeps = "logits_to_keep" in declared_parameters(type(target).forward)
+    return forward_keeps and logits_are_lm_head_of_final_state(target)
 
 
 @torch.no_grad()

@@ -41,9 +41,11 @@ from specheads.training.draft_vocab import (
 )
 from specheads.training.evaluate import evaluate, split_eval_indices
 from specheads.training.features import (
+    LOGIT_TRANSFORMS,
     OfflineFeatures,
     can_skip_logits,
     collate_offline,
+    logits_are_lm_head_of_final_state,
     offline_target_labels,
     online_features,
     online_stored_features,
@@ -379,6 +381,11 @@ def train(config: RunConfig) -> dict[str, Any]:
                     f"training {trainable} parameters (save_total_limit={config.save_total_limit})")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if config.feature_mode == "offline":
+        if not logits_are_lm_head_of_final_state(target):
+            raise ValueError(
+                f"feature_mode=offline makes the labels as lm_head(final state), but {config.target}'s config scales "
+                f"or caps its logits ({', '.join(LOGIT_TRANSFORMS)}): train with feature_mode=online"
+            )
         examples: Any = OfflineFeatures(config.data.features_dir)
         lengths, make_batch = examples.lengths(), collate_offline
     else:

@@ -11,6 +11,7 @@ from specheads import create_heads
 from specheads.training.config import LossSection
 from specheads.training.features import (
     can_skip_logits,
+    logits_are_lm_head_of_final_state,
     offline_target_labels,
     online_features,
     online_stored_features,
@@ -166,5 +167,6 @@ def test_online_stored_features_are_the_dump_layout_without_dense_logits(target_
         forward = type(target).forward
 
     assert not can_skip_logits(NoLogitsToKeep()) and not can_skip_logits(CappedLogits())
+    assert logits_are_lm_head_of_final_state(target) and not logits_are_lm_head_of_final_state(CappedLogits())
     with pytest.raises(ValueError, match="NoLogitsToKeep is not one"):
         online_stored_features(NoLogitsToKeep(), ids, mask, heads.select_features)
