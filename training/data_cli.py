@@ -5,6 +5,7 @@
     specheads data synth-prompts --target T --count 20000 --output synth.jsonl --exclude bench.jsonl   # new prompts
     specheads data dump-features --target T --data regenerated.jsonl --out features/
     specheads data draft-vocab --heads H --data regenerated.jsonl --size 8192 --out H-8k/   # EAGLE heads
+    specheads data draft-vocab --heads H3 --data regenerated.jsonl --size 16384 --out H3-16k/   # widen EAGLE-3
 
 All are resumable after a crash (even kill -9): regeneration appends to the output JSONL and skips ids already
 there; prompt synthesis appends and goes on from its last batch (training/synth_prompts.py); a feature dump keeps
@@ -203,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "must equal the heads' feature_layers)")
     dump.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     vocab = sub.add_parser("draft-vocab", help="EAGLE heads: draft over the N most frequent trained tokens of the data "
-                           "(a cheaper draft projection on large vocabularies; outputs stay exact)")
+                           "(a cheaper draft projection on large vocabularies; outputs stay exact); EAGLE-3 heads: widen "
+                           "their draft vocabulary to N (then train on from them)")
     vocab.add_argument("--heads", required=True, help="trained eagle heads (folder or Hub id)")
     vocab.add_argument("--data", required=True, help="their training data (JSON/JSONL or a dataset folder)")
     vocab.add_argument("--size", type=int, required=True, help="draft vocabulary size (e.g. 8192)")
@@ -328,13 +330,16 @@ def data_main(argv: list[str]) -> int:
 def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name: str | None = None,
                     fmt: str = "auto", max_length: int = 768) -> dict[str, Any]:
     """`specheads data draft-vocab`: save EAGLE heads that draft over the `size` most frequent trained tokens of
-    `data` to `out`. Returns a summary (out, draft_vocab_size, coverage of the trained tokens)."""
+    `data` to `out`, or EAGLE-3 heads whose draft vocabulary is widened to `size` (their own tokens plus the most
+    frequent others; train them on with `init_heads=out`). Returns a summary (out, draft_vocab_size, coverage of
+    the trained tokens)."""
     from specheads import load_heads, load_target
     from specheads.heads.config import HeadsConfig
     from specheads.training.data import build_dataset
     from specheads.training.draft_vocab import (
         build_draft_vocab,
         count_trained_tokens,
+        eagle3_heads_with_wider_vocab,
         eagle_heads_with_draft_vocab,
         special_token_ids,
     )
@@ -344,13 +349,20 @@ def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name
         target_name = config.target_name_or_path
     target, tokenizer = load_target(target_name)
     heads = load_heads(heads_path, target=target)
-    if heads.config.head_type != "eagle":  # fail before tokenizing the data
-        raise ValueError(f"--heads {heads_path} holds {heads.config.head_type} heads; draft-vocab applies to eagle heads "
-                         "(eagle3 heads get their draft vocabulary when they are trained)")
+    head_type = heads.config.head_type
+    if head_type not in ("eagle", "eagle3"):  # fail before tokenizing the data
+        raise ValueError(f"--heads {heads_path} holds {head_type} heads; draft-vocab applies to eagle and eagle3 heads")
+    if head_type == "eagle3" and size <= heads.draft_vocab_size:
+        raise ValueError(f"--size {size}: these eagle3 heads already draft over {heads.draft_vocab_size} tokens; "
+                         "draft-vocab widens an eagle3 vocabulary (a narrower one is chosen when training from scratch)")
     dataset = build_dataset(data, tokenizer, fmt, max_length)
     counts = count_trained_tokens(dataset["input_ids"], dataset["loss_mask"], heads.config.vocab_size)
-    vocab = build_draft_vocab(counts, size, special_token_ids(tokenizer, target))
-    reduced = eagle_heads_with_draft_vocab(heads, vocab.draft_to_target)
+    keep = special_token_ids(tokenizer, target) + (heads.d2t.tolist() if head_type == "eagle3" else [])
+    vocab = build_draft_vocab(counts, size, keep)
+    if head_type == "eagle3":
+        reduced = eagle3_heads_with_wider_vocab(heads, target, vocab.draft_to_target)
+    else:
+        reduced = eagle_heads_with_draft_vocab(heads, vocab.draft_to_target)
     reduced.model_card_metrics["draft_vocab_coverage"] = round(vocab.coverage, 4)
     reduced.save_pretrained(out)
     return {"out": out, "draft_vocab_size": size, "coverage": round(vocab.coverage, 4)}

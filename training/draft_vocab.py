@@ -150,3 +150,47 @@ def eagle_heads_with_draft_vocab(heads: Any, draft_to_target: torch.Tensor) -> A
     reduced.set_draft_vocab(draft_to_target)
     reduced.model_card_metrics = dict(heads.model_card_metrics)
     return reduced.train(heads.training)
+
+
+def eagle3_heads_with_wider_vocab(heads: Any, target: Any, draft_to_target: torch.Tensor) -> Any:
+    """A copy of trained EAGLE-3 heads whose draft vocabulary is widened to `draft_to_target`, to train on.
+
+    The heads' own draft tokens keep their trained lm_head rows; each new token's row starts from the target's
+    lm_head row, as fresh heads' rows do (`init_lm_head_from_target`). Those rows are not yet in the trained rows'
+    scale, so the widened heads draft worse until they are trained (with `init_heads=` and
+    `head.options.draft_vocab_size=` the new size): session 22 saw 96 CPU steps repair such heads (README).
+
+    Raises:
+        ValueError: `heads` are not EAGLE-3 heads, or `draft_to_target` does not hold all of their draft tokens, or
+            is not a valid vocabulary (sorted, unique, < vocab_size).
+    """
+    from specheads.heads.eagle3 import Eagle3Heads
+
+    if type(heads) is not Eagle3Heads:
+        raise ValueError(f"widening a draft vocabulary applies to eagle3 heads, not {heads.config.head_type} heads")
+    old = heads.d2t.cpu()
+    new = draft_to_target.cpu().long()
+    missing = old[~torch.isin(old, new)]
+    if missing.numel():
+        raise ValueError(
+            f"the widened draft vocabulary lacks {missing.numel()} of the heads' {old.numel()} draft tokens "
+            f"(e.g. {missing[:5].tolist()}): it must hold all of them"
+        )
+    config = copy.deepcopy(heads.config)
+    config.draft_vocab_size = int(new.numel())
+    config.validate_values()
+    wider = Eagle3Heads(config)
+    weights = {k: v for k, v in heads.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    missing_keys, unexpected = wider.load_state_dict(weights, strict=False)
+    if set(missing_keys) != {"lm_head.weight", "d2t", "t2d"} or unexpected:
+        raise RuntimeError(f"copying EAGLE-3 heads: missing {missing_keys}, unexpected {unexpected}")
+    param = next(heads.parameters())
+    wider.to(device=param.device, dtype=param.dtype)
+    wider.set_draft_vocab(new.to(param.device))  # validates the ids
+    target_rows = target.get_output_embeddings().weight.detach()  # (V, h)
+    with torch.no_grad():
+        rows = target_rows[new.to(target_rows.device)].to(device=param.device, dtype=param.dtype)  # (Vd', h)
+        rows[torch.searchsorted(new, old).to(param.device)] = heads.lm_head.weight.detach()  # the trained rows
+        wider.lm_head.weight.copy_(rows)
+    wider.model_card_metrics = dict(heads.model_card_metrics)
+    return wider.train(heads.training)
