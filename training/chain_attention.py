@@ -101,9 +101,14 @@ def ttt_chain_attention_forward(
     return chain_attention(query, key, value, attention_mask, scale), None
 
 
+def _layer_attention(heads: nn.Module) -> nn.Module | None:
+    """The attention module of EAGLE-3 heads' decoder layer (None for other heads)."""
+    return getattr(getattr(heads, "layer", None), "self_attn", None)
+
+
 def uses_ttt_chain_attention(heads: nn.Module) -> bool:
     """Whether these EAGLE-3 heads' decoder layer attends through `ttt_chain_attention_forward`."""
-    attention = getattr(getattr(heads, "layer", None), "self_attn", None)
+    attention = _layer_attention(heads)
     return attention is not None and attention.config._attn_implementation == TTT_CHAIN_ATTENTION
 
 
@@ -116,7 +121,7 @@ def use_ttt_chain_attention(heads: nn.Module) -> None:
     Raises:
         ValueError: heads without a decoder layer on SDPA attention.
     """
-    attention = getattr(getattr(heads, "layer", None), "self_attn", None)
+    attention = _layer_attention(heads)
     if attention is None or attention.config._attn_implementation not in ("sdpa", TTT_CHAIN_ATTENTION):
         got = None if attention is None else attention.config._attn_implementation
         raise ValueError(f"TTT chain attention needs EAGLE-3 heads on SDPA attention; got {type(heads).__name__} ({got})")

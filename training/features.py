@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 from specheads.heads.cache_keyword import declared_parameters
 from specheads.training.data import collate
 from specheads.training.preflight import check_free_disk, check_writable_dir
-from specheads.training.target_labels import TargetLabels, labelled_positions, labels_from_rows, row_index
+from specheads.training.target_labels import TargetLabels, labelled_positions, labels_at
 
 INDEX_NAME = "index.json"
 PROGRESS_NAME = "progress.json"  # the finished shards of a dump still running (or killed)
@@ -137,20 +137,24 @@ def offline_target_labels(
         lm_head: the target's output layer.
         final: (B, T, h) the dumped final, post-norm states.
         loss_mask: (B, T) 1 where predicting that token is trained.
-        label_vocab, with_probs: as in `labels_from_rows` (EAGLE-3: the heads' `d2t`).
+        label_vocab, with_probs: as in `target_labels` (EAGLE-3: the heads' `d2t`).
         target_top1: (B, T) the target's argmax over its whole vocabulary, stored by the dump (dumps made before
             session 22 have none: it is then computed here).
     """
     positions = labelled_positions(loss_mask)
     rows = final[positions]  # (R, h)
-    if target_top1 is None or label_vocab is None or not isinstance(lm_head, torch.nn.Linear):
-        return labels_from_rows(lm_head(rows), loss_mask, label_vocab, with_probs)  # (R, V) logits
-    probs = None
-    if with_probs:
-        bias = None if lm_head.bias is None else lm_head.bias[label_vocab]
-        logits = F.linear(rows, lm_head.weight[label_vocab], bias)  # (R, V') the label vocabulary's rows only
-        probs = F.softmax(logits.float(), dim=-1)
-    return TargetLabels(target_top1[positions], probs, row_index(positions, loss_mask.shape), lm_head.out_features)
+    label_logits = None
+    if target_top1 is not None and label_vocab is not None and isinstance(lm_head, torch.nn.Linear):
+        top1, vocab_size = target_top1[positions], lm_head.out_features  # (R,): the dump's argmax
+        if with_probs:  # the label vocabulary's rows of the lm_head only
+            bias = None if lm_head.bias is None else lm_head.bias[label_vocab]
+            label_logits = F.linear(rows, lm_head.weight[label_vocab], bias)  # (R, V')
+    else:
+        row_logits = lm_head(rows)  # (R, V)
+        top1, vocab_size = row_logits.argmax(-1), row_logits.shape[-1]
+        if with_probs:
+            label_logits = row_logits if label_vocab is None else row_logits.index_select(1, label_vocab)
+    return labels_at(positions, loss_mask.shape, top1, label_logits, vocab_size)
 
 
 def file_sha256(path: str | Path) -> str:

@@ -42,38 +42,19 @@ def labelled_positions(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return shift_left(loss_mask, 1, loss_mask.shape[1], fill=0).bool().nonzero(as_tuple=True)
 
 
-def row_index(positions: tuple[torch.Tensor, torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    """`TargetLabels.row_of` of `labelled_positions`: (B, T) long, i at (positions[0][i], positions[1][i]), -1 elsewhere."""
-    row_of = torch.full(tuple(shape), -1, dtype=torch.long, device=positions[0].device)
-    row_of[positions] = torch.arange(positions[0].numel(), device=positions[0].device)
-    return row_of
-
-
-def labels_from_rows(
-    row_logits: torch.Tensor,
-    loss_mask: torch.Tensor,
-    label_vocab: torch.Tensor | None = None,
-    with_probs: bool = True,
+def labels_at(
+    positions: tuple[torch.Tensor, torch.Tensor],
+    shape: torch.Size,
+    top1: torch.Tensor,
+    label_logits: torch.Tensor | None,
+    vocab_size: int,
 ) -> TargetLabels:
-    """Labels from the target's logits at `labelled_positions(loss_mask)` only (an offline run's lm_head skips the rest).
-
-    Args:
-        row_logits: (R, V) the target's logits at those positions, in their order.
-        loss_mask: (B, T) 1 where predicting that token is trained.
-        label_vocab: (V',) the target ids the label distributions range over (EAGLE-3's `d2t`), or None: all.
-        with_probs: compute the label distributions (labels="target").
-    """
-    positions = labelled_positions(loss_mask)
-    if row_logits.dim() != 2 or row_logits.shape[0] != positions[0].numel():
-        raise ValueError(
-            f"labels_from_rows: row_logits {tuple(row_logits.shape)}; expected ({positions[0].numel()}, vocab): one "
-            "row per position whose next token is trained"
-        )
-    probs = None
-    if with_probs:
-        chosen = row_logits if label_vocab is None else row_logits.index_select(1, label_vocab)  # (R, V')
-        probs = F.softmax(chosen.float(), dim=-1)
-    return TargetLabels(row_logits.argmax(-1), probs, row_index(positions, loss_mask.shape), row_logits.shape[-1])
+    """`TargetLabels` at `positions` (`labelled_positions` of a (B, T) = `shape` batch) from the target's argmax
+    there (R,) and its logits over the label vocabulary (R, V'), or None (labels="tokens")."""
+    row_of = torch.full(tuple(shape), -1, dtype=torch.long, device=top1.device)  # (B, T)
+    row_of[positions] = torch.arange(top1.numel(), device=top1.device)
+    probs = None if label_logits is None else F.softmax(label_logits.float(), dim=-1)
+    return TargetLabels(top1, probs, row_of, vocab_size)
 
 
 def target_labels(
@@ -87,7 +68,8 @@ def target_labels(
     Args:
         target_logits: (B, T, V) the target's logits (position p predicts x_{p+1}).
         loss_mask: (B, T) 1 where predicting that token is trained.
-        label_vocab, with_probs: as in `labels_from_rows`.
+        label_vocab: (V',) the target ids the label distributions range over (EAGLE-3's `d2t`), or None: all.
+        with_probs: compute the label distributions (labels="target").
     """
     if target_logits.dim() != 3 or target_logits.shape[:2] != loss_mask.shape:
         raise ValueError(
@@ -96,14 +78,13 @@ def target_labels(
         )
     rows_b, rows_p = positions = labelled_positions(loss_mask)
     top1 = target_logits.argmax(-1)[positions]  # (R,): an argmax reads the logits in place, no (R, V) copy
-    probs = None
+    label_logits = None
     if with_probs:
         if label_vocab is None:
-            chosen = target_logits[positions]  # (R, V)
+            label_logits = target_logits[positions]  # (R, V)
         else:  # one gather straight to (R, V'), never (R, V)
-            chosen = target_logits[rows_b[:, None], rows_p[:, None], label_vocab[None, :]]
-        probs = F.softmax(chosen.float(), dim=-1)
-    return TargetLabels(top1, probs, row_index(positions, loss_mask.shape), target_logits.shape[-1])
+            label_logits = target_logits[rows_b[:, None], rows_p[:, None], label_vocab[None, :]]
+    return labels_at(positions, loss_mask.shape, top1, label_logits, target_logits.shape[-1])
 
 
 def as_target_labels(
