@@ -64,6 +64,8 @@ class LossSection:
     token_weight: float = 0.1
     input_noise: float = 0.1  # EAGLE: U(-noise, noise) added to the input features
     labels: str = "target"  # target (the target's own distribution) | tokens (the data's next tokens)
+    # labels="target": (1 - w) x the target's distribution + w x a one-hot on its argmax (what greedy decoding accepts)
+    argmax_label_weight: float = 0.0
     eval_depth: int = 4  # EAGLE: simulated acceptance logged for depths 1..eval_depth (unrolled drafts)
     train_depth: int = 1  # EAGLE: depths 1..train_depth of the unrolled draft get gradients (1 = plain EAGLE)
     depth_decay: float = 0.8  # EAGLE: loss weight of unrolled depth d is depth_decay**(d-1)
@@ -180,6 +182,15 @@ class RunConfig:
         for key, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{key}={value!r} is invalid; expected a positive integer")
+        if not 0 <= self.loss.argmax_label_weight <= 1:
+            raise ValueError(
+                f"loss.argmax_label_weight={self.loss.argmax_label_weight!r} is invalid; expected a weight in [0, 1]"
+            )
+        if self.loss.argmax_label_weight > 0 and self.loss.labels != "target":
+            raise ValueError(
+                f"loss.argmax_label_weight={self.loss.argmax_label_weight!r} mixes into the target's distribution; "
+                f"it needs loss.labels='target', got {self.loss.labels!r}"
+            )
         if self.eval_steps < 0:
             raise ValueError(f"eval_steps={self.eval_steps!r} is invalid; expected steps >= 0 (0: evaluate at the end)")
         if not 0 <= self.data.eval_fraction < 1:

@@ -102,7 +102,7 @@ def medusa_loss(
         The weighted loss; metrics loss_head{k}, acc_depth{k}, acc and sim_tau (a chain stops at an untrained token).
     """
     batch, seq_len = input_ids.shape
-    labels = as_target_labels(target_logits, loss_mask, None, config.labels == "target")
+    labels = as_target_labels(target_logits, loss_mask, None, config.labels == "target", config.argmax_label_weight)
     if rows is None:
         rows = medusa_rows(loss_mask, logits.shape[0])
         logits = logits[:, rows[0], rows[1]]  # (K, M, V)
@@ -178,7 +178,7 @@ def eagle_loss(
     positions = torch.arange(n, device=features.device).expand(batch, n)  # (B, n)
     mask4d = causal_mask(attention_mask[:, 1:], features.dtype)  # (B, 1, n, n)
     labels_feat = features[:, 1:]  # (B, n, h): f_{t+1}
-    labels = as_target_labels(target_logits, loss_mask, None, config.labels == "target")
+    labels = as_target_labels(target_logits, loss_mask, None, config.labels == "target", config.argmax_label_weight)
     next_tokens = torch.cat([input_ids[:, 2:], input_ids[:, -1:]], dim=1)  # (B, n): x_{t+2} (last unused)
     valid = torch.cat([loss_mask[:, 2:], torch.zeros_like(loss_mask[:, :1])], dim=1)  # (B, n)
     # The lm_head (h x V) and the softmaxes run on the M trained rows only (prompt tokens and padding, about half
@@ -266,7 +266,7 @@ def eagle3_loss(
     d2t = heads.d2t  # (Vd,) target id of each draft id, sorted
     # once for all steps (step i reads position t+1+i): the target's argmax over its whole vocabulary (what greedy
     # decoding accepts) and its distribution over the draft vocabulary
-    labels = as_target_labels(target_logits, loss_mask, d2t, config.labels == "target")
+    labels = as_target_labels(target_logits, loss_mask, d2t, config.labels == "target", config.argmax_label_weight)
     in_draft = torch.zeros(labels.vocab_size, dtype=torch.bool, device=d2t.device)
     in_draft[d2t] = True  # (V,)
     chain = uses_ttt_chain_attention(getattr(heads, "heads", heads))  # a training run's heads (`_HeadsView.heads`)

@@ -92,11 +92,12 @@ def as_target_labels(
     loss_mask: torch.Tensor,
     label_vocab: torch.Tensor | None,
     with_probs: bool,
+    argmax_weight: float = 0.0,
 ) -> TargetLabels:
     """`target` as labels: dense (B, T, V) logits go through `target_labels`; labels are checked (their distributions
-    dropped when the loss trains on the data's tokens)."""
+    dropped when the loss trains on the data's tokens) and, with `argmax_weight`, sharpened (`mix_in_argmax`)."""
     if isinstance(target, torch.Tensor):
-        return target_labels(target, loss_mask, label_vocab, with_probs)
+        return mix_in_argmax(target_labels(target, loss_mask, label_vocab, with_probs), label_vocab, argmax_weight)
     if target.row_of.shape != loss_mask.shape:
         raise ValueError(f"TargetLabels for a {tuple(target.row_of.shape)} batch; this batch is {tuple(loss_mask.shape)}")
     if not with_probs:  # the loss trains on the data's tokens
@@ -108,7 +109,28 @@ def as_target_labels(
             f"TargetLabels hold label distributions over {got} tokens; this loss needs {expected} "
             "(make them with the heads' label vocabulary and with_probs=True)"
         )
-    return target
+    return mix_in_argmax(target, label_vocab, argmax_weight)
+
+
+def mix_in_argmax(labels: TargetLabels, label_vocab: torch.Tensor | None, weight: float) -> TargetLabels:
+    """Label distributions (1 - weight) p + weight onehot(argmax): `loss.argmax_label_weight`.
+
+    Greedy verification accepts exactly the target's argmax, so a head that ranks it first is what a small draft
+    tree needs; the soft label alone spends the head's capacity on the whole distribution. A row whose argmax lies
+    outside the label vocabulary (EAGLE-3's draft vocabulary, `label_vocab`, sorted target ids) keeps p.
+    """
+    if weight == 0 or labels.probs is None:
+        return labels
+    top1 = labels.top1  # (R,) target ids
+    if label_vocab is None:
+        ids, inside = top1, torch.ones_like(top1, dtype=torch.bool)
+    else:
+        ids = torch.searchsorted(label_vocab, top1).clamp(max=label_vocab.numel() - 1)  # (R,) label-vocabulary ids
+        inside = label_vocab[ids] == top1  # (R,)
+    probs = labels.probs * (1 - weight * inside.to(labels.probs.dtype))[:, None]  # (R, V')
+    rows = inside.nonzero(as_tuple=True)[0]
+    probs[rows, ids[rows]] += weight
+    return replace(labels, probs=probs)
 
 
 def label_cross_entropy(

@@ -58,3 +58,12 @@ def test_bad_choices_and_sizes():
         config.gradient_accumulation_steps(3)
     with pytest.raises(ValueError, match="override 'max_steps'"):
         load_run_config(CONFIGS / "eagle_stories260k.yaml", ["max_steps"])
+
+
+def test_argmax_label_weight_is_a_weight_on_the_target_labels():
+    config = load_run_config(CONFIGS / "eagle_stories260k.yaml", ["loss.argmax_label_weight=0.5"])
+    assert config.loss.argmax_label_weight == 0.5
+    with pytest.raises(ValueError, match=r"loss\.argmax_label_weight=1\.5.*\[0, 1\]"):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", ["loss.argmax_label_weight=1.5"])
+    with pytest.raises(ValueError, match="needs loss.labels='target', got 'tokens'"):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", ["loss.argmax_label_weight=0.5", "loss.labels=tokens"])

@@ -24,7 +24,7 @@ from specheads.training.losses import (
     medusa_rows,
     uniform_noise,
 )
-from specheads.training.target_labels import target_labels
+from specheads.training.target_labels import mix_in_argmax, target_labels
 
 
 def _batch(target_and_tokenizer):
@@ -143,6 +143,43 @@ def test_target_labels_reject_a_mismatched_batch_or_vocabulary(target_and_tokeni
     tokens_only = target_labels(logits, loss_mask, heads.d2t, with_probs=False)
     with pytest.raises(ValueError, match="over None tokens"):
         eagle3_loss(heads, features, tokens_only, ids, mask, loss_mask, LossSection(ttt_steps=1))
+
+
+def test_argmax_label_weight_mixes_a_one_hot_on_the_target_argmax(target_and_tokenizer):
+    """loss.argmax_label_weight w: labels (1 - w) p + w onehot(argmax) inside the label vocabulary (rows whose argmax
+    is outside keep p), so the soft cross-entropy is (1 - w) CE(p) + w CE(argmax) there; w = 0 changes nothing."""
+    target, ids, mask, loss_mask = _batch(target_and_tokenizer)
+    heads = create_heads(target, "eagle3", draft_vocab_size=64)
+    features, logits = online_features(target, ids, mask, heads.select_features)
+    # a draft vocabulary holding some of the target's argmaxes at the labelled positions, not all
+    top1 = target_labels(logits, loss_mask).top1.unique()
+    others = torch.tensor([i for i in range(512) if i not in set(top1.tolist())])
+    heads.d2t.copy_(torch.cat([top1[::2], others[: 64 - top1[::2].numel()]]).sort().values)
+    torch.manual_seed(0)
+    with torch.no_grad():  # confident draft logits, so that what the labels weigh matters
+        for parameter in heads.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    labels = target_labels(logits, loss_mask, heads.d2t)
+    inside = torch.isin(labels.top1, heads.d2t)
+    assert inside.any() and (~inside).any()  # the test has teeth: both kinds of rows occur
+    mixed = mix_in_argmax(labels, heads.d2t, 0.25)
+    ids_in_draft = torch.searchsorted(heads.d2t, labels.top1[inside])
+    expected = labels.probs.clone()
+    expected[inside] *= 0.75
+    expected[inside.nonzero()[:, 0], ids_in_draft] += 0.25
+    torch.testing.assert_close(mixed.probs, expected)
+    torch.testing.assert_close(mixed.probs.sum(-1), torch.ones(mixed.probs.shape[0]))
+    assert mix_in_argmax(labels, heads.d2t, 0.0) is labels
+    full = mix_in_argmax(target_labels(logits, loss_mask), None, 1.0)  # the whole vocabulary: pure one-hot labels
+    assert torch.equal(full.probs.argmax(-1), full.top1) and torch.equal(full.probs.amax(-1), torch.ones(full.top1.numel()))
+    # through the loss: step 0 of EAGLE-3 is the mixture of the two cross-entropies on rows whose argmax is drafted
+    with torch.no_grad():
+        soft, hard, half = (
+            eagle3_loss(heads, features, logits, ids, mask, loss_mask, LossSection(ttt_steps=1, argmax_label_weight=w))
+            for w in (0.0, 1.0, 0.5)
+        )
+    assert float(half.loss) == pytest.approx((float(soft.loss) + float(hard.loss)) / 2, rel=1e-5)
+    assert float(hard.loss) != pytest.approx(float(soft.loss), rel=1e-3)
 
 
 def test_online_stored_features_are_the_dump_layout_without_dense_logits(target_and_tokenizer):
