@@ -69,13 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphed-prefill", choices=["on", "off"], default="off",
                    help="fast path: prompts padded to a multiple of 64 tokens, one CUDA graph per padded length, for "
                    "the speculative path and our plain decoding alike (off: eager prompt forwards; not yet measured)")
-    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="default",
+    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'onednn' runs the target's and heads' linear layers on oneDNN (faster few-row "
-                   "products); the plain `generate` baseline then uses them too. 'auto': onednn for a float32 CPU "
-                   "target, else default")
-    p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="default",
+                   "products); the plain `generate` baseline then uses them too. 'auto' (default): onednn for a float32 "
+                   "CPU target with layers at least 256 wide (narrower ones are faster on the default kernels)")
+    p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'int8' runs the heads' linear layers in int8 (cheaper drafting; the target stays "
-                   "float32, so outputs are unchanged and only acceptance can move). 'auto': int8 for float32 CPU heads")
+                   "float32, so outputs are unchanged and only acceptance can move). 'auto' (default): int8 for float32 "
+                   "CPU heads with layers at least 256 wide")
     p.add_argument("--cpu-attention", choices=CPU_ATTENTION_CHOICES, default="auto",
                    help="CPU: 'gqa' hands grouped keys/values to SDPA without copying them in tree forwards (same "
                    "output; plain decoding is unaffected). 'auto' (default): gqa for a CPU target with grouped key/value heads")

@@ -29,12 +29,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                       help="apply the tokenizer's chat template to the prompt (default: when the tokenizer has one)")
     chat.add_argument("--no-chat", dest="chat", action="store_const", const=False,
                       help="feed the prompt as plain text even if the tokenizer has a chat template")
-    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="default",
+    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some "
-                   "CPUs); 'auto': onednn for a float32 CPU target, else default")
-    p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="default",
+                   "CPUs); 'auto' (default): onednn for a float32 CPU target with layers at least 256 wide, else default")
+    p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'int8' runs the heads' linear layers in int8 (cheaper drafting, same output); "
-                   "'auto': int8 for float32 CPU heads, else default")
+                   "'auto' (default): int8 for float32 CPU heads with layers at least 256 wide, else default")
     p.add_argument("--cpu-attention", choices=CPU_ATTENTION_CHOICES, default="auto",
                    help="CPU: 'gqa' hands grouped keys/values to SDPA without copying them in tree forwards (same "
                    "output); 'auto' (default): gqa for a CPU target with grouped key/value heads, else default")
