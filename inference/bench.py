@@ -72,11 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'onednn' runs the target's and heads' linear layers on oneDNN (faster few-row "
                    "products); the plain `generate` baseline then uses them too. 'auto' (default): onednn for a float32 "
-                   "CPU target with layers at least 256 wide (narrower ones are faster on the default kernels)")
+                   "CPU target whose linear layers hold >= 1M weights (smaller ones are faster on the default kernels)")
     p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'int8' runs the heads' linear layers in int8 (cheaper drafting; the target stays "
                    "float32, so outputs are unchanged and only acceptance can move). 'auto' (default): int8 for float32 "
-                   "CPU heads with layers at least 256 wide")
+                   "CPU heads whose linear layers hold >= 1M weights")
     p.add_argument("--cpu-attention", choices=CPU_ATTENTION_CHOICES, default="auto",
                    help="CPU: 'gqa' hands grouped keys/values to SDPA without copying them in tree forwards (same "
                    "output; plain decoding is unaffected). 'auto' (default): gqa for a CPU target with grouped key/value heads")

@@ -24,7 +24,7 @@ import warnings
 import torch
 from torch import nn
 
-from specheads.inference.linear_swap import is_float32_on_cpu, replace_linears, wide_enough_for_cpu_kernels
+from specheads.inference.linear_swap import is_float32_on_cpu, large_enough_for_cpu_kernels, replace_linears
 from specheads.inference.onednn import OneDNNLinear
 
 DRAFT_LINEAR_CHOICES = ("default", "int8", "auto")  # the CLI's --draft-linear
@@ -105,10 +105,10 @@ def use_int8_linears(module: nn.Module, keep: tuple[str, ...] = ()) -> int:
 
 def wants_int8_drafting(choice: str, heads: nn.Module) -> bool:
     """Whether `--draft-linear CHOICE` means int8 draft heads: 'int8' yes, 'default' no, 'auto' when the heads
-    run in float32 on the CPU, their layers are wide enough to gain (`wide_enough_for_cpu_kernels`) and PyTorch
+    run in float32 on the CPU, their linear layers are large enough to gain (`large_enough_for_cpu_kernels`) and PyTorch
     has a quantized engine (so one command runs on a GPU machine and on a tiny model too)."""
     if choice not in DRAFT_LINEAR_CHOICES:
         raise ValueError(f"--draft-linear {choice!r}; expected one of {DRAFT_LINEAR_CHOICES}")
     if choice != "auto":
         return choice == "int8"
-    return is_float32_on_cpu(heads) and wide_enough_for_cpu_kernels(heads) and int8_engine() is not None
+    return is_float32_on_cpu(heads) and large_enough_for_cpu_kernels(heads) and int8_engine() is not None

@@ -7,11 +7,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-# 'auto' swaps a model's layers only when they are this wide (the median input width of its linear layers). Below
-# it PyTorch's default small-matrix products are faster than oneDNN's prepacked or FBGEMM's int8 ones: on the
-# 2-core AMD EPYC of the README, an h -> 3h layer at 1 / 9 rows took 4.7 / 8.2 us by default against 15.9 / 15.9
-# (oneDNN) and 14.2 / 14.6 (int8) at h = 64, and 58 / 252 us against 42 / 61 and 19 / 29 at h = 576 (session 23).
-AUTO_MIN_IN_FEATURES = 256
+# 'auto' swaps a model's layers only when they hold this many weights (4 MiB of float32): below it the products are
+# bound by per-call overhead and PyTorch's default kernels, cheaper to call, are faster than oneDNN's prepacked or
+# FBGEMM's int8 ones. Session 23, 2-core AMD EPYC of the README: stories260K (0.26M linear weights; its EAGLE heads
+# 0.05M) ran slower swapped (speculative 781 against 958 tokens/s on oneDNN, 844 with int8 heads); a random 12-layer
+# Llama 128 wide with SmolLM2's 49,152-token vocabulary (7M, most in its lm_head) ran plain `generate` at 176-184
+# against 137-140 tokens/s on oneDNN; SmolLM2 (134M; heads 4-10M) gains from both.
+AUTO_MIN_LINEAR_WEIGHTS = 2**20
 
 
 def is_float32_on_cpu(module: nn.Module) -> bool:
@@ -22,15 +24,15 @@ def is_float32_on_cpu(module: nn.Module) -> bool:
     return tensor is not None and tensor.device.type == "cpu" and tensor.dtype == torch.float32
 
 
-def typical_in_features(module: nn.Module) -> int:
-    """The median input width of `module`'s `nn.Linear` layers (0 without any)."""
-    widths = sorted(child.in_features for child in module.modules() if isinstance(child, nn.Linear))
-    return widths[len(widths) // 2] if widths else 0
+def linear_weights(module: nn.Module) -> int:
+    """How many weights `module`'s `nn.Linear` layers hold in all."""
+    return sum(child.weight.numel() for child in module.modules() if isinstance(child, nn.Linear))
 
 
-def wide_enough_for_cpu_kernels(module: nn.Module) -> bool:
-    """Whether 'auto' should give `module` the swapped CPU kernels: its layers are `AUTO_MIN_IN_FEATURES` wide."""
-    return typical_in_features(module) >= AUTO_MIN_IN_FEATURES
+def large_enough_for_cpu_kernels(module: nn.Module) -> bool:
+    """Whether 'auto' should give `module` the swapped CPU kernels: its linear layers hold at least
+    `AUTO_MIN_LINEAR_WEIGHTS` weights."""
+    return linear_weights(module) >= AUTO_MIN_LINEAR_WEIGHTS
 
 
 def replace_linears(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specheads.inference.linear_swap import is_float32_on_cpu, replace_linears, wide_enough_for_cpu_kernels
+from specheads.inference.linear_swap import is_float32_on_cpu, large_enough_for_cpu_kernels, replace_linears
 
 
 def has_prepacked_linear() -> bool:
@@ -74,10 +74,10 @@ CPU_LINEAR_CHOICES = ("default", "onednn", "auto")  # the CLI's --cpu-linear
 
 def wants_onednn(choice: str, target: nn.Module) -> bool:
     """Whether `--cpu-linear CHOICE` means oneDNN layers for `target`: 'onednn' yes, 'default' no, 'auto' for a
-    float32 CPU target whose layers are wide enough to gain (`wide_enough_for_cpu_kernels`: SmolLM2 yes,
-    stories260K no) when PyTorch has oneDNN (so one command runs on a GPU machine and on a tiny model too)."""
+    float32 CPU target whose linear layers are large enough to gain (`large_enough_for_cpu_kernels`:
+    SmolLM2 yes, stories260K no) when PyTorch has oneDNN (so one command runs on a GPU machine and on a tiny model too)."""
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"--cpu-linear {choice!r}; expected one of {CPU_LINEAR_CHOICES}")
     if choice != "auto":
         return choice == "onednn"
-    return is_float32_on_cpu(target) and torch.backends.mkldnn.is_available() and wide_enough_for_cpu_kernels(target)
+    return is_float32_on_cpu(target) and torch.backends.mkldnn.is_available() and large_enough_for_cpu_kernels(target)

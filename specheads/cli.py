@@ -31,10 +31,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                       help="feed the prompt as plain text even if the tokenizer has a chat template")
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some "
-                   "CPUs); 'auto' (default): onednn for a float32 CPU target with layers at least 256 wide, else default")
+                   "CPUs); 'auto' (default): onednn for a float32 CPU target whose linear layers hold >= 1M weights, else default")
     p.add_argument("--draft-linear", choices=DRAFT_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'int8' runs the heads' linear layers in int8 (cheaper drafting, same output); "
-                   "'auto' (default): int8 for float32 CPU heads with layers at least 256 wide, else default")
+                   "'auto' (default): int8 for float32 CPU heads whose linear layers hold >= 1M weights, else default")
     p.add_argument("--cpu-attention", choices=CPU_ATTENTION_CHOICES, default="auto",
                    help="CPU: 'gqa' hands grouped keys/values to SDPA without copying them in tree forwards (same "
                    "output); 'auto' (default): gqa for a CPU target with grouped key/value heads, else default")

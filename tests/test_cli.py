@@ -59,7 +59,7 @@ def test_generate_streams_text_and_prints_tau(stories260k_eagle_dir, capfd, stor
     assert 1.0 <= tau <= 1 + 6  # at least the target's own token per forward, at most tree depth + 1
     assert "tokens/s" in err
     argmax = "bf16" if wants_certified_argmax("auto", stories260k[0]) else "default"  # needs oneDNN bf16 products
-    # the kernels `auto` (every default) chose: stories260K's 64-wide layers keep the default linear kernels
+    # the kernels `auto` (every default) chose: stories260K's small layers keep the default linear kernels
     assert f"(cpu_linear=default, draft_linear=default, cpu_attention=gqa, cpu_argmax={argmax})" in err
 
 

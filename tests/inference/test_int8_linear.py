@@ -12,6 +12,7 @@ from torch import nn
 from specheads import SpeculativeLM
 from specheads.inference.certified_argmax import wants_certified_argmax
 from specheads.inference.int8_linear import Int8Linear, int8_engine, use_int8_linears, wants_int8_drafting
+from specheads.inference.linear_swap import AUTO_MIN_LINEAR_WEIGHTS, linear_weights
 from specheads.inference.onednn import OneDNNLinear
 
 from .conftest import TINY_PROMPT, hf_greedy, load_sampling_harness, make_heads, speculative_on_a_copy
@@ -119,10 +120,11 @@ def test_bad_layers_and_orders_are_refused(tiny_llama):
         lm.use_cpu_kernels("default", "int4")
 
 
-def test_draft_linear_auto_means_int8_only_for_wide_float32_cpu_heads(tiny_llama, tiny_target_factory):
-    heads = make_heads(tiny_target_factory("llama", hidden_size=256, intermediate_size=512), "eagle3")
-    narrow = make_heads(tiny_llama, "eagle3")
-    assert wants_int8_drafting("auto", heads) and wants_int8_drafting("int8", narrow)
-    assert not wants_int8_drafting("auto", narrow)  # 64 wide: the default kernels are faster
+def test_draft_linear_auto_means_int8_only_for_large_float32_cpu_heads(tiny_llama, tiny_target_factory):
+    heads = make_heads(tiny_target_factory("llama", hidden_size=256, intermediate_size=1024), "eagle3")
+    small = make_heads(tiny_llama, "eagle3")
+    assert linear_weights(heads) >= AUTO_MIN_LINEAR_WEIGHTS > linear_weights(small)
+    assert wants_int8_drafting("auto", heads) and wants_int8_drafting("int8", small)
+    assert not wants_int8_drafting("auto", small)  # small layers: the default kernels are faster
     assert not wants_int8_drafting("auto", copy.deepcopy(heads).to(torch.bfloat16))
     assert not wants_int8_drafting("default", heads)

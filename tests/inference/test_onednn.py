@@ -11,7 +11,7 @@ from torch import nn
 
 from specheads import create_heads
 from specheads.inference.bench import bench_main
-from specheads.inference.linear_swap import typical_in_features
+from specheads.inference.linear_swap import AUTO_MIN_LINEAR_WEIGHTS, linear_weights
 from specheads.inference.onednn import OneDNNLinear, use_onednn_linears, wants_onednn
 
 from .conftest import TINY_PROMPT, hf_greedy, speculative_on_a_copy
@@ -64,7 +64,7 @@ def test_layers_that_are_not_float32_cpu_are_refused(tiny_llama):
 @pytest.mark.parametrize(("cpu_linear", "draft_linear"), [("onednn", "default"), ("onednn", "int8"), ("auto", "auto")])
 def test_bench_cpu_kernels(tmp_path, cpu_linear, draft_linear):
     """`--cpu-linear` / `--draft-linear` (int8 heads: inference/int8_linear.py) reach the run and its JSON; 'auto' (the
-    default) leaves stories260K's 64-wide layers on the default kernels, which are faster at that width."""
+    default) leaves stories260K's small layers on the default kernels, which are faster at that size."""
     from specheads import load_target
 
     target, _ = load_target("stories260K")
@@ -85,11 +85,11 @@ def test_bench_cpu_kernels(tmp_path, cpu_linear, draft_linear):
     assert environment["cpu_attention"] == "gqa"  # --cpu-attention auto (the default): stories260K has 8 / 4 heads
 
 
-def test_cpu_linear_auto_means_onednn_only_for_wide_float32_cpu_targets(tiny_llama, tiny_target_factory):
+def test_cpu_linear_auto_means_onednn_only_for_large_float32_cpu_targets(tiny_llama, tiny_target_factory):
     wide = tiny_target_factory("llama", hidden_size=256, intermediate_size=512)
-    assert typical_in_features(wide) == 256 and typical_in_features(tiny_llama) == 64
+    assert linear_weights(wide) >= AUTO_MIN_LINEAR_WEIGHTS > linear_weights(tiny_llama)
     assert wants_onednn("auto", wide) and wants_onednn("onednn", tiny_llama)
-    assert not wants_onednn("auto", tiny_llama)  # 64 wide: the default kernels are faster
+    assert not wants_onednn("auto", tiny_llama)  # small layers: the default kernels are faster
     assert not wants_onednn("auto", copy.deepcopy(wide).to(torch.bfloat16))
     assert not wants_onednn("default", wide)
     with pytest.raises(ValueError, match=r"--cpu-linear 'mkl'; expected one of \('default', 'onednn', 'auto'\)"):
