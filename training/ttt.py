@@ -99,12 +99,11 @@ def unroll_ttt(
     cache = DynamicCache()
     outputs = []
     block_mask = ttt_attention_mask(key_padding, 0, features.dtype) if chain else None  # (B, 1, n, n)
+    chain_kwargs = {"ttt_chain": True} if chain else {}  # what routes the attention function to the chain
     for step in range(steps):
         tokens = shift_left(input_ids, 1 + step, n, fill=0)  # (B, n): x_{t+1+step}
-        if chain:
-            hidden = heads(hidden, tokens, base_positions + step, block_mask, cache, ttt_chain=True)  # (B, n, h)
-        else:
-            mask = ttt_attention_mask(key_padding, step, features.dtype)  # (B, 1, n, (step+1)*n)
-            hidden = heads(hidden, tokens, base_positions + step, mask, cache)  # (B, n, h)
+        # chain: the step-0 block's mask for every step; dense: (B, 1, n, (step+1)*n)
+        mask = block_mask if chain else ttt_attention_mask(key_padding, step, features.dtype)
+        hidden = heads(hidden, tokens, base_positions + step, mask, cache, **chain_kwargs)  # (B, n, h)
         outputs.append(hidden)
     return outputs
