@@ -87,7 +87,8 @@ def check_heads_match_target(
         )
     if config.head_type in ("eagle", "eagle3") and config.target_model_type != target_config.model_type:
         raise ValueError(
-            f"EAGLE heads hold a {config.target_model_type!r} decoder layer but the target is "
+            f"heads and target do not match: these EAGLE heads were trained on a target of "
+            f"model_type={config.target_model_type!r} ({config.target_name_or_path!r}) but the target is "
             f"model_type={target_config.model_type!r}"
         )
     if target_embedding is not None and config.target_embedding_sample:

@@ -19,14 +19,15 @@ FIELD_HELP: dict[str, str] = {
     "specheads_version": "The specheads version that wrote the checkpoint.",
     "target_name_or_path": "Path or Hub id of the target model the heads were built for.",
     "target_architectures": "The target's `architectures` (e.g. ['LlamaForCausalLM']).",
-    "target_model_type": "The target's `model_type` (e.g. 'llama'); selects the decoder layer class.",
+    "target_model_type": "The target's `model_type` (e.g. 'llama'); heads are refused on a target of another one.",
     "hidden_size": "The target's hidden size; the heads read and predict features of this width.",
     "vocab_size": "The target's vocabulary size; drafts are token ids below it.",
     "feature_layers": "Indices into the target's `hidden_states` tuple that the heads read "
     "(num_hidden_layers = the final, post-norm state).",
     "num_heads": "Medusa: number of heads, i.e. tokens drafted ahead in one shot (t+2 .. t+K+1).",
     "num_layers": "Medusa: residual SiLU blocks per head.",
-    "draft_layer_config": "EAGLE: the target family's config (as a dict) for the one decoder layer the head owns.",
+    "draft_layer_config": "EAGLE: the config (as a dict) of the one decoder layer the head owns; its `model_type` "
+    "picks the layer class (the target's family when that layer has Llama's shape, else 'llama').",
     "eagle_input_norm": "EAGLE: keep the decoder layer's input RMSNorm (original EAGLE-1/2 drops it on its one layer).",
     "eagle_draft_vocab_size": "EAGLE: draft over only this many target tokens (the most frequent in the training "
     "data; the d2t buffer lists them) through those rows of the target's lm_head: cheaper drafting, same exact "
@@ -183,7 +184,7 @@ class HeadsConfig(PretrainedConfig):
                 f"weight, {', '.join(lists)} (lists of one length) ({FIELD_HELP['target_adapter_sample']})"
             )
         if self.head_type in ("eagle", "eagle3") and not self.draft_layer_config:
-            raise ValueError("HeadsConfig.draft_layer_config is empty; EAGLE heads need the target family's layer config")
+            raise ValueError("HeadsConfig.draft_layer_config is empty; EAGLE heads need their decoder layer's config")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(
                 f"HeadsConfig.draft_vocab_size={self.draft_vocab_size} is larger than vocab_size={self.vocab_size}; "

@@ -1,13 +1,15 @@
-"""EAGLE (1/2) head: fc(concat(embed(x_{t+1}), f_t)) -> one decoder layer of the target's family -> f_{t+1}."""
+"""EAGLE (1/2) head: fc(concat(embed(x_{t+1}), f_t)) -> one decoder layer (the target's family, else Llama) -> f_{t+1}."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
+from transformers.activations import ACT2FN
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 from specheads.heads.base import DraftHeads
@@ -16,31 +18,106 @@ from specheads.heads.config import HeadsConfig
 
 
 def draft_layer_config_from_target(target_config: PretrainedConfig) -> dict[str, Any]:
-    """The target's config as a dict, cut down to the one decoder layer an EAGLE head owns."""
-    layer_config = target_config.get_text_config().to_dict()
+    """The config (as a dict) of the one decoder layer an EAGLE head owns: the target's family when its decoder
+    layer has the shape the heads drive (see `fits_draft_layer`), else a Llama layer of the target's sizes."""
+    target_config = target_config.get_text_config()
+    layer_config = target_config.to_dict()
     for key in ("architectures", "_name_or_path", "transformers_version", "auto_map", "quantization_config"):
         layer_config.pop(key, None)
     layer_config["num_hidden_layers"] = 1
     if layer_config.get("layer_types"):
         layer_config["layer_types"] = ["full_attention"]
-    return layer_config
+    try:
+        fits = fits_draft_layer(build_layer_config_from_dict(layer_config, target_config.model_type))
+    except (ValueError, TypeError, KeyError):  # a family transformers cannot rebuild from its own dict
+        fits = False
+    return layer_config if fits else llama_layer_config_for(target_config)
+
+
+def llama_layer_config_for(target_config: PretrainedConfig) -> dict[str, Any]:
+    """A Llama decoder layer config of the target's sizes, for targets whose own layer does not fit.
+
+    What SafeAILab EAGLE and vLLM speculators do for every target: the draft layer is trained from scratch, so
+    its family need not be the target's; only the widths (and the rotary base, when the target has one) carry over.
+    """
+    heads = target_config.num_attention_heads
+    hidden = target_config.hidden_size
+    intermediate = getattr(target_config, "intermediate_size", None) or getattr(target_config, "n_inner", None)
+    act = getattr(target_config, "hidden_act", None)
+    eps = next((getattr(target_config, k) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+                if isinstance(getattr(target_config, k, None), float)), 1e-6)
+    config = dict(
+        model_type="llama",
+        hidden_size=hidden,
+        intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
+        hidden_act=act if isinstance(act, str) and act in ACT2FN else "silu",
+        rms_norm_eps=eps,
+        max_position_embeddings=getattr(target_config, "max_position_embeddings", None) or 2048,
+        vocab_size=target_config.vocab_size,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope) if isinstance(rope, dict) else {}  # Gemma 3: one set per layer type
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    if isinstance(theta, (int, float)):
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
+    return config
+
+
+def fits_draft_layer(layer_config: PretrainedConfig) -> bool:
+    """Whether the family's decoder layer has the shape EAGLE heads drive.
+
+    That is Llama's: `self_attn` with q/k/v/o projections (EAGLE-3 widens q/k/v), `input_layernorm`, a dense
+    `mlp` (no experts), `post_attention_layernorm` and nothing else (no post-norms, no parallel blocks), a rotary
+    embedding called with (x, position_ids), and attention that SDPA can run (no logit soft-capping). The layer
+    is built on the meta device: no memory, whatever the target's size.
+    """
+    if getattr(layer_config, "attn_logit_softcapping", None):
+        return False
+    try:
+        layer_class, rotary_class = decoder_classes(layer_config)
+        with torch.device("meta"):
+            layer = layer_class(layer_config, layer_idx=0)
+    except (ValueError, TypeError, AttributeError):
+        return False
+    children = {name for name, _ in layer.named_children()}
+    attention = getattr(layer, "self_attn", None)
+    rotary_parameters = list(inspect.signature(rotary_class.forward).parameters)[1:]
+    return (
+        children == {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+        and all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        and not hasattr(layer.mlp, "experts")
+        and len(rotary_parameters) == 2
+    )
 
 
 def build_layer_config(config: HeadsConfig) -> PretrainedConfig:
-    """Rebuild the target-family config for the head's single decoder layer (layer_idx 0, SDPA attention)."""
-    kwargs = dict(config.draft_layer_config)
-    model_type = kwargs.pop("model_type", config.target_model_type)
+    """Rebuild the config of the head's single decoder layer (layer_idx 0, SDPA attention)."""
+    return build_layer_config_from_dict(config.draft_layer_config, config.target_model_type)
+
+
+def build_layer_config_from_dict(layer_config: dict[str, Any], default_model_type: str) -> PretrainedConfig:
+    """A one-layer config of the family `layer_config["model_type"]` (else `default_model_type`), SDPA attention."""
+    kwargs = dict(layer_config)
+    model_type = kwargs.pop("model_type", default_model_type)
     kwargs.update(num_hidden_layers=1, use_cache=True)
-    layer_config = AutoConfig.for_model(model_type, **kwargs)
-    layer_config._attn_implementation = "sdpa"
-    return layer_config
+    built = AutoConfig.for_model(model_type, **kwargs)
+    built._attn_implementation = "sdpa"
+    return built
 
 
 def decoder_classes(layer_config: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Module]]:
-    """The decoder layer and rotary embedding classes of the target's family (e.g. LlamaDecoderLayer).
+    """The decoder layer and rotary embedding classes of a family (e.g. LlamaDecoderLayer, LlamaRotaryEmbedding).
 
-    Found from the family's own modeling module through `_no_split_modules`, so any Llama-like family
-    (Llama, Qwen2, Mistral, ...) works without copying a modeling file.
+    Found from the family's own modeling module through `_no_split_modules`, so no modeling file is copied.
+
+    Raises:
+        ValueError: the family has no `...DecoderLayer` class with a matching `...RotaryEmbedding`.
     """
     base_model_class = MODEL_MAPPING.get(type(layer_config), None)
     if base_model_class is None or not getattr(base_model_class, "_no_split_modules", None):
@@ -48,7 +125,7 @@ def decoder_classes(layer_config: PretrainedConfig) -> tuple[type[nn.Module], ty
     module = importlib.import_module(base_model_class.__module__)
     layer_name = base_model_class._no_split_modules[0]
     rotary_name = layer_name.replace("DecoderLayer", "RotaryEmbedding")
-    if not hasattr(module, layer_name) or not hasattr(module, rotary_name):
+    if "DecoderLayer" not in layer_name or not hasattr(module, layer_name) or not hasattr(module, rotary_name):
         raise ValueError(
             f"EAGLE heads need {layer_name} and {rotary_name} in {module.__name__}; "
             f"target model_type={layer_config.model_type!r} is not a supported decoder-only family"

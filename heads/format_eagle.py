@@ -151,7 +151,7 @@ def read(folder: Path, allow_pickle: bool) -> ForeignHeads:
     fields = {
         "hidden_size": hidden_size,
         "vocab_size": vocab_size,
-        "target_model_type": model_type,
+        # the target's family comes from the target itself: the draft layer's may differ (a Llama layer serves any)
         "draft_layer_config": layer_config_from_foreign(config, model_type),
         "eagle_input_norm": INPUT_NORM in tensors,
     }

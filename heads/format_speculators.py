@@ -187,7 +187,7 @@ def read(folder: Path, allow_pickle: bool) -> ForeignHeads:
     fields: dict[str, Any] = {
         "hidden_size": hidden_size,
         "vocab_size": vocab_size,
-        "target_model_type": layer_type,
+        # the target's family comes from the target itself: the draft layer's may differ (a Llama layer serves any)
         "draft_layer_config": layer_config_from_foreign(layer_raw, layer_type),
         "eagle_input_norm": False,  # layernorms=false: the layer's input_layernorm is an Identity
     }

@@ -24,7 +24,8 @@ def create_heads(target: PreTrainedModel, head_type: str = "eagle", **options: A
     """Fresh, untrained heads sized for `target` and attached to it.
 
     Args:
-        target: the frozen target, any `AutoModelForCausalLM` (Llama-like families for EAGLE).
+        target: the frozen target, any decoder-only `AutoModelForCausalLM` (EAGLE heads own a decoder layer of its
+            family when that layer has Llama's shape, else a Llama layer of its sizes: `draft_layer_config_from_target`).
         head_type: one of `HEAD_TYPES`.
         **options: any `HeadsConfig` field (e.g. `num_heads=4` for Medusa, `tree_depth=6` for EAGLE).
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 
@@ -18,12 +18,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 # oversubscribe it badly (docs/NOTES.md): one thread keeps the suite fast and its timings stable.
 torch.set_num_threads(1)
 
-TINY_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
-TINY_FAMILIES = tuple(TINY_CONFIGS)
+TINY_FAMILIES = ("llama", "qwen2", "mistral")  # the Llama-shaped families most tests run on
+# Families whose decoder layers differ from Llama's (EAGLE heads then own a Llama layer: heads/eagle.py), or that
+# keep their own layer with something else different, each with what makes it differ; Gemma 2 / 3 get a sliding
+# window of 8 so that generation reaches past it.
+OTHER_FAMILIES = {
+    "qwen3": {},  # q/k norms inside attention: keeps its own layer
+    "gemma": {},  # (1 + w) RMSNorm, scaled embeddings: keeps its own layer
+    "gemma2": dict(head_dim=16, sliding_window=8),  # attention logit soft-capping (SDPA cannot), capped logits
+    "gemma3_text": dict(head_dim=16, sliding_window=8),  # rotary embeddings per layer type, 4 norms a layer
+    "phi3": {},  # fused qkv projection
+    "olmo2": {},  # post-norm layers
+    "cohere": {},  # parallel attention and MLP, scaled logits
+    "gpt_neox": {},  # parallel residual, partial rotary, no "DecoderLayer" class
+    "gpt2": {},  # learned absolute positions, Conv1D layers, no rotary embedding
+    "mixtral": {},  # mixture-of-experts MLP
+    "starcoder2": {},  # LayerNorm and an ungated MLP with biases: keeps its own layer
+}
 
 
 def build_tiny_target(family: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
-    """A random 2-layer target of `family` (hidden 64, vocab 97, no EOS), in eval mode with gradients off."""
+    """A random 2-layer target of `family` (a transformers model_type; hidden 64, vocab 97, no EOS), in eval mode
+    with gradients off."""
     fields = dict(
         hidden_size=64,
         intermediate_size=128,
@@ -36,9 +52,10 @@ def build_tiny_target(family: str = "llama", seed: int = 0, **overrides) -> PreT
         eos_token_id=None,  # no EOS by default: tests that want one pass eos_token_id
         pad_token_id=0,
     )
+    fields.update(OTHER_FAMILIES.get(family, {}))
     fields.update(overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[family](**fields))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))
     return model.eval().requires_grad_(False)
 
 

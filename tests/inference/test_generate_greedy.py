@@ -13,6 +13,7 @@ import torch
 from specheads import HEAD_TYPES, SpeculativeLM, create_heads
 from specheads.inference.tree import chain_tree
 
+from ..conftest import OTHER_FAMILIES
 from .conftest import TINY_PROMPT, hf_greedy, make_heads
 
 
@@ -138,7 +139,7 @@ def test_oracle_drafts_exercise_every_acceptance_depth(target_and_prompt, greedy
     assert stats["accepted_per_depth"][0] > 0.5
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", *OTHER_FAMILIES])
 def test_oracle_output_equals_hf_generate(tiny_target_factory, greedy_reference, oracle_drafter, family):
     """With the oracle drafter, the speculative output also equals transformers' own greedy generate."""
     target = tiny_target_factory(family)
