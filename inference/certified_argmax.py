@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 
 from specheads.heads.cache_keyword import declared_parameters
 from specheads.inference.onednn import OneDNNLinear, has_prepacked_linear
+from specheads.targets import logit_transforms
 
 FLOAT32_UNIT_ROUNDING = 2.0**-24
 # relative error of rounding a float32 accumulator to the bf16 output: 2^-9 to nearest (oneDNN), 2^-8 in any
@@ -179,6 +180,10 @@ def unsupported_reason(target: PreTrainedModel) -> str | None:
             + (" with a bias" if isinstance(head, torch.nn.Linear) else "")
             + (" (swap the CPU kernels after use_certified_argmax, not before)" if isinstance(head, OneDNNLinear) else "")
         )
+    transforms = logit_transforms(target)
+    if transforms:  # a capped or scaled logit can tie where the lm_head's product does not (and vice versa)
+        listed = ", ".join(f"{name}={value}" for name, value in transforms.items())
+        return f"needs logits that are lm_head(last hidden state); {type(target).__name__}'s config transforms them ({listed})"
     if head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
         return f"is for float32 CPU targets; the lm_head is {head.weight.dtype} on {head.weight.device}"
     if "logits_to_keep" not in declared_parameters(type(target).forward):

@@ -11,6 +11,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 ASSETS = Path(__file__).parent / "assets"
 ALIASES = {"stories260k": ASSETS / "stories260K"}
 SMOLLM2_ALIASES = ("smollm2-135m-instruct", "smollm2")
+# config fields of families whose logits are not plain lm_head(last hidden state) (Gemma 2's soft-capping,
+# Cohere's and Granite's scaling): training labels and the certified argmax must not assume they are
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def logit_transforms(target: PreTrainedModel) -> dict[str, float]:
+    """{config field: value} of the target's transforms of its logits after the lm_head; empty when there are none."""
+    config = target.config.get_text_config()
+    return {name: getattr(config, name) for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)}
 
 
 def resolve_target_path(name_or_path: str | os.PathLike) -> str:

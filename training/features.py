@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from specheads.heads.cache_keyword import declared_parameters
+from specheads.targets import logit_transforms
 from specheads.training.data import collate
 from specheads.training.preflight import check_free_disk, check_writable_dir
 from specheads.training.target_labels import TargetLabels, labelled_positions, labels_at
@@ -68,16 +69,10 @@ def online_features(
     return select(out.hidden_states), out.logits
 
 
-# config fields of families whose logits are not plain lm_head(last hidden state) (Gemma 2's soft-capping,
-# Cohere's and Granite's scaling): their labels must come from the forward's own logits
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
 def logits_are_lm_head_of_final_state(target: PreTrainedModel) -> bool:
     """Whether the target's config scales or caps no logits (offline features rely on it: their labels are
-    lm_head(final state))."""
-    config = target.config.get_text_config()
-    return all(getattr(config, name, None) in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
+    lm_head(final state); otherwise they must come from the forward's own logits)."""
+    return not logit_transforms(target)
 
 
 def can_skip_logits(target: PreTrainedModel) -> bool:

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from specheads import create_heads, load_heads, load_target
 from specheads.heads.base import DraftHeads
+from specheads.targets import logit_transforms
 from specheads.training.chain_attention import use_ttt_chain_attention, wants_ttt_chain_attention
 from specheads.training.config import RunConfig, config_to_dict, load_run_config
 from specheads.training.data import BatchOrder, build_dataset, collate, micro_batches_for_process
@@ -41,7 +42,6 @@ from specheads.training.draft_vocab import (
 )
 from specheads.training.evaluate import evaluate, split_eval_indices
 from specheads.training.features import (
-    LOGIT_TRANSFORMS,
     OfflineFeatures,
     can_skip_logits,
     collate_offline,
@@ -382,9 +382,10 @@ def train(config: RunConfig) -> dict[str, Any]:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if config.feature_mode == "offline":
         if not logits_are_lm_head_of_final_state(target):
+            transforms = ", ".join(f"{name}={value}" for name, value in logit_transforms(target).items())
             raise ValueError(
                 f"feature_mode=offline makes the labels as lm_head(final state), but {config.target}'s config scales "
-                f"or caps its logits ({', '.join(LOGIT_TRANSFORMS)}): train with feature_mode=online"
+                f"or caps its logits ({transforms}): train with feature_mode=online"
             )
         examples: Any = OfflineFeatures(config.data.features_dir)
         lengths, make_batch = examples.lengths(), collate_offline

@@ -152,6 +152,18 @@ def test_batched_greedy_through_it_equals_each_row_alone(tiny_target_factory, he
         assert torch.equal(out[i, ids.shape[1] :], alone[0, len(prompt) :]), f"row {i}"
 
 
+@pytest.mark.parametrize(("family", "transform"), [("gemma2", "final_logit_softcapping=30.0"),
+                                                   ("cohere", "logit_scale=0.0625")])
+def test_targets_whose_config_caps_or_scales_logits_are_refused(tiny_target_factory, family, transform):
+    """Refused from the config, not only by the numeric probe: a tiny model's logits are so small that Gemma 2's
+    soft-capping (30 tanh(x / 30)) stays within the probe's tolerance, while on a real model a capped logit can tie
+    where the lm_head's product does not."""
+    target = tiny_target_factory(family)
+    assert not wants_certified_argmax("auto", target)
+    with pytest.raises(ValueError, match=rf"config transforms them \({transform}\)"):
+        certified_argmax_for(target)
+
+
 def test_targets_it_cannot_serve_are_refused_and_auto_leaves_them(tiny_llama, monkeypatch):
     scaled = copy.deepcopy(tiny_llama)
     scaled.lm_head.register_forward_hook(lambda module, args, out: out * 0.5 + 1.0)  # logits not lm_head(hidden) alone
