@@ -85,9 +85,9 @@ class JointSection:
     lora_r: int = 8  # LoRA rank
     lora_alpha: float = 16.0  # LoRA scale is lora_alpha / lora_r
     lora_dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )  # names of the target's Linear modules that get an adapter
+    # names of the target's linear modules that get an adapter, or "all-linear" (peft: every linear layer but the
+    # output layer, whatever the family calls them; on Llama the same seven as q/k/v/o/gate/up/down_proj)
+    target_modules: list[str] | str = "all-linear"
     lm_loss_weight: float = 1.0  # weight of the target's own LM loss (keeps the adapted target's quality)
     head_lr_multiplier: float = 4.0  # heads learn at optim.learning_rate * this; the adapter at optim.learning_rate
 
@@ -113,7 +113,12 @@ class JointSection:
                 f"{self.lm_loss_weight} (expected >= 0) is invalid"
             )
         if not self.target_modules:
-            raise ValueError("joint.target_modules is empty; expected module names such as [q_proj, v_proj]")
+            raise ValueError("joint.target_modules is empty; expected module names such as [q_proj, v_proj], or all-linear")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            raise ValueError(
+                f"joint.target_modules={self.target_modules!r}; expected a list of module names such as [q_proj, v_proj], "
+                "or all-linear"
+            )
 
 
 @dataclass

@@ -27,11 +27,14 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
 from specheads.heads.adapter import ADAPTER_DIRNAME, adapter_fingerprint, merged_weight
 from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.training.config import JointSection, RunConfig
 from specheads.training.losses import LossOutput, masked_mean, medusa_loss
+
+LINEAR_TYPES = (nn.Linear, Conv1D)  # the layers a LoRA adapter can sit on (GPT-2's are Conv1D)
 
 
 def wrap_target_with_lora(target: PreTrainedModel, joint: JointSection) -> Any:
@@ -48,20 +51,20 @@ def wrap_target_with_lora(target: PreTrainedModel, joint: JointSection) -> Any:
         r=joint.lora_r,
         lora_alpha=joint.lora_alpha,
         lora_dropout=joint.lora_dropout,
-        target_modules=list(joint.target_modules),
+        target_modules=joint.target_modules if isinstance(joint.target_modules, str) else list(joint.target_modules),
         bias="none",
     )
     try:
         peft_target = get_peft_model(target, config)
     except ValueError as err:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in target.named_modules() if isinstance(m, nn.Linear)})
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in target.named_modules() if isinstance(m, LINEAR_TYPES)})
         raise ValueError(
-            f"joint.target_modules={list(joint.target_modules)} do not name modules of target "
+            f"joint.target_modules={joint.target_modules} do not name modules of target "
             f"{target.config.name_or_path!r}; its Linear modules are named {linear} ({err})"
         ) from err
     if tied and isinstance(peft_target.get_input_embeddings(), LoraLayer):
         raise ValueError(
-            f"joint.target_modules={list(joint.target_modules)} puts an adapter on the input embedding of "
+            f"joint.target_modules={joint.target_modules} puts an adapter on the input embedding of "
             f"{target.config.name_or_path!r}, whose lm_head shares that weight: merging it would change the lm_head "
             "too; leave the embedding out of target_modules"
         )

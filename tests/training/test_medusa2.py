@@ -133,6 +133,7 @@ def test_joint_stop_then_resume_is_exact(tmp_path, stories_file):
         (["feature_mode=offline", "data.features_dir=features"], "needs feature_mode=online"),
         (["joint.lora_r=0"], "joint.lora_r=0"),
         (["joint.target_modules=[]"], "joint.target_modules is empty"),
+        (["joint.target_modules=all"], "joint.target_modules='all'; expected a list of module names"),
     ],
 )
 def test_invalid_joint_configs_are_errors(extra, message):
@@ -211,11 +212,16 @@ def test_heads_from_the_hub_cache_bring_their_adapter(joint_run, offline_hub_cac
     assert torch.equal(lm.generate(ids, max_new_tokens=24), adapted.generate(ids, max_new_tokens=24, do_sample=False))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_fingerprints_follow_the_merged_target(family, tmp_path):
-    """An adapter on an untied embedding too: saved fingerprints match what apply_target_adapter builds."""
+@pytest.mark.parametrize(
+    ("family", "modules"),
+    [("llama", "[q_proj,down_proj,embed_tokens]"), ("qwen2", "[q_proj,down_proj,embed_tokens]"),
+     ("phi3", "all-linear"), ("gpt2", "all-linear"), ("gpt_neox", "all-linear")],  # fused qkv; Conv1D; no *_proj
+)
+def test_fingerprints_follow_the_merged_target(family, modules, tmp_path):
+    """An adapter on an untied embedding too, or on every linear layer whatever the family names them: saved
+    fingerprints match what apply_target_adapter builds."""
     target = build_tiny_target(family)
-    config = load_run_config(RECIPE, ["joint.target_modules=[q_proj,down_proj,embed_tokens]"])
+    config = load_run_config(RECIPE, [f"joint.target_modules={modules}"])
     torch.manual_seed(0)
     model = JointMedusa(target, create_heads(target, "medusa", num_heads=2), config.joint)
     with torch.no_grad():  # a trained adapter: lora_B is no longer zero
@@ -226,6 +232,7 @@ def test_fingerprints_follow_the_merged_target(family, tmp_path):
     adapted = apply_target_adapter(build_tiny_target(family), tmp_path)
     assert load_heads(tmp_path, target=adapted).config.target_adapter == ADAPTER_DIRNAME
     ids = torch.tensor([[1, 5, 9, 33, 7]])
+    model.eval()  # GPT-2 and GPT-NeoX have dropout of their own
     with torch.no_grad():
         torch.testing.assert_close(adapted(ids).logits, model.target(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="un-adapted.*apply_target_adapter"):
