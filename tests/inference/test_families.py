@@ -17,7 +17,7 @@ from specheads import HEAD_TYPES, SpeculativeLM, create_heads, load_heads
 from specheads.heads.eagle import draft_layer_config_from_target
 
 from ..conftest import OTHER_FAMILIES
-from .conftest import hf_greedy, make_heads
+from .conftest import hf_greedy, left_pad, make_heads
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "train"
 OWN_LAYER = {"llama", "qwen2", "mistral", "qwen3", "gemma", "starcoder2"}  # Llama-shaped decoder layers
@@ -122,3 +122,18 @@ def test_heads_with_a_llama_layer_survive_foreign_formats(tiny_target_factory, t
     assert back.config.target_model_type == "phi3" and type(back.layer).__name__ == "LlamaDecoderLayer"
     original = heads.state_dict()
     assert all(torch.equal(original[name], tensor) for name, tensor in back.state_dict().items())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "phi3", "cohere"])
+def test_left_padded_batches_on_other_families(tiny_target_factory, family):
+    """Batched verification of left-padded rows (GPT-2's learned positions count from each row's first token):
+    every row equals its own greedy decode alone."""
+    target = tiny_target_factory(family)
+    prompts = [[3, 14, 15, 92, 65, 35], [27, 18], [4, 40, 41, 42]]
+    ids, mask = left_pad(prompts)
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    out = lm.generate(ids, attention_mask=mask, max_new_tokens=20, batched=True)
+    assert lm.last_stats["batched_forwards"] > 0
+    for i, prompt in enumerate(prompts):
+        alone = hf_greedy(target, torch.tensor([prompt]), 20)
+        assert torch.equal(out[i, ids.shape[1]:], alone[0, len(prompt):]), f"row {i}"
