@@ -25,6 +25,7 @@ from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
 from specheads.inference.sampling import SamplingParams, sample_token, target_probs
+from specheads.inference.target_support import check_tree_verification, context_limit
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
 from specheads.targets import load_target
@@ -84,6 +85,7 @@ class SpeculativeLM:
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
+        check_tree_verification(target)  # ALiBi, recurrent layers, ...: refused by name, never served inexactly
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
         self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob, tree_min_prob)
@@ -481,7 +483,7 @@ class SpeculativeLM:
         elif attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
         vocab = self.heads.config.vocab_size
-        context = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
+        context, limit_name = context_limit(self.target)
         device = self.target.device
         prompts = []
         for row, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
@@ -497,8 +499,8 @@ class SpeculativeLM:
                 raise ValueError(f"prompt {row} has token ids {bad.tolist()[:5]} outside the vocabulary [0, {vocab})")
             if context is not None and n + max_new_tokens > context:
                 raise ValueError(
-                    f"prompt {row} length {n} + max_new_tokens {max_new_tokens} = {n + max_new_tokens} exceeds the "
-                    f"target's context of {context} positions"
+                    f"prompt {row} length {n} + max_new_tokens {max_new_tokens} = {n + max_new_tokens} exceeds "
+                    f"{limit_name} of {context} positions"
                 )
             prompts.append(prompt.to(device))
         return prompts

@@ -137,3 +137,38 @@ def test_left_padded_batches_on_other_families(tiny_target_factory, family):
     for i, prompt in enumerate(prompts):
         alone = hf_greedy(target, torch.tensor([prompt]), 20)
         assert torch.equal(out[i, ids.shape[1]:], alone[0, len(prompt):]), f"row {i}"
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "reason"),
+    [
+        ("bloom", {}, "forward takes no position_ids"),  # ALiBi from the padding mask
+        ("mpt", {}, "forward takes no position_ids"),  # ALiBi from key indices: emitted other tokens before
+        ("falcon", {"alibi": True}, "uses ALiBi position biases"),
+        ("mamba", {}, "keeps a recurrent state"),
+        ("recurrent_gemma", {}, "keeps a recurrent state"),
+        ("minimax", {}, "has linear_attention layers"),
+    ],
+)
+def test_targets_that_cannot_verify_trees_are_refused(tiny_target_factory, family, overrides, reason):
+    """Refused by name when the heads meet them, never served with other tokens than the target's own."""
+    target = tiny_target_factory(family, **overrides)
+    heads = create_heads(target, "medusa")
+    with pytest.raises(ValueError, match=f"cannot be served with exact speculative decoding: .*{reason}"):
+        SpeculativeLM(target, heads)
+
+
+def test_falcon_with_rotary_positions_is_served(tiny_target_factory):
+    target = tiny_target_factory("falcon")  # alibi=False: rotary embeddings from position_ids
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    assert torch.equal(lm.generate(PROMPT, max_new_tokens=30), hf_greedy(target, PROMPT, 30))
+
+
+def test_chunked_attention_is_served_inside_one_chunk(tiny_target_factory):
+    """Llama 4's chunked layers: the tree mask is full attention, exact while the run stays in one chunk (past it
+    every output differed), so a longer run is refused naming the chunk."""
+    target = tiny_target_factory("llama4_text", attention_chunk_size=20)
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    assert torch.equal(lm.generate(PROMPT, max_new_tokens=11), hf_greedy(target, PROMPT, 11))
+    with pytest.raises(ValueError, match="= 21 exceeds the target's attention chunk .* of 20 positions"):
+        lm.generate(PROMPT, max_new_tokens=12)

@@ -1,0 +1,78 @@
+"""Which targets can verify a token tree in one forward exactly, and how long their contexts may grow.
+
+Tree verification feeds the target every drafted node at once: each node at the position of its depth
+(`position_ids`), seeing only its ancestors (a 4-D attention mask), and afterwards keeps the accepted path's
+keys and values by slicing the KV cache. A target is served exactly only if all three hold for every layer:
+
+- positions come from `position_ids` (rotary or learned embeddings). ALiBi models (BLOOM, MPT, Falcon with
+  `alibi=True`) derive their position biases from key indices or the 2-D padding mask instead, so a tree's
+  nodes would sit at the wrong distances (MPT then emits other tokens than its own `generate`: a silent error).
+- every layer is attention with a KV cache. Recurrent and linear-attention layers (Mamba, Jamba, RecurrentGemma,
+  Qwen3-Next, MiniMax, ...) fold every token into a state that cannot be cut back to the accepted path.
+- the attention pattern is one the verifier rebuilds for tree nodes: full, or a sliding window (`verify.py`).
+  Llama 4's chunked layers are served only while the whole run stays inside one chunk.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from specheads.heads.cache_keyword import declared_parameters
+
+# attention patterns a tree forward reproduces (sliding windows are applied to the tree mask in verify.py)
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def uses_alibi(config) -> bool:
+    """Whether the config asks for ALiBi position biases (Falcon's `alibi`, MPT's `attn_config.alibi`)."""
+    if getattr(config, "alibi", False) is True:
+        return True
+    attn_config = getattr(config, "attn_config", None)
+    flag = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", False)
+    return flag is True
+
+
+def tree_verification_problem(target: PreTrainedModel) -> str | None:
+    """Why `target` cannot verify token trees exactly (see the module docstring), or None when it can."""
+    config = target.config.get_text_config()
+    name = f"{type(target).__name__} (model_type={config.model_type!r})"
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{name} is an encoder-decoder model; speculative decoding here serves decoder-only targets"
+    if getattr(type(target), "_is_stateful", False):
+        return (f"{name} keeps a recurrent state in its layers, which cannot be cut back to the accepted path of a "
+                "token tree")
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES - {"chunked_attention"})
+    if other:
+        return (f"{name} has {', '.join(other)} layers; a token tree can only be verified by attention layers "
+                f"({', '.join(sorted(SUPPORTED_LAYER_TYPES))}) whose KV cache is cut back to the accepted path")
+    if "position_ids" not in declared_parameters(type(target).forward):
+        return (f"{name}'s forward takes no position_ids, so the nodes of a token tree cannot be placed at their "
+                "depth (ALiBi models such as BLOOM and MPT)")
+    if uses_alibi(config):
+        return (f"{name} uses ALiBi position biases, computed from key indices rather than position_ids, so the "
+                "nodes of a token tree would sit at the wrong distances")
+    return None
+
+
+def check_tree_verification(target: PreTrainedModel) -> None:
+    """Raise a ValueError naming the target and the reason when it cannot verify token trees exactly."""
+    problem = tree_verification_problem(target)
+    if problem is not None:
+        raise ValueError(f"this target cannot be served with exact speculative decoding: {problem}")
+
+
+def context_limit(target: PreTrainedModel) -> tuple[int | None, str]:
+    """(the most positions a generation may reach, what that limit is), (None, "") for no limit.
+
+    The target's `max_position_embeddings`, or the chunk of Llama 4-style chunked-attention layers when smaller:
+    the tree mask reproduces full and sliding-window attention, not a chunk boundary, so a run stays in one chunk.
+    """
+    config = target.config.get_text_config()
+    limits = []
+    if getattr(config, "max_position_embeddings", None):
+        limits.append((int(config.max_position_embeddings), "the target's context"))
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk and "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+        limits.append((int(chunk), "the target's attention chunk (chunked layers are verified as full attention, "
+                                   "exact only inside one chunk)"))
+    return min(limits) if limits else (None, "")
