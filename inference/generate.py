@@ -24,7 +24,7 @@ from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
-from specheads.inference.sampling import SamplingParams, sample_token, target_probs
+from specheads.inference.sampling import SamplingParams, check_generation_config, sample_token, target_probs
 from specheads.inference.target_support import check_tree_verification, context_limit
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
@@ -324,6 +324,7 @@ class SpeculativeLM:
         """
         params = SamplingParams.resolve(self.target.generation_config, do_sample, temperature, top_p, top_k)
         params.validate()
+        check_generation_config(self.target.generation_config, do_sample)
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
         if acceptance == "typical" and not do_sample:

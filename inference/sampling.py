@@ -67,6 +67,57 @@ class SamplingParams:
         return warpers
 
 
+def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> dict[str, Any]:
+    """{field: value} of the settings in the target's generation config that `transformers.generate` would apply
+    (as logits processors) and speculative decoding here does not; empty when there are none.
+
+    Temperature, top-k and top-p are applied (`SamplingParams`); penalties that depend on the tokens so far
+    (repetition_penalty, no_repeat_ngram_size, ...), forced or suppressed tokens, minimum lengths and the other
+    sampling cutoffs are not, so an output would silently differ from the target's own `generate`.
+    """
+
+    def value(name: str) -> Any:
+        return getattr(generation_config, name, None)
+
+    checks = {  # field -> whether its value makes transformers add a logits processor (as _get_logits_processor)
+        "repetition_penalty": lambda v: v is not None and v != 1.0,
+        "no_repeat_ngram_size": lambda v: v is not None and v > 0,
+        "sequence_bias": lambda v: v is not None,
+        "bad_words_ids": lambda v: v is not None,
+        "min_length": lambda v: v is not None and v > 0,
+        "min_new_tokens": lambda v: v is not None and v > 0,
+        "forced_bos_token_id": lambda v: v is not None,
+        "forced_eos_token_id": lambda v: v is not None,
+        "exponential_decay_length_penalty": lambda v: v is not None,
+        "suppress_tokens": lambda v: v is not None,
+        "begin_suppress_tokens": lambda v: v is not None,
+        "guidance_scale": lambda v: v is not None and v != 1,
+        "watermarking_config": lambda v: v is not None,
+    }
+    if do_sample:
+        checks.update({
+            "min_p": lambda v: v is not None,
+            "typical_p": lambda v: v is not None and v < 1.0,
+            "epsilon_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
+            "eta_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
+            "top_h": lambda v: v is not None,
+        })
+    return {name: value(name) for name, applies in checks.items() if applies(value(name))}
+
+
+def check_generation_config(generation_config: Any, do_sample: bool) -> None:
+    """Raise a ValueError naming the target's generation settings that speculative decoding would not apply."""
+    unapplied = unapplied_generation_settings(generation_config, do_sample)
+    if unapplied:
+        listed = ", ".join(f"{name}={value!r}" for name, value in unapplied.items())
+        first = next(iter(unapplied))
+        raise ValueError(
+            f"the target's generation config sets {listed}, which transformers' generate applies and speculative "
+            f"decoding here does not, so outputs would differ from the target's own: set them to their neutral "
+            f"values first (e.g. `target.generation_config.{first} = None`; `target.generate` then agrees)"
+        )
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Target probabilities after temperature / top-k / top-p. (N, V) logits -> (N, V) float32 probs."""
     scores = params.warpers()(None, logits.float())

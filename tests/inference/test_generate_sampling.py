@@ -274,3 +274,36 @@ def test_default_sampling_matches_transformers_defaults(tiny_llama):
     lm = SpeculativeLM(tiny_llama, create_heads(tiny_llama, "medusa"))
     ours = {int(lm.generate(ids, max_new_tokens=1, do_sample=True)[0, -1]) for _ in range(60)}
     assert ours <= top50, f"sampled {sorted(ours - top50)} outside transformers' default top-50"
+
+
+@pytest.mark.parametrize(
+    ("setting", "do_sample"),
+    [({"repetition_penalty": 1.3}, False), ({"no_repeat_ngram_size": 2}, False), ({"min_new_tokens": 5}, False),
+     ({"min_p": 0.1}, True), ({"typical_p": 0.9}, True)],
+)
+def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, do_sample):
+    """transformers' generate applies the target's generation config (e.g. Qwen2.5-Instruct ships
+    repetition_penalty=1.05) even when greedy: speculative decoding refuses what it does not apply, naming it,
+    instead of emitting other tokens than the target's own; neutral values make both agree again."""
+    target = copy.deepcopy(tiny_llama)
+    ids = torch.tensor([[1, 5, 9, 33, 7, 5, 9]])
+    lm = SpeculativeLM(target, create_heads(target, "medusa"))
+    plain = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=[])
+    for name, value in setting.items():
+        setattr(target.generation_config, name, value)
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ValueError, match=rf"generation config sets {name}={value}, which transformers' generate"):
+        lm.generate(ids, max_new_tokens=30, do_sample=do_sample, eos_token_id=[])
+    if name in ("repetition_penalty", "no_repeat_ngram_size"):  # it matters: transformers' greedy output moves
+        assert not torch.equal(target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=[]), plain)
+    setattr(target.generation_config, name, None)
+    assert torch.equal(lm.generate(ids, max_new_tokens=30, eos_token_id=[]), plain)
+
+
+def test_sampling_cutoffs_do_not_stop_greedy_decoding(tiny_llama):
+    """min_p and typical_p only act when sampling (as in transformers): greedy decoding goes on."""
+    target = copy.deepcopy(tiny_llama)
+    target.generation_config.min_p = 0.1
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    lm = SpeculativeLM(target, create_heads(target, "medusa"))
+    assert torch.equal(lm.generate(ids, max_new_tokens=20), target.generate(ids, max_new_tokens=20, do_sample=False))
