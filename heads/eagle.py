@@ -29,7 +29,7 @@ def draft_layer_config_from_target(target_config: PretrainedConfig) -> dict[str,
         layer_config["layer_types"] = ["full_attention"]
     try:
         fits = fits_draft_layer(build_layer_config_from_dict(layer_config, target_config.model_type))
-    except (ValueError, TypeError, KeyError):  # a family transformers cannot rebuild from its own dict
+    except Exception:  # noqa: BLE001 -- a family transformers cannot rebuild from its own dict: use a Llama layer
         fits = False
     return layer_config if fits else llama_layer_config_for(target_config)
 
@@ -83,7 +83,7 @@ def fits_draft_layer(layer_config: PretrainedConfig) -> bool:
         layer_class, rotary_class = decoder_classes(layer_config)
         with torch.device("meta"):
             layer = layer_class(layer_config, layer_idx=0)
-    except (ValueError, TypeError, AttributeError):
+    except Exception:  # noqa: BLE001 -- whatever stops the family's layer from being built, it does not fit
         return False
     children = {name for name, _ in layer.named_children()}
     attention = getattr(layer, "self_attn", None)
