@@ -24,7 +24,14 @@ from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
-from specheads.inference.sampling import SamplingParams, check_generation_config, sample_token, target_probs
+from specheads.inference.sampling import (
+    SamplingParams,
+    check_generation_config,
+    context_token_mask,
+    penalize_repetitions,
+    sample_token,
+    target_probs,
+)
 from specheads.inference.target_support import check_tree_verification, context_limit
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
@@ -289,6 +296,7 @@ class SpeculativeLM:
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
+        repetition_penalty: float | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         streamer: Any | None = None,
@@ -302,8 +310,10 @@ class SpeculativeLM:
             input_ids: (B, n) or (n,) prompt ids; left padding with `attention_mask` for B > 1.
             attention_mask: (B, n), 1 for real tokens.
             max_new_tokens: new tokens at most (0 returns the prompt).
-            do_sample, temperature, top_p, top_k: as in transformers; None takes the target's
-                generation config, then transformers' defaults (temperature 1.0, top_p 1.0, top_k 50).
+            do_sample, temperature, top_p, top_k, repetition_penalty: as in transformers; None takes the target's
+                generation config, then transformers' defaults (temperature 1.0, top_p 1.0, top_k 50, no penalty).
+                A repetition penalty makes each tree node's logits depend on its own path, so those runs decode
+                row by row on the dynamic cache (batched=True or fast_path=True are refused with it).
             eos_token_id: int or list; default from the target's generation config. Generation stops right
                 after it (the EOS token is included, as transformers does).
             pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
@@ -322,7 +332,9 @@ class SpeculativeLM:
         verification), ms_per_round (the rest of the time per round: drafting, verification, acceptance) and
         fast_path (whether the call ran on the static-cache fast path).
         """
-        params = SamplingParams.resolve(self.target.generation_config, do_sample, temperature, top_p, top_k)
+        params = SamplingParams.resolve(
+            self.target.generation_config, do_sample, temperature, top_p, top_k, repetition_penalty
+        )
         params.validate()
         check_generation_config(self.target.generation_config, do_sample)
         if acceptance not in ACCEPTANCE_RULES:
@@ -337,6 +349,14 @@ class SpeculativeLM:
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0}
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
+        if params.penalizes:  # each node's logits depend on its path: the per-row loop applies that
+            for name, value in (("batched", batched), ("fast_path", fast_path)):
+                if value:
+                    raise ValueError(
+                        f"{name}=True does not apply repetition_penalty={params.repetition_penalty}; leave {name} "
+                        "unset (rows then decode one after another on the dynamic cache)"
+                    )
+            can_batch, fast_path = False, False
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
         if runner is not None:
@@ -356,7 +376,7 @@ class SpeculativeLM:
             rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats)
         else:
             verifier = runner if runner is not None else DynamicTreeVerifier(
-                self.target, self.heads.select_features, argmax=self.certified_argmax
+                self.target, self.heads.select_features, argmax=None if params.penalizes else self.certified_argmax
             )
             rows = []
             for prompt in prompts:
@@ -398,7 +418,14 @@ class SpeculativeLM:
         prefill_start = time.perf_counter()
         last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         stats["target_forwards"] += 1
+        seen = None  # (V,) bool: the tokens of the prompt and of everything emitted, for a repetition penalty
+        if params.penalizes:
+            seen = torch.zeros(last_logits.shape[-1], dtype=torch.bool, device=last_logits.device)
+            seen[prompt] = True
+            last_logits = penalize_repetitions(last_logits, seen[None], params.repetition_penalty)
         root = self._choose(last_logits, params)[0]
+        if seen is not None:
+            seen[root] = True
         new_tokens: list[int] = []
         done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)  # int(): waits for the prefill
         stats["prefill_seconds"] += time.perf_counter() - prefill_start
@@ -420,7 +447,7 @@ class SpeculativeLM:
                 done = self._emit(accepted_tokens, new_tokens, max_new_tokens, eos, streamer)
         # greedy on the normal path: the target's argmax per node is all acceptance needs (scored by
         # `certified_argmax` when set, without the full-precision lm_head)
-        argmax_only = not params.do_sample and isinstance(verifier, DynamicTreeVerifier)
+        argmax_only = not params.do_sample and isinstance(verifier, DynamicTreeVerifier) and seen is None
         while not done:
             # draft
             tokens, tree = drafter.propose(features, next_tokens)
@@ -430,12 +457,17 @@ class SpeculativeLM:
                 path, bonus = accept_greedy(tokens, tree, target_argmax)
             else:
                 logits, node_features = verifier.verify(tokens, tree, prefix_length)  # (N, V), (N, h)
+                if seen is not None:  # node i's context: what was emitted plus its own path in the tree
+                    in_context = context_token_mask(seen, tokens, tree.ancestors)
+                    logits = penalize_repetitions(logits, in_context, params.repetition_penalty)
                 path, bonus = accept_tree(tokens, tree, logits, params, acceptance)
             stats["target_forwards"] += 1
             # update
             verifier.compact(prefix_length, path)
             prefix_length += path.shape[0]
             accepted = torch.cat([tokens[path[1:]], bonus[None]])
+            if seen is not None:
+                seen[accepted] = True
             stats["rounds"] += 1
             stats["accepted_counts"].append(path.shape[0] - 1)
             features = node_features[path]  # (L+1, h) true features of the path (a gather: a copy)

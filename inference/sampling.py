@@ -22,6 +22,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    repetition_penalty: float = 1.0  # transformers' RepetitionPenaltyLogitsProcessor; 1.0 = off
 
     @classmethod
     def resolve(
@@ -31,6 +32,7 @@ class SamplingParams:
         temperature: float | None,
         top_p: float | None,
         top_k: int | None,
+        repetition_penalty: float | None = None,
     ) -> SamplingParams:
         """Fill unset options as `generate` does: the model's generation config, then transformers' defaults."""
 
@@ -45,6 +47,7 @@ class SamplingParams:
             temperature=pick(temperature, "temperature", 1.0),
             top_p=pick(top_p, "top_p", 1.0),
             top_k=pick(top_k, "top_k", 50),
+            repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.0)),
         )
 
     def validate(self) -> None:
@@ -54,6 +57,13 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 = no penalty)")
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether each position's logits depend on the tokens before it (a repetition penalty)."""
+        return self.repetition_penalty != 1.0
 
     def warpers(self) -> LogitsProcessorList:
         """The same warpers, in the same order, that `generate(do_sample=True, ...)` builds."""
@@ -71,16 +81,15 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
     """{field: value} of the settings in the target's generation config that `transformers.generate` would apply
     (as logits processors) and speculative decoding here does not; empty when there are none.
 
-    Temperature, top-k and top-p are applied (`SamplingParams`); penalties that depend on the tokens so far
-    (repetition_penalty, no_repeat_ngram_size, ...), forced or suppressed tokens, minimum lengths and the other
-    sampling cutoffs are not, so an output would silently differ from the target's own `generate`.
+    Temperature, top-k, top-p and the repetition penalty are applied (`SamplingParams`); n-gram blocking, forced
+    or suppressed tokens, minimum lengths and the other sampling cutoffs are not, so an output would silently
+    differ from the target's own `generate`.
     """
 
     def value(name: str) -> Any:
         return getattr(generation_config, name, None)
 
     checks = {  # field -> whether its value makes transformers add a logits processor (as _get_logits_processor)
-        "repetition_penalty": lambda v: v is not None and v != 1.0,
         "no_repeat_ngram_size": lambda v: v is not None and v > 0,
         "sequence_bias": lambda v: v is not None,
         "bad_words_ids": lambda v: v is not None,
@@ -116,6 +125,31 @@ def check_generation_config(generation_config: Any, do_sample: bool) -> None:
             f"decoding here does not, so outputs would differ from the target's own: set them to their neutral "
             f"values first (e.g. `target.generation_config.{first} = None`; `target.generate` then agrees)"
         )
+
+
+def context_token_mask(seen: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """Which tokens each tree node's context holds: the committed ones and the node's path in the tree.
+
+    Args:
+        seen: (V,) bool, the tokens of the prompt and of everything emitted so far.
+        tokens: (N,) the tree's tokens; ancestors: (N, N) bool, ancestors[i, j] = node j is node i or above it.
+
+    Returns:
+        (N, V) bool: row i marks the tokens of the sequence whose last token is node i.
+    """
+    mask = seen[None].repeat(tokens.shape[0], 1)  # (N, V)
+    rows, cols = ancestors.nonzero(as_tuple=True)  # every (node, ancestor-or-self) pair
+    mask[rows, tokens[cols]] = True
+    return mask
+
+
+def penalize_repetitions(logits: torch.Tensor, in_context: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty: logits of tokens already in the context are divided by `penalty` when
+    positive and multiplied by it when negative. (N, V) logits (scored in float32, as generate does), (N, V) bool
+    -> (N, V) float32."""
+    scores = logits.float()
+    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return torch.where(in_context, penalized, scores)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

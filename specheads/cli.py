@@ -24,6 +24,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="transformers' repetition penalty (default: the target's generation config; 1.0 = none)")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
                       help="apply the tokenizer's chat template to the prompt (default: when the tokenizer has one)")
@@ -73,6 +75,7 @@ def run_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
         streamer=streamer,
     )
     stats = lm.last_stats

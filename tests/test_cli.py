@@ -82,6 +82,21 @@ def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, opt
     assert kernels in err  # the kernels in use are printed
 
 
+def test_generate_repetition_penalty_gives_transformers_text(stories260k_eagle_dir, capfd, stories260k):
+    """`--repetition-penalty 1.3`: the text `target.generate(repetition_penalty=1.3)` writes, not the plain one."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    expected = tokenizer.decode(target.generate(ids, max_new_tokens=30, do_sample=False, repetition_penalty=1.3)[0],
+                                skip_special_tokens=True)
+    code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+                 "--max-new-tokens", "30", "--repetition-penalty", "1.3"])
+    assert code == 0
+    out, _ = capfd.readouterr()
+    assert out.strip() == expected.strip()
+    plain = tokenizer.decode(target.generate(ids, max_new_tokens=30, do_sample=False)[0], skip_special_tokens=True)
+    assert expected != plain  # the penalty changed the text
+
+
 def test_generate_applies_the_chat_template_when_the_tokenizer_has_one(stories260k_eagle_dir, tmp_path, capfd):
     """Like `specheads bench`: a target whose tokenizer has a chat template gets the prompt inside it (a chat model
     fed raw text often ends at once); `--no-chat` feeds the raw text; stories260K has no template (tests above)."""

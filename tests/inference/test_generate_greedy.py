@@ -7,6 +7,8 @@ rejections at every depth, accepted paths that skip nodes, EOS inside an accepte
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -259,3 +261,41 @@ def test_sliding_window_target_past_its_window(tiny_target_factory, family, wind
     ids = torch.tensor([TINY_PROMPT])
     lm = SpeculativeLM(target, make_heads(target, "medusa"))
     assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
+
+
+# --- a repetition penalty ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("penalty", [1.3, 0.8])  # < 1 favours repeats: long loops, deep accepted paths
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_repetition_penalty_with_oracle_drafts_equals_hf_generate(
+    tiny_target_factory, oracle_drafter, family, penalty
+):
+    """transformers' repetition penalty, applied per tree node to the tokens of its own path plus everything
+    before it: long accepted paths, rejections at every depth, rescued siblings; identical to `generate`."""
+    target = tiny_target_factory(family)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    n = 60
+    reference = hf_greedy(target, ids, n + 8, repetition_penalty=penalty)[0].tolist()
+    lm = SpeculativeLM(target, make_heads(target, "medusa"))
+    lm.drafter = oracle_drafter(reference, target.config.vocab_size, depth=5, corruption_rate=0.15,
+                                cycle_rejections=True, seed=3)
+    out = lm.generate(ids, max_new_tokens=n, repetition_penalty=penalty)
+    assert out[0].tolist() == reference[: ids.shape[1] + n]
+    lm.drafter.check_accepted()
+    assert lm.last_stats["mean_accepted"] > 2
+    assert not torch.equal(out, hf_greedy(target, ids, n)), "the penalty should change this output"
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_repetition_penalty_from_the_generation_config(stories260k, head_type):
+    """Set in the target's generation config (as Qwen2.5-Instruct ships 1.05), it applies without an argument,
+    like transformers; prompt lookup's copied runs are penalized too; batched / fast-path runs are refused."""
+    target, tokenizer = stories260k
+    target = copy.deepcopy(target)
+    target.generation_config.repetition_penalty = 1.2
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, head_type), lookup_tokens=8)
+    assert torch.equal(lm.generate(ids, max_new_tokens=60), hf_greedy(target, ids, 60))
+    for option in ("batched", "fast_path"):
+        with pytest.raises(ValueError, match=f"{option}=True does not apply repetition_penalty=1.2"):
+            lm.generate(ids, max_new_tokens=4, **{option: True})

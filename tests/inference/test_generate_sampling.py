@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 
 import pytest
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -33,7 +35,10 @@ NUM_SAMPLES = 2000
 SETTINGS = {
     "T=1.0": dict(temperature=1.0),
     "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9),
+    "T=1.0,repetition_penalty=4.0": dict(temperature=1.0, repetition_penalty=4.0),  # each node's own path counts
 }
+# a shorter prompt leaves 4 of the 6 tokens out of the context, so the penalty depends on the tree paths
+PROMPTS = {"T=1.0,repetition_penalty=4.0": [1, 3]}
 
 
 @pytest.fixture(scope="module")
@@ -46,30 +51,39 @@ def six_token_target(tiny_target_factory):
 
 
 def warped_probs(
-    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    repetition_penalty: float = 1.0,
+    context: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The target's sampling law as transformers' generate builds it (its own warpers, its order)."""
+    """The target's sampling law as transformers' generate builds it (its own processors, its order): (B, V) logits
+    after the (B, t) `context` token ids (read by the repetition penalty)."""
     warpers = LogitsProcessorList()
+    if repetition_penalty != 1.0:
+        warpers.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
     if temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(temperature))
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p))
-    return torch.softmax(warpers(None, logits.float()), dim=-1)
+    return torch.softmax(warpers(context, logits.float().clone()), dim=-1)
 
 
 class ExactLaw:
-    """p1[x1], p2[x1, x2] and p3[x1, x2, x3] of the 3 tokens after PROMPT, for one sampling setting."""
+    """p1[x1], p2[x1, x2] and p3[x1, x2, x3] of the 3 tokens after `prompt`, for one sampling setting."""
 
-    def __init__(self, target, **sampling) -> None:
-        n = len(PROMPT)
-        sequences = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])  # all 36 (x1, x2)
+    def __init__(self, target, prompt: list[int] = PROMPT, **sampling) -> None:
+        self.prompt = prompt
+        n = len(prompt)
+        sequences = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])  # all 36 (x1, x2)
         with torch.no_grad():
             logits = target(input_ids=sequences).logits  # (36, n + 2, V)
-        self.p1 = warped_probs(logits[0, n - 1 : n], **sampling)[0]  # (V,)
-        self.p2 = warped_probs(logits[::V, n], **sampling)  # (V, V): row x1
-        self.p3 = warped_probs(logits[:, n + 1], **sampling).view(V, V, V)  # [x1, x2] -> (V,)
+        self.p1 = warped_probs(logits[0, n - 1 : n], context=sequences[:1, :n], **sampling)[0]  # (V,)
+        self.p2 = warped_probs(logits[::V, n], context=sequences[::V, : n + 1], **sampling)  # (V, V): row x1
+        self.p3 = warped_probs(logits[:, n + 1], context=sequences[:, : n + 2], **sampling).view(V, V, V)
 
     def joint(self) -> dict[tuple[int, int, int], float]:
         return {
@@ -97,7 +111,7 @@ class ArgmaxTreeDrafter:
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
         tokens = next_tokens.tolist()
         if not self.generated:
-            tokens = tokens[len(PROMPT) - 1 :]  # the first call also carries prompt[1:]
+            tokens = tokens[len(self.law.prompt) - 1 :]  # the first call also carries prompt[1:]
         self.generated += tokens
         g = tuple(self.generated)
         if g not in self.trees:
@@ -125,15 +139,15 @@ class ArgmaxTreeDrafter:
 
 
 def sample_first_three(
-    lm: SpeculativeLM, num_samples: int, seed: int, **sampling
+    lm: SpeculativeLM, num_samples: int, seed: int, prompt: list[int] = PROMPT, **sampling
 ) -> list[tuple[int, int, int]]:
     """`num_samples` runs of generate(max_new_tokens=3); also counts kept drafts in `lm.accepted_drafts`."""
     torch.manual_seed(seed)
-    ids = torch.tensor([PROMPT])
+    ids = torch.tensor([prompt])
     samples, lm.accepted_drafts = [], 0
     for _ in range(num_samples):
         out = lm.generate(ids, max_new_tokens=3, do_sample=True, **sampling)
-        samples.append(tuple(out[0, len(PROMPT) :].tolist()))
+        samples.append(tuple(out[0, len(prompt) :].tolist()))
         stats = lm.last_stats
         lm.accepted_drafts += round(sum(stats["accepted_per_depth"]) * stats["rounds"])
     return samples
@@ -148,10 +162,10 @@ def oracle_lm(target, law: ExactLaw) -> SpeculativeLM:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_oracle_drafts_sample_the_exact_joint_law(six_token_target, chi_square, setting):
     """Often-right tree drafts (siblings, duplicates, impossible tokens): first 3 tokens ~ the exact law."""
-    sampling = SETTINGS[setting]
-    law = ExactLaw(six_token_target, **sampling)
+    sampling, prompt = SETTINGS[setting], PROMPTS.get(setting, PROMPT)
+    law = ExactLaw(six_token_target, prompt, **sampling)
     lm = oracle_lm(six_token_target, law)
-    samples = sample_first_three(lm, NUM_SAMPLES, seed=0, **sampling)
+    samples = sample_first_three(lm, NUM_SAMPLES, seed=0, prompt=prompt, **sampling)
     result = chi_square(samples, law.joint())
     assert result.passed, result
     assert result.dof >= 10, result  # enough bins to see the joint law
@@ -185,11 +199,11 @@ def untrained_eagle_heads(target, head_type: str):
 )
 def test_untrained_eagle_heads_sample_the_exact_joint_law(six_token_target, chi_square, setting, head_type):
     """Untrained EAGLE / EAGLE-3 heads (top-3 siblings cover half the vocabulary, so they often hit): same law."""
-    sampling = SETTINGS[setting]
-    law = ExactLaw(six_token_target, **sampling)
+    sampling, prompt = SETTINGS[setting], PROMPTS.get(setting, PROMPT)
+    law = ExactLaw(six_token_target, prompt, **sampling)
     lm = SpeculativeLM(six_token_target, untrained_eagle_heads(six_token_target, head_type))
     tree_sizes = record_tree_sizes(lm)
-    samples = sample_first_three(lm, 1200, seed=1, **sampling)  # EAGLE drafting is slower: fewer runs
+    samples = sample_first_three(lm, 1200, seed=1, prompt=prompt, **sampling)  # EAGLE drafting is slower: fewer runs
     result = chi_square(samples, law.joint())
     assert result.passed, result
     assert lm.accepted_drafts > 0.2 * len(samples)
@@ -278,12 +292,12 @@ def test_default_sampling_matches_transformers_defaults(tiny_llama):
 
 @pytest.mark.parametrize(
     ("setting", "do_sample"),
-    [({"repetition_penalty": 1.3}, False), ({"no_repeat_ngram_size": 2}, False), ({"min_new_tokens": 5}, False),
+    [({"no_repeat_ngram_size": 2}, False), ({"min_new_tokens": 5}, False), ({"bad_words_ids": [[64]]}, False),
      ({"min_p": 0.1}, True), ({"typical_p": 0.9}, True)],
 )
 def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, do_sample):
-    """transformers' generate applies the target's generation config (e.g. Qwen2.5-Instruct ships
-    repetition_penalty=1.05) even when greedy: speculative decoding refuses what it does not apply, naming it,
+    """transformers' generate applies the target's generation config even when greedy: speculative decoding
+    refuses what it does not apply (it applies temperature, top-k, top-p and the repetition penalty), naming it,
     instead of emitting other tokens than the target's own; neutral values make both agree again."""
     target = copy.deepcopy(tiny_llama)
     ids = torch.tensor([[1, 5, 9, 33, 7, 5, 9]])
@@ -292,9 +306,9 @@ def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, 
     for name, value in setting.items():
         setattr(target.generation_config, name, value)
     name, value = next(iter(setting.items()))
-    with pytest.raises(ValueError, match=rf"generation config sets {name}={value}, which transformers' generate"):
+    with pytest.raises(ValueError, match=re.escape(f"generation config sets {name}={value!r}, which transformers'")):
         lm.generate(ids, max_new_tokens=30, do_sample=do_sample, eos_token_id=[])
-    if name in ("repetition_penalty", "no_repeat_ngram_size"):  # it matters: transformers' greedy output moves
+    if name in ("no_repeat_ngram_size", "bad_words_ids"):  # it matters: transformers' greedy output moves
         assert not torch.equal(target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=[]), plain)
     setattr(target.generation_config, name, None)
     assert torch.equal(lm.generate(ids, max_new_tokens=30, eos_token_id=[]), plain)
