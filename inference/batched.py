@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.drafting import Drafter
-from specheads.inference.sampling import SamplingParams
+from specheads.inference.sampling import RepetitionContext, SamplingParams
 from specheads.inference.tree import TreeBuffers
 from specheads.inference.verify import last_logits_only, no_logits
 
@@ -117,8 +117,14 @@ def generate_batched(
     features: list[torch.Tensor] = []  # per row: true target features of its newly committed positions
     next_tokens: list[torch.Tensor] = []  # per row: the token that followed each of those features
     done = []
+    # per row, for a repetition penalty: its tokens so far (each tree node adds its own path)
+    contexts = [RepetitionContext(p, out.logits.shape[-1], params.repetition_penalty) if params.penalizes else None
+                for p in prompts]
     for b, prompt in enumerate(prompts):
-        root = lm._choose(out.logits[b, -1:], params)[0]
+        last_logits = out.logits[b, -1:] if contexts[b] is None else contexts[b].last(out.logits[b, -1:])
+        root = lm._choose(last_logits, params)[0]
+        if contexts[b] is not None:
+            contexts[b].commit(root)
         done.append(lm._emit([int(root)], new_tokens[b], max_new_tokens, eos, None))
         features.append(features_all[b, pad[b] :])
         next_tokens.append(torch.cat([prompt[1:], root[None]]))
@@ -129,8 +135,9 @@ def generate_batched(
         gather_cache(cache, torch.arange(width, device=device).repeat(len(keep), 1), rows=keep)
         active, pad, valid = [active[i] for i in keep], pad[keep], valid[keep]
         features, next_tokens = [features[i] for i in keep], [next_tokens[i] for i in keep]
+        contexts = [contexts[i] for i in keep]
     # greedy with a certified argmax (CPU): the forward skips the lm_head, the argmax comes from the hidden states
-    argmax = None if params.do_sample else lm.certified_argmax
+    argmax = None if params.do_sample or params.penalizes else lm.certified_argmax
     while active:
         # draft
         proposals = [drafters[row].propose(features[i], next_tokens[i]) for i, row in enumerate(active)]
@@ -160,8 +167,13 @@ def generate_batched(
             if argmax is not None:
                 path, bonus = accept_greedy(tree_tokens, tree, target_argmax[i, : tree.num_nodes])
             else:
-                path, bonus = accept_tree(tree_tokens, tree, out.logits[i, : tree.num_nodes], params, acceptance)
+                logits = out.logits[i, : tree.num_nodes]  # (N, V)
+                if contexts[i] is not None:
+                    logits = contexts[i].tree(logits, tree_tokens, tree.ancestors)
+                path, bonus = accept_tree(tree_tokens, tree, logits, params, acceptance)
             accepted = torch.cat([tree_tokens[path[1:]], bonus[None]])
+            if contexts[i] is not None:
+                contexts[i].commit(accepted)
             stats["accepted_counts"].append(path.shape[0] - 1)
             paths.append(path)
             features[i] = row_features[i, path]
@@ -177,5 +189,6 @@ def generate_batched(
         gather_cache(cache, index[keep], rows=keep)
         active, pad, valid = [active[i] for i in keep], pad[keep], valid[keep]
         features, next_tokens = [features[i] for i in keep], [next_tokens[i] for i in keep]
+        contexts = [contexts[i] for i in keep]
     stats["new_tokens"] += sum(len(t) for t in new_tokens)
     return new_tokens

@@ -25,10 +25,9 @@ from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
 from specheads.inference.sampling import (
+    RepetitionContext,
     SamplingParams,
     check_generation_config,
-    context_token_mask,
-    penalize_repetitions,
     sample_token,
     target_probs,
 )
@@ -312,8 +311,8 @@ class SpeculativeLM:
             max_new_tokens: new tokens at most (0 returns the prompt).
             do_sample, temperature, top_p, top_k, repetition_penalty: as in transformers; None takes the target's
                 generation config, then transformers' defaults (temperature 1.0, top_p 1.0, top_k 50, no penalty).
-                A repetition penalty makes each tree node's logits depend on its own path, so those runs decode
-                row by row on the dynamic cache (batched=True or fast_path=True are refused with it).
+                A repetition penalty makes each tree node's logits depend on its own path, so those runs use the
+                dynamic cache (fast_path=True is refused with it).
             eos_token_id: int or list; default from the target's generation config. Generation stops right
                 after it (the EOS token is included, as transformers does).
             pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
@@ -349,14 +348,13 @@ class SpeculativeLM:
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0}
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
-        if params.penalizes:  # each node's logits depend on its path: the per-row loop applies that
-            for name, value in (("batched", batched), ("fast_path", fast_path)):
-                if value:
-                    raise ValueError(
-                        f"{name}=True does not apply repetition_penalty={params.repetition_penalty}; leave {name} "
-                        "unset (rows then decode one after another on the dynamic cache)"
-                    )
-            can_batch, fast_path = False, False
+        if params.penalizes:  # each node's logits depend on its path: the dynamic-cache loops apply that
+            if fast_path:
+                raise ValueError(
+                    f"fast_path=True does not apply repetition_penalty={params.repetition_penalty}; leave fast_path "
+                    "unset (the rows then decode on the dynamic cache)"
+                )
+            fast_path = False
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
         if runner is not None:
@@ -418,14 +416,12 @@ class SpeculativeLM:
         prefill_start = time.perf_counter()
         last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         stats["target_forwards"] += 1
-        seen = None  # (V,) bool: the tokens of the prompt and of everything emitted, for a repetition penalty
-        if params.penalizes:
-            seen = torch.zeros(last_logits.shape[-1], dtype=torch.bool, device=last_logits.device)
-            seen[prompt] = True
-            last_logits = penalize_repetitions(last_logits, seen[None], params.repetition_penalty)
+        context = RepetitionContext(prompt, last_logits.shape[-1], params.repetition_penalty) if params.penalizes else None
+        if context is not None:
+            last_logits = context.last(last_logits)
         root = self._choose(last_logits, params)[0]
-        if seen is not None:
-            seen[root] = True
+        if context is not None:
+            context.commit(root)
         new_tokens: list[int] = []
         done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)  # int(): waits for the prefill
         stats["prefill_seconds"] += time.perf_counter() - prefill_start
@@ -447,7 +443,7 @@ class SpeculativeLM:
                 done = self._emit(accepted_tokens, new_tokens, max_new_tokens, eos, streamer)
         # greedy on the normal path: the target's argmax per node is all acceptance needs (scored by
         # `certified_argmax` when set, without the full-precision lm_head)
-        argmax_only = not params.do_sample and isinstance(verifier, DynamicTreeVerifier) and seen is None
+        argmax_only = not params.do_sample and isinstance(verifier, DynamicTreeVerifier) and context is None
         while not done:
             # draft
             tokens, tree = drafter.propose(features, next_tokens)
@@ -457,17 +453,16 @@ class SpeculativeLM:
                 path, bonus = accept_greedy(tokens, tree, target_argmax)
             else:
                 logits, node_features = verifier.verify(tokens, tree, prefix_length)  # (N, V), (N, h)
-                if seen is not None:  # node i's context: what was emitted plus its own path in the tree
-                    in_context = context_token_mask(seen, tokens, tree.ancestors)
-                    logits = penalize_repetitions(logits, in_context, params.repetition_penalty)
+                if context is not None:  # node i's sequence: what was emitted plus its own path in the tree
+                    logits = context.tree(logits, tokens, tree.ancestors)
                 path, bonus = accept_tree(tokens, tree, logits, params, acceptance)
             stats["target_forwards"] += 1
             # update
             verifier.compact(prefix_length, path)
             prefix_length += path.shape[0]
             accepted = torch.cat([tokens[path[1:]], bonus[None]])
-            if seen is not None:
-                seen[accepted] = True
+            if context is not None:
+                context.commit(accepted)
             stats["rounds"] += 1
             stats["accepted_counts"].append(path.shape[0] - 1)
             features = node_features[path]  # (L+1, h) true features of the path (a gather: a copy)

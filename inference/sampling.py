@@ -152,6 +152,31 @@ def penalize_repetitions(logits: torch.Tensor, in_context: torch.Tensor, penalty
     return torch.where(in_context, penalized, scores)
 
 
+class RepetitionContext:
+    """One sequence's tokens so far, for transformers' repetition penalty on its prefill and tree logits.
+
+    transformers penalizes, at every step, each token anywhere in the sequence (prompt included, padding not).
+    A tree node's sequence is what was emitted plus the node's own path, so each node gets its own mask.
+    """
+
+    def __init__(self, prompt: torch.Tensor, vocab_size: int, penalty: float) -> None:
+        self.penalty = penalty
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=prompt.device)  # (V,)
+        self.seen[prompt] = True
+
+    def last(self, logits: torch.Tensor) -> torch.Tensor:
+        """(1, V) logits after the committed sequence -> penalized (1, V) float32."""
+        return penalize_repetitions(logits, self.seen[None], self.penalty)
+
+    def tree(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """(N, V) logits at the tree's nodes -> penalized (N, V) float32 (node i: committed tokens + its path)."""
+        return penalize_repetitions(logits, context_token_mask(self.seen, tokens, ancestors), self.penalty)
+
+    def commit(self, tokens: torch.Tensor) -> None:
+        """Add emitted tokens (any shape) to the sequence."""
+        self.seen[tokens] = True
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Target probabilities after temperature / top-k / top-p. (N, V) logits -> (N, V) float32 probs."""
     scores = params.warpers()(None, logits.float())

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from specheads import HEAD_TYPES, SpeculativeLM, create_heads
-from specheads.inference.tree import chain_tree
+from specheads.inference.tree import build_tree_buffers, chain_tree
 
 from ..conftest import OTHER_FAMILIES
-from .conftest import TINY_PROMPT, hf_greedy, make_heads
+from .conftest import TINY_PROMPT, hf_greedy, left_pad, make_heads
 
 
 def check_stats(stats: dict, new_tokens: int) -> None:
@@ -288,7 +288,7 @@ def test_repetition_penalty_with_oracle_drafts_equals_hf_generate(
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_repetition_penalty_from_the_generation_config(stories260k, head_type):
     """Set in the target's generation config (as Qwen2.5-Instruct ships 1.05), it applies without an argument,
-    like transformers; prompt lookup's copied runs are penalized too; batched / fast-path runs are refused."""
+    like transformers; prompt lookup's copied runs are penalized too; the fast path (static shapes) refuses it."""
     target, tokenizer = stories260k
     target = copy.deepcopy(target)
     target.generation_config.repetition_penalty = 1.2
@@ -296,6 +296,65 @@ def test_repetition_penalty_from_the_generation_config(stories260k, head_type):
     torch.manual_seed(0)
     lm = SpeculativeLM(target, create_heads(target, head_type), lookup_tokens=8)
     assert torch.equal(lm.generate(ids, max_new_tokens=60), hf_greedy(target, ids, 60))
-    for option in ("batched", "fast_path"):
-        with pytest.raises(ValueError, match=f"{option}=True does not apply repetition_penalty=1.2"):
-            lm.generate(ids, max_new_tokens=4, **{option: True})
+    with pytest.raises(ValueError, match="fast_path=True does not apply repetition_penalty=1.2"):
+        lm.generate(ids, max_new_tokens=4, fast_path=True)
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])  # < 1: loops that prompt lookup guesses deep into
+@pytest.mark.parametrize("head_type", ["medusa", "eagle3"])
+def test_repetition_penalty_in_batched_verification(tiny_target_factory, head_type, penalty):
+    """Left-padded rows verified in one forward, each with its own tokens so far: every row equals its own
+    `generate(repetition_penalty=...)` alone (padding is not part of any row's sequence, as in transformers)."""
+    target = tiny_target_factory("llama")
+    prompts = [[3, 14, 15, 92, 65, 35], [27, 18], [4, 40, 41, 42, 40]]
+    ids, mask = left_pad(prompts)
+    lm = SpeculativeLM(target, make_heads(target, head_type), lookup_tokens=6)
+    out = lm.generate(ids, attention_mask=mask, max_new_tokens=30, repetition_penalty=penalty, batched=True)
+    assert lm.last_stats["batched_forwards"] > 0
+    for i, prompt in enumerate(prompts):
+        alone = hf_greedy(target, torch.tensor([prompt]), 30, repetition_penalty=penalty)
+        assert torch.equal(out[i, ids.shape[1]:], alone[0, len(prompt):]), f"row {i}"
+
+
+class PerRowChainOracle:
+    """A drafter with `fork()` (so rows verify in one batched forward) that drafts each row's own reference
+    continuation as a chain of `depth` tokens, corrupting depth 1 + r % (depth + 1) in round r: deep accepted paths
+    of new tokens and a rejection at every depth. A row is recognised by its prompt (the first call's tokens)."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, depth: int = 4) -> None:
+        self.references, self.vocab_size, self.depth = references, vocab_size, depth
+
+    def fork(self) -> PerRowChainOracle:
+        return PerRowChainOracle(self.references, self.vocab_size, self.depth)
+
+    def reset(self) -> None:
+        self.reference, self.root, self.round = None, 0, 0
+
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor):
+        tokens = next_tokens.tolist()
+        if self.reference is None:  # prompt[1:] + the first token: the reference is prompt + continuation
+            self.reference = self.references[tuple(tokens[:-1])]
+        self.root += len(tokens)  # index of this round's root in the reference
+        chain = list(self.reference[self.root : self.root + self.depth + 1])
+        wrong = 1 + self.round % (self.depth + 1)
+        if wrong < len(chain):
+            chain[wrong] = (chain[wrong] + 1) % self.vocab_size
+        self.round += 1
+        return torch.tensor(chain), build_tree_buffers(torch.arange(len(chain)) - 1)
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.8])
+def test_repetition_penalty_in_batched_verification_with_deep_paths(tiny_target_factory, penalty):
+    """Batched verification with drafts right up to a corrupted depth: each node's own path is penalized, also
+    where its tokens are new to the row (equal to every row's own `generate` alone)."""
+    target = tiny_target_factory("qwen2")
+    prompts = [[3, 14, 15, 92, 65, 35], [27, 18], [4, 40, 41, 42, 40]]
+    references = {tuple(p[1:]): hf_greedy(target, torch.tensor([p]), 50, repetition_penalty=penalty)[0].tolist()
+                  for p in prompts}
+    ids, mask = left_pad(prompts)
+    lm = SpeculativeLM(target, make_heads(target, "medusa"))
+    lm.drafter = PerRowChainOracle(references, target.config.vocab_size)
+    out = lm.generate(ids, attention_mask=mask, max_new_tokens=40, repetition_penalty=penalty, batched=True)
+    assert lm.last_stats["batched_forwards"] > 0 and lm.last_stats["mean_accepted"] > 2
+    for i, prompt in enumerate(prompts):
+        assert out[i, ids.shape[1]:].tolist() == references[tuple(prompt[1:])][len(prompt) : len(prompt) + 40], i
