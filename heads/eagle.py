@@ -16,11 +16,23 @@ from specheads.heads.base import DraftHeads
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.config import HeadsConfig
 
+DRAFT_LAYER_CHOICES = ("auto", "llama")
 
-def draft_layer_config_from_target(target_config: PretrainedConfig) -> dict[str, Any]:
-    """The config (as a dict) of the one decoder layer an EAGLE head owns: the target's family when its decoder
-    layer has the shape the heads drive (see `fits_draft_layer`), else a Llama layer of the target's sizes."""
+
+def draft_layer_config_from_target(target_config: PretrainedConfig, draft_layer: str = "auto") -> dict[str, Any]:
+    """The config (as a dict) of the one decoder layer an EAGLE head owns.
+
+    Args:
+        target_config: the target's config.
+        draft_layer: "auto": the target's family when its decoder layer has the shape the heads drive (see
+            `fits_draft_layer`), else a Llama layer of the target's sizes; "llama": a Llama layer always (what
+            SGLang / SpecForge EAGLE-3 checkpoints hold, so Qwen2 heads export to those formats).
+    """
+    if draft_layer not in DRAFT_LAYER_CHOICES:
+        raise ValueError(f"draft_layer={draft_layer!r}; expected one of {DRAFT_LAYER_CHOICES}")
     target_config = target_config.get_text_config()
+    if draft_layer == "llama":
+        return llama_layer_config_for(target_config)
     layer_config = target_config.to_dict()
     for key in ("architectures", "_name_or_path", "transformers_version", "auto_map", "quantization_config"):
         layer_config.pop(key, None)

@@ -20,13 +20,17 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-def create_heads(target: PreTrainedModel, head_type: str = "eagle", **options: Any) -> DraftHeads:
+def create_heads(
+    target: PreTrainedModel, head_type: str = "eagle", draft_layer: str = "auto", **options: Any
+) -> DraftHeads:
     """Fresh, untrained heads sized for `target` and attached to it.
 
     Args:
         target: the frozen target, any decoder-only `AutoModelForCausalLM` (EAGLE heads own a decoder layer of its
             family when that layer has Llama's shape, else a Llama layer of its sizes: `draft_layer_config_from_target`).
         head_type: one of `HEAD_TYPES`.
+        draft_layer: EAGLE / EAGLE-3: "auto" (the target family's decoder layer when it has Llama's shape, else a
+            Llama one) or "llama" (always Llama: the layout SGLang / SpecForge EAGLE-3 exports need, e.g. for Qwen2).
         **options: any `HeadsConfig` field (e.g. `num_heads=4` for Medusa, `tree_depth=6` for EAGLE).
 
     Returns:
@@ -34,6 +38,8 @@ def create_heads(target: PreTrainedModel, head_type: str = "eagle", **options: A
     """
     if head_type not in HEAD_CLASSES:
         raise ValueError(f"unknown head_type {head_type!r}; expected one of {HEAD_TYPES}")
+    if head_type == "medusa" and draft_layer != "auto":
+        raise ValueError(f"draft_layer={draft_layer!r} applies to EAGLE heads; Medusa heads own no decoder layer")
     text_config = target.config.get_text_config()
     fields = dict(
         head_type=head_type,
@@ -47,7 +53,7 @@ def create_heads(target: PreTrainedModel, head_type: str = "eagle", **options: A
         target_embedding_sample=target_embedding_sample(target.get_input_embeddings().weight),
     )
     if head_type in ("eagle", "eagle3"):
-        fields["draft_layer_config"] = draft_layer_config_from_target(text_config)
+        fields["draft_layer_config"] = draft_layer_config_from_target(text_config, draft_layer)
     if head_type == "eagle3":  # three pre-norm layers, fused by the head
         fields["feature_layers"] = default_eagle3_feature_layers(text_config.num_hidden_layers)
     unknown = set(options) - set(FIELD_HELP)

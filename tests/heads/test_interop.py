@@ -191,6 +191,22 @@ def test_qwen2_layers_cannot_be_exported_to_llama_only_eagle3_layouts(tiny_qwen2
     assert config["transformer_layer_config"]["model_type"] == "qwen2"
 
 
+def test_qwen2_heads_with_a_llama_layer_export_to_every_eagle3_layout(tiny_qwen2, tmp_path):
+    """`draft_layer="llama"` (head.options in a run config): the layer SGLang / SpecForge EAGLE-3 drafts hold for
+    Qwen targets, so those formats take the heads, and they come back tensor for tensor."""
+    torch.manual_seed(0)
+    heads = create_heads(tiny_qwen2, "eagle3", draft_layer="llama")
+    assert type(heads.layer).__name__ == "LlamaDecoderLayer" and heads.config.target_model_type == "qwen2"
+    for fmt in ("eagle3", "eagle3-sglang", "speculators"):
+        export_heads(heads, fmt, tmp_path / fmt)
+        back = import_heads(tmp_path / fmt, target=tiny_qwen2, format=fmt)
+        assert all(torch.equal(heads.state_dict()[name], t) for name, t in back.state_dict().items()), fmt
+    with pytest.raises(ValueError, match=r"draft_layer='qwen2'; expected one of \('auto', 'llama'\)"):
+        create_heads(tiny_qwen2, "eagle3", draft_layer="qwen2")
+    with pytest.raises(ValueError, match="draft_layer='llama' applies to EAGLE heads"):
+        create_heads(tiny_qwen2, "medusa", draft_layer="llama")
+
+
 def test_export_accepts_a_checkpoint_path_and_refuses_the_wrong_head_type(stories, tmp_path):
     torch.manual_seed(0)
     create_heads(stories, "medusa", num_heads=2).save_pretrained(tmp_path / "ours")

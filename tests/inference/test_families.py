@@ -172,3 +172,17 @@ def test_chunked_attention_is_served_inside_one_chunk(tiny_target_factory):
     assert torch.equal(lm.generate(PROMPT, max_new_tokens=11), hf_greedy(target, PROMPT, 11))
     with pytest.raises(ValueError, match="= 21 exceeds the target's attention chunk .* of 20 positions"):
         lm.generate(PROMPT, max_new_tokens=12)
+
+
+def test_a_run_config_can_ask_for_a_llama_draft_layer(tiny_target_factory):
+    """`head.options: {draft_layer: llama}`: the Qwen2 target's EAGLE-3 heads get a Llama layer (exportable to the
+    SGLang / SpecForge layouts) and still give the target's greedy output."""
+    from specheads.training.config import load_run_config
+    from specheads.training.train import initial_heads
+
+    target = tiny_target_factory("qwen2")
+    config = load_run_config(CONFIGS / "eagle3_stories260k.yaml", ["head.options={draft_layer: llama}"])
+    heads = initial_heads(config, target)
+    assert type(heads.layer).__name__ == "LlamaDecoderLayer"
+    lm = SpeculativeLM(target, heads)
+    assert torch.equal(lm.generate(PROMPT, max_new_tokens=20), hf_greedy(target, PROMPT, 20))
