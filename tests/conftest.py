@@ -33,6 +33,7 @@ OTHER_FAMILIES = {
     "gpt_neox": {},  # parallel residual, partial rotary, no "DecoderLayer" class
     "gpt2": {},  # learned absolute positions, Conv1D layers, no rotary embedding
     "mixtral": {},  # mixture-of-experts MLP
+    "gpt_oss": dict(sliding_window=8),  # experts, attention sinks, sliding and full layers in turn
     "starcoder2": {},  # LayerNorm and an ungated MLP with biases: keeps its own layer
 }
 
