@@ -24,7 +24,8 @@ from transformers import DynamicCache
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.drafting import Drafter
-from specheads.inference.sampling import RepetitionContext, SamplingParams
+from specheads.inference.sampling import SamplingParams
+from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.tree import TreeBuffers
 from specheads.inference.verify import last_logits_only, no_logits
 
@@ -117,8 +118,8 @@ def generate_batched(
     features: list[torch.Tensor] = []  # per row: true target features of its newly committed positions
     next_tokens: list[torch.Tensor] = []  # per row: the token that followed each of those features
     done = []
-    # per row, for a repetition penalty: its tokens so far (each tree node adds its own path)
-    contexts = [RepetitionContext(p, out.logits.shape[-1], params.repetition_penalty) if params.penalizes else None
+    # per row, for processors that read the sequence (repetition penalty, ...): its tokens so far
+    contexts = [SequenceContext(p, out.logits.shape[-1], params, sorted(eos)) if params.reads_sequence else None
                 for p in prompts]
     for b, prompt in enumerate(prompts):
         last_logits = out.logits[b, -1:] if contexts[b] is None else contexts[b].last(out.logits[b, -1:])
@@ -137,7 +138,7 @@ def generate_batched(
         features, next_tokens = [features[i] for i in keep], [next_tokens[i] for i in keep]
         contexts = [contexts[i] for i in keep]
     # greedy with a certified argmax (CPU): the forward skips the lm_head, the argmax comes from the hidden states
-    argmax = None if params.do_sample or params.penalizes else lm.certified_argmax
+    argmax = None if params.do_sample or params.reads_sequence else lm.certified_argmax
     while active:
         # draft
         proposals = [drafters[row].propose(features[i], next_tokens[i]) for i, row in enumerate(active)]

@@ -24,13 +24,8 @@ from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
-from specheads.inference.sampling import (
-    RepetitionContext,
-    SamplingParams,
-    check_generation_config,
-    sample_token,
-    target_probs,
-)
+from specheads.inference.sampling import SamplingParams, check_generation_config, sample_token, target_probs
+from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.target_support import check_tree_verification, context_limit
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
@@ -296,6 +291,8 @@ class SpeculativeLM:
         top_p: float | None = None,
         top_k: int | None = None,
         repetition_penalty: float | None = None,
+        no_repeat_ngram_size: int | None = None,
+        min_new_tokens: int | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         streamer: Any | None = None,
@@ -309,10 +306,11 @@ class SpeculativeLM:
             input_ids: (B, n) or (n,) prompt ids; left padding with `attention_mask` for B > 1.
             attention_mask: (B, n), 1 for real tokens.
             max_new_tokens: new tokens at most (0 returns the prompt).
-            do_sample, temperature, top_p, top_k, repetition_penalty: as in transformers; None takes the target's
-                generation config, then transformers' defaults (temperature 1.0, top_p 1.0, top_k 50, no penalty).
-                A repetition penalty makes each tree node's logits depend on its own path, so those runs use the
-                dynamic cache (fast_path=True is refused with it).
+            do_sample, temperature, top_p, top_k, repetition_penalty, no_repeat_ngram_size, min_new_tokens: as in
+                transformers; None takes the target's generation config (min_length too), then transformers'
+                defaults (temperature 1.0, top_p 1.0, top_k 50, the others off). The last three make each tree
+                node's logits depend on its own path, so those runs use the dynamic cache (fast_path=True is
+                refused with them).
             eos_token_id: int or list; default from the target's generation config. Generation stops right
                 after it (the EOS token is included, as transformers does).
             pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
@@ -332,7 +330,8 @@ class SpeculativeLM:
         fast_path (whether the call ran on the static-cache fast path).
         """
         params = SamplingParams.resolve(
-            self.target.generation_config, do_sample, temperature, top_p, top_k, repetition_penalty
+            self.target.generation_config, do_sample, temperature, top_p, top_k, repetition_penalty,
+            no_repeat_ngram_size, min_new_tokens,
         )
         params.validate()
         check_generation_config(self.target.generation_config, do_sample)
@@ -348,11 +347,12 @@ class SpeculativeLM:
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0}
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
-        if params.penalizes:  # each node's logits depend on its path: the dynamic-cache loops apply that
+        if params.reads_sequence:  # each node's logits depend on its path: the dynamic-cache loops apply that
             if fast_path:
                 raise ValueError(
-                    f"fast_path=True does not apply repetition_penalty={params.repetition_penalty}; leave fast_path "
-                    "unset (the rows then decode on the dynamic cache)"
+                    f"fast_path=True does not apply repetition_penalty={params.repetition_penalty}, no_repeat_ngram_"
+                    f"size={params.no_repeat_ngram_size}, min_length={params.min_length} or min_new_tokens="
+                    f"{params.min_new_tokens}; leave fast_path unset (the rows then decode on the dynamic cache)"
                 )
             fast_path = False
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
@@ -374,7 +374,7 @@ class SpeculativeLM:
             rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats)
         else:
             verifier = runner if runner is not None else DynamicTreeVerifier(
-                self.target, self.heads.select_features, argmax=None if params.penalizes else self.certified_argmax
+                self.target, self.heads.select_features, argmax=None if params.reads_sequence else self.certified_argmax
             )
             rows = []
             for prompt in prompts:
@@ -416,7 +416,8 @@ class SpeculativeLM:
         prefill_start = time.perf_counter()
         last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         stats["target_forwards"] += 1
-        context = RepetitionContext(prompt, last_logits.shape[-1], params.repetition_penalty) if params.penalizes else None
+        # the sequence so far, for processors that read it (repetition penalty, n-gram blocking, minimum lengths)
+        context = SequenceContext(prompt, last_logits.shape[-1], params, sorted(eos)) if params.reads_sequence else None
         if context is not None:
             last_logits = context.last(last_logits)
         root = self._choose(last_logits, params)[0]

@@ -22,7 +22,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    repetition_penalty: float = 1.0  # transformers' RepetitionPenaltyLogitsProcessor; 1.0 = off
+    # processors that read the sequence so far (inference/sequence_processors.py); these values turn them off
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_length: int = 0
+    min_new_tokens: int = 0
 
     @classmethod
     def resolve(
@@ -33,6 +37,8 @@ class SamplingParams:
         top_p: float | None,
         top_k: int | None,
         repetition_penalty: float | None = None,
+        no_repeat_ngram_size: int | None = None,
+        min_new_tokens: int | None = None,
     ) -> SamplingParams:
         """Fill unset options as `generate` does: the model's generation config, then transformers' defaults."""
 
@@ -48,6 +54,9 @@ class SamplingParams:
             top_p=pick(top_p, "top_p", 1.0),
             top_k=pick(top_k, "top_k", 50),
             repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.0)),
+            no_repeat_ngram_size=int(pick(no_repeat_ngram_size, "no_repeat_ngram_size", 0)),
+            min_length=int(pick(None, "min_length", 0)),
+            min_new_tokens=int(pick(min_new_tokens, "min_new_tokens", 0)),
         )
 
     def validate(self) -> None:
@@ -59,11 +68,16 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 = no penalty)")
+        for name in ("no_repeat_ngram_size", "min_length", "min_new_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = off)")
 
     @property
-    def penalizes(self) -> bool:
-        """Whether each position's logits depend on the tokens before it (a repetition penalty)."""
-        return self.repetition_penalty != 1.0
+    def reads_sequence(self) -> bool:
+        """Whether each position's logits depend on the tokens before it (repetition penalty, n-gram blocking,
+        minimum lengths): then every tree node is processed with its own path (inference/sequence_processors.py)."""
+        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or self.min_length > 0
+                or self.min_new_tokens > 0)
 
     def warpers(self) -> LogitsProcessorList:
         """The same warpers, in the same order, that `generate(do_sample=True, ...)` builds."""
@@ -81,20 +95,17 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
     """{field: value} of the settings in the target's generation config that `transformers.generate` would apply
     (as logits processors) and speculative decoding here does not; empty when there are none.
 
-    Temperature, top-k, top-p and the repetition penalty are applied (`SamplingParams`); n-gram blocking, forced
-    or suppressed tokens, minimum lengths and the other sampling cutoffs are not, so an output would silently
-    differ from the target's own `generate`.
+    Temperature, top-k, top-p, the repetition penalty, n-gram blocking and minimum lengths are applied
+    (`SamplingParams`); bad words, sequence biases, forced or suppressed tokens and the other sampling cutoffs are
+    not, so an output would silently differ from the target's own `generate`.
     """
 
     def value(name: str) -> Any:
         return getattr(generation_config, name, None)
 
     checks = {  # field -> whether its value makes transformers add a logits processor (as _get_logits_processor)
-        "no_repeat_ngram_size": lambda v: v is not None and v > 0,
         "sequence_bias": lambda v: v is not None,
         "bad_words_ids": lambda v: v is not None,
-        "min_length": lambda v: v is not None and v > 0,
-        "min_new_tokens": lambda v: v is not None and v > 0,
         "forced_bos_token_id": lambda v: v is not None,
         "forced_eos_token_id": lambda v: v is not None,
         "exponential_decay_length_penalty": lambda v: v is not None,
@@ -125,56 +136,6 @@ def check_generation_config(generation_config: Any, do_sample: bool) -> None:
             f"decoding here does not, so outputs would differ from the target's own: set them to their neutral "
             f"values first (e.g. `target.generation_config.{first} = None`; `target.generate` then agrees)"
         )
-
-
-def context_token_mask(seen: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-    """Which tokens each tree node's context holds: the committed ones and the node's path in the tree.
-
-    Args:
-        seen: (V,) bool, the tokens of the prompt and of everything emitted so far.
-        tokens: (N,) the tree's tokens; ancestors: (N, N) bool, ancestors[i, j] = node j is node i or above it.
-
-    Returns:
-        (N, V) bool: row i marks the tokens of the sequence whose last token is node i.
-    """
-    mask = seen[None].repeat(tokens.shape[0], 1)  # (N, V)
-    rows, cols = ancestors.nonzero(as_tuple=True)  # every (node, ancestor-or-self) pair
-    mask[rows, tokens[cols]] = True
-    return mask
-
-
-def penalize_repetitions(logits: torch.Tensor, in_context: torch.Tensor, penalty: float) -> torch.Tensor:
-    """transformers' repetition penalty: logits of tokens already in the context are divided by `penalty` when
-    positive and multiplied by it when negative. (N, V) logits (scored in float32, as generate does), (N, V) bool
-    -> (N, V) float32."""
-    scores = logits.float()
-    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return torch.where(in_context, penalized, scores)
-
-
-class RepetitionContext:
-    """One sequence's tokens so far, for transformers' repetition penalty on its prefill and tree logits.
-
-    transformers penalizes, at every step, each token anywhere in the sequence (prompt included, padding not).
-    A tree node's sequence is what was emitted plus the node's own path, so each node gets its own mask.
-    """
-
-    def __init__(self, prompt: torch.Tensor, vocab_size: int, penalty: float) -> None:
-        self.penalty = penalty
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=prompt.device)  # (V,)
-        self.seen[prompt] = True
-
-    def last(self, logits: torch.Tensor) -> torch.Tensor:
-        """(1, V) logits after the committed sequence -> penalized (1, V) float32."""
-        return penalize_repetitions(logits, self.seen[None], self.penalty)
-
-    def tree(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-        """(N, V) logits at the tree's nodes -> penalized (N, V) float32 (node i: committed tokens + its path)."""
-        return penalize_repetitions(logits, context_token_mask(self.seen, tokens, ancestors), self.penalty)
-
-    def commit(self, tokens: torch.Tensor) -> None:
-        """Add emitted tokens (any shape) to the sequence."""
-        self.seen[tokens] = True
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -26,6 +26,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="transformers' repetition penalty (default: the target's generation config; 1.0 = none)")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None,
+                   help="ban repeating n-grams of this size, as transformers (default: the target's generation config)")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
                       help="apply the tokenizer's chat template to the prompt (default: when the tokenizer has one)")
@@ -76,6 +78,7 @@ def run_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
         streamer=streamer,
     )
     stats = lm.last_stats

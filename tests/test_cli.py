@@ -83,13 +83,14 @@ def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, opt
 
 
 def test_generate_repetition_penalty_gives_transformers_text(stories260k_eagle_dir, capfd, stories260k):
-    """`--repetition-penalty 1.3`: the text `target.generate(repetition_penalty=1.3)` writes, not the plain one."""
+    """`--repetition-penalty 1.3 --no-repeat-ngram-size 3`: the text `target.generate` writes with them, not the
+    plain one."""
     target, tokenizer = stories260k
     ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
-    expected = tokenizer.decode(target.generate(ids, max_new_tokens=30, do_sample=False, repetition_penalty=1.3)[0],
-                                skip_special_tokens=True)
+    processed = target.generate(ids, max_new_tokens=30, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3)
+    expected = tokenizer.decode(processed[0], skip_special_tokens=True)
     code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
-                 "--max-new-tokens", "30", "--repetition-penalty", "1.3"])
+                 "--max-new-tokens", "30", "--repetition-penalty", "1.3", "--no-repeat-ngram-size", "3"])
     assert code == 0
     out, _ = capfd.readouterr()
     assert out.strip() == expected.strip()

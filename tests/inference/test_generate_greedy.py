@@ -263,39 +263,62 @@ def test_sliding_window_target_past_its_window(tiny_target_factory, family, wind
     assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
 
 
-# --- a repetition penalty ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("penalty", [1.3, 0.8])  # < 1 favours repeats: long loops, deep accepted paths
+# --- processors that read the sequence so far (repetition penalty, n-gram blocking, minimum lengths) ---------
+SEQUENCE_SETTINGS = {
+    "repetition_penalty=1.3": dict(repetition_penalty=1.3),
+    "repetition_penalty=0.8": dict(repetition_penalty=0.8),  # < 1 favours repeats: long loops, deep paths
+    "no_repeat_ngram_size=2": dict(no_repeat_ngram_size=2),
+    "no_repeat_ngram_size=3+penalty": dict(no_repeat_ngram_size=3, repetition_penalty=1.1),
+    "min_new_tokens=25": dict(min_new_tokens=25),  # with an EOS that plain decoding emits early
+}
+
+
+def early_eos(target, ids) -> int:
+    """A token plain greedy decoding first emits at a new-token index in [4, 12): as EOS it stops decoding there."""
+    continuation = hf_greedy(target, ids, 12)[0, ids.shape[1]:].tolist()
+    return next(t for i, t in enumerate(continuation) if i >= 4 and t not in continuation[:i])
+
+
+@pytest.mark.parametrize("setting", list(SEQUENCE_SETTINGS))
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_repetition_penalty_with_oracle_drafts_equals_hf_generate(
-    tiny_target_factory, oracle_drafter, family, penalty
-):
-    """transformers' repetition penalty, applied per tree node to the tokens of its own path plus everything
+def test_sequence_processors_with_oracle_drafts_equal_hf_generate(tiny_target_factory, oracle_drafter, family, setting):
+    """transformers' processors that read the sequence, applied per tree node to its own path plus everything
     before it: long accepted paths, rejections at every depth, rescued siblings; identical to `generate`."""
     target = tiny_target_factory(family)
     ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
-    n = 60
-    reference = hf_greedy(target, ids, n + 8, repetition_penalty=penalty)[0].tolist()
+    n, options = 60, dict(SEQUENCE_SETTINGS[setting])
+    if "min_new_tokens" in options:
+        options["eos_token_id"] = early_eos(target, ids)
+        assert hf_greedy(target, ids, n, eos_token_id=options["eos_token_id"]).shape[1] <= ids.shape[1] + 12
+    expected = hf_greedy(target, ids, n, **options)
+    reference = expected[0].tolist() + [1] * 8  # drafts may run past the end (EOS stops the output there)
     lm = SpeculativeLM(target, make_heads(target, "medusa"))
     lm.drafter = oracle_drafter(reference, target.config.vocab_size, depth=5, corruption_rate=0.15,
                                 cycle_rejections=True, seed=3)
-    out = lm.generate(ids, max_new_tokens=n, repetition_penalty=penalty)
-    assert out[0].tolist() == reference[: ids.shape[1] + n]
-    lm.drafter.check_accepted()
+    out = lm.generate(ids, max_new_tokens=n, **options)
+    assert torch.equal(out, expected)
     assert lm.last_stats["mean_accepted"] > 2
-    assert not torch.equal(out, hf_greedy(target, ids, n)), "the penalty should change this output"
+    assert not torch.equal(out, hf_greedy(target, ids, n, eos_token_id=options.get("eos_token_id"))), "no effect"
+    if "min_new_tokens" in options:
+        assert out.shape[1] >= ids.shape[1] + 25
 
 
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_repetition_penalty_from_the_generation_config(stories260k, head_type):
-    """Set in the target's generation config (as Qwen2.5-Instruct ships 1.05), it applies without an argument,
-    like transformers; prompt lookup's copied runs are penalized too; the fast path (static shapes) refuses it."""
+def test_sequence_processors_from_the_generation_config(stories260k, head_type):
+    """Set in the target's generation config (Qwen2.5-Instruct ships repetition_penalty=1.05), they apply without
+    an argument, like transformers (min_length only comes from there); prompt lookup's copied runs are processed
+    too; the fast path (static shapes) refuses them."""
     target, tokenizer = stories260k
     target = copy.deepcopy(target)
-    target.generation_config.repetition_penalty = 1.2
+    config = target.generation_config
+    config.repetition_penalty, config.no_repeat_ngram_size, config.min_length = 1.2, 4, 40
     ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
     torch.manual_seed(0)
     lm = SpeculativeLM(target, create_heads(target, head_type), lookup_tokens=8)
-    assert torch.equal(lm.generate(ids, max_new_tokens=60), hf_greedy(target, ids, 60))
+    eos = int(hf_greedy(target, ids, 8, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0)[0, -1])
+    out = lm.generate(ids, max_new_tokens=60, eos_token_id=eos)
+    assert torch.equal(out, hf_greedy(target, ids, 60, eos_token_id=eos))
+    assert out.shape[1] >= 40  # min_length kept the early EOS out
     with pytest.raises(ValueError, match="fast_path=True does not apply repetition_penalty=1.2"):
         lm.generate(ids, max_new_tokens=4, fast_path=True)
 
@@ -343,18 +366,18 @@ class PerRowChainOracle:
         return torch.tensor(chain), build_tree_buffers(torch.arange(len(chain)) - 1)
 
 
-@pytest.mark.parametrize("penalty", [1.5, 0.8])
-def test_repetition_penalty_in_batched_verification_with_deep_paths(tiny_target_factory, penalty):
-    """Batched verification with drafts right up to a corrupted depth: each node's own path is penalized, also
-    where its tokens are new to the row (equal to every row's own `generate` alone)."""
+@pytest.mark.parametrize("setting", ["repetition_penalty=1.3", "repetition_penalty=0.8", "no_repeat_ngram_size=2"])
+def test_sequence_processors_in_batched_verification_with_deep_paths(tiny_target_factory, setting):
+    """Batched verification with drafts right up to a corrupted depth: each node is processed with its own path,
+    also where its tokens are new to the row (equal to every row's own `generate` alone)."""
     target = tiny_target_factory("qwen2")
+    options = SEQUENCE_SETTINGS[setting]
     prompts = [[3, 14, 15, 92, 65, 35], [27, 18], [4, 40, 41, 42, 40]]
-    references = {tuple(p[1:]): hf_greedy(target, torch.tensor([p]), 50, repetition_penalty=penalty)[0].tolist()
-                  for p in prompts}
+    references = {tuple(p[1:]): hf_greedy(target, torch.tensor([p]), 50, **options)[0].tolist() for p in prompts}
     ids, mask = left_pad(prompts)
     lm = SpeculativeLM(target, make_heads(target, "medusa"))
     lm.drafter = PerRowChainOracle(references, target.config.vocab_size)
-    out = lm.generate(ids, attention_mask=mask, max_new_tokens=40, repetition_penalty=penalty, batched=True)
+    out = lm.generate(ids, attention_mask=mask, max_new_tokens=40, batched=True, **options)
     assert lm.last_stats["batched_forwards"] > 0 and lm.last_stats["mean_accepted"] > 2
     for i, prompt in enumerate(prompts):
         assert out[i, ids.shape[1]:].tolist() == references[tuple(prompt[1:])][len(prompt) : len(prompt) + 40], i

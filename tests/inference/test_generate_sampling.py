@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -36,9 +37,10 @@ SETTINGS = {
     "T=1.0": dict(temperature=1.0),
     "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9),
     "T=1.0,repetition_penalty=4.0": dict(temperature=1.0, repetition_penalty=4.0),  # each node's own path counts
+    "T=1.0,no_repeat_ngram_size=2": dict(temperature=1.0, no_repeat_ngram_size=2),
 }
-# a shorter prompt leaves 4 of the 6 tokens out of the context, so the penalty depends on the tree paths
-PROMPTS = {"T=1.0,repetition_penalty=4.0": [1, 3]}
+# a shorter prompt leaves most of the 6 tokens and bigrams out of the context: the processing depends on tree paths
+PROMPTS = {"T=1.0,repetition_penalty=4.0": [1, 3], "T=1.0,no_repeat_ngram_size=2": [1, 3]}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,7 @@ def warped_probs(
     top_p: float = 1.0,
     top_k: int = 0,
     repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
     context: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The target's sampling law as transformers' generate builds it (its own processors, its order): (B, V) logits
@@ -63,6 +66,8 @@ def warped_probs(
     warpers = LogitsProcessorList()
     if repetition_penalty != 1.0:
         warpers.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if no_repeat_ngram_size:
+        warpers.append(NoRepeatNGramLogitsProcessor(no_repeat_ngram_size))
     if temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(temperature))
     if top_k:
@@ -292,12 +297,13 @@ def test_default_sampling_matches_transformers_defaults(tiny_llama):
 
 @pytest.mark.parametrize(
     ("setting", "do_sample"),
-    [({"no_repeat_ngram_size": 2}, False), ({"min_new_tokens": 5}, False), ({"bad_words_ids": [[64]]}, False),
+    [({"suppress_tokens": [64]}, False), ({"bad_words_ids": [[64]]}, False),
      ({"min_p": 0.1}, True), ({"typical_p": 0.9}, True)],
 )
 def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, do_sample):
     """transformers' generate applies the target's generation config even when greedy: speculative decoding
-    refuses what it does not apply (it applies temperature, top-k, top-p and the repetition penalty), naming it,
+    refuses what it does not apply (it applies temperature, top-k, top-p, the repetition penalty, n-gram blocking
+    and minimum lengths), naming it,
     instead of emitting other tokens than the target's own; neutral values make both agree again."""
     target = copy.deepcopy(tiny_llama)
     ids = torch.tensor([[1, 5, 9, 33, 7, 5, 9]])
@@ -308,7 +314,7 @@ def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, 
     name, value = next(iter(setting.items()))
     with pytest.raises(ValueError, match=re.escape(f"generation config sets {name}={value!r}, which transformers'")):
         lm.generate(ids, max_new_tokens=30, do_sample=do_sample, eos_token_id=[])
-    if name in ("no_repeat_ngram_size", "bad_words_ids"):  # it matters: transformers' greedy output moves
+    if name in ("suppress_tokens", "bad_words_ids"):  # it matters: transformers' greedy output moves
         assert not torch.equal(target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=[]), plain)
     setattr(target.generation_config, name, None)
     assert torch.equal(lm.generate(ids, max_new_tokens=30, eos_token_id=[]), plain)
