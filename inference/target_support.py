@@ -32,8 +32,20 @@ def uses_alibi(config) -> bool:
     return flag is True
 
 
+def unwrapped(target: PreTrainedModel) -> PreTrainedModel:
+    """The transformers model inside a peft wrapper (`get_base_model`) or a `torch.compile` one (`_orig_mod`)."""
+    while True:
+        if hasattr(target, "get_base_model"):
+            target = target.get_base_model()
+        elif hasattr(target, "_orig_mod"):
+            target = target._orig_mod
+        else:
+            return target
+
+
 def tree_verification_problem(target: PreTrainedModel) -> str | None:
     """Why `target` cannot verify token trees exactly (see the module docstring), or None when it can."""
+    target = unwrapped(target)
     config = target.config.get_text_config()
     name = f"{type(target).__name__} (model_type={config.model_type!r})"
     if getattr(config, "is_encoder_decoder", False):

@@ -186,3 +186,19 @@ def test_a_run_config_can_ask_for_a_llama_draft_layer(tiny_target_factory):
     assert type(heads.layer).__name__ == "LlamaDecoderLayer"
     lm = SpeculativeLM(target, heads)
     assert torch.equal(lm.generate(PROMPT, max_new_tokens=20), hf_greedy(target, PROMPT, 20))
+
+
+def test_wrapped_targets_are_judged_by_the_model_inside(tiny_target_factory):
+    """A peft wrapper or `torch.compile` hides the forward's position_ids behind **kwargs: the check looks inside."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from specheads.inference.target_support import tree_verification_problem
+
+    target = copy.deepcopy(tiny_target_factory("llama"))
+    assert tree_verification_problem(torch.compile(target)) is None  # compiled lazily: nothing runs here
+    assert tree_verification_problem(get_peft_model(target, LoraConfig(r=2, target_modules=["q_proj"]))) is None
+    mamba = copy.deepcopy(tiny_target_factory("mamba"))
+    wrapped = get_peft_model(mamba, LoraConfig(r=2, target_modules=["in_proj"]))
+    assert "keeps a recurrent state" in tree_verification_problem(wrapped)
