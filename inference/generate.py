@@ -290,6 +290,8 @@ class SpeculativeLM:
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
+        min_p: float | None = None,
+        typical_p: float | None = None,
         repetition_penalty: float | None = None,
         no_repeat_ngram_size: int | None = None,
         min_new_tokens: int | None = None,
@@ -306,9 +308,10 @@ class SpeculativeLM:
             input_ids: (B, n) or (n,) prompt ids; left padding with `attention_mask` for B > 1.
             attention_mask: (B, n), 1 for real tokens.
             max_new_tokens: new tokens at most (0 returns the prompt).
-            do_sample, temperature, top_p, top_k, repetition_penalty, no_repeat_ngram_size, min_new_tokens: as in
-                transformers; None takes the target's generation config (min_length too), then transformers'
-                defaults (temperature 1.0, top_p 1.0, top_k 50, the others off). The last three make each tree
+            do_sample, temperature, top_p, top_k, min_p, typical_p, repetition_penalty, no_repeat_ngram_size,
+                min_new_tokens: as in transformers; None takes the target's generation config (min_length and the
+                epsilon / eta cutoffs too), then transformers' defaults (temperature 1.0, top_p 1.0, top_k 50,
+                the others off). The last three make each tree
                 node's logits depend on its own path, so those runs use the dynamic cache (fast_path=True is
                 refused with them).
             eos_token_id: int or list; default from the target's generation config. Generation stops right
@@ -331,7 +334,7 @@ class SpeculativeLM:
         """
         params = SamplingParams.resolve(
             self.target.generation_config, do_sample, temperature, top_p, top_k, repetition_penalty,
-            no_repeat_ngram_size, min_new_tokens,
+            no_repeat_ngram_size, min_new_tokens, min_p, typical_p,
         )
         params.validate()
         check_generation_config(self.target.generation_config, do_sample)

@@ -7,10 +7,14 @@ from typing import Any
 
 import torch
 from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
     LogitsProcessorList,
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 
@@ -22,6 +26,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # the other sampling warpers transformers applies after top-p, in its order; these values turn them off
+    min_p: float | None = None
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
     # processors that read the sequence so far (inference/sequence_processors.py); these values turn them off
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
@@ -39,6 +48,8 @@ class SamplingParams:
         repetition_penalty: float | None = None,
         no_repeat_ngram_size: int | None = None,
         min_new_tokens: int | None = None,
+        min_p: float | None = None,
+        typical_p: float | None = None,
     ) -> SamplingParams:
         """Fill unset options as `generate` does: the model's generation config, then transformers' defaults."""
 
@@ -53,6 +64,10 @@ class SamplingParams:
             temperature=pick(temperature, "temperature", 1.0),
             top_p=pick(top_p, "top_p", 1.0),
             top_k=pick(top_k, "top_k", 50),
+            min_p=pick(min_p, "min_p", None),
+            typical_p=float(pick(typical_p, "typical_p", 1.0)),
+            epsilon_cutoff=float(pick(None, "epsilon_cutoff", 0.0)),
+            eta_cutoff=float(pick(None, "eta_cutoff", 0.0)),
             repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.0)),
             no_repeat_ngram_size=int(pick(no_repeat_ngram_size, "no_repeat_ngram_size", 0)),
             min_length=int(pick(None, "min_length", 0)),
@@ -66,6 +81,10 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if not 0 < self.typical_p <= 1:
+            raise ValueError(f"typical_p={self.typical_p} must be in (0, 1]")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 = no penalty)")
         for name in ("no_repeat_ngram_size", "min_length", "min_new_tokens"):
@@ -88,6 +107,14 @@ class SamplingParams:
             warpers.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
         if self.top_p < 1.0:
             warpers.append(TopPLogitsWarper(top_p=self.top_p, min_tokens_to_keep=1))
+        if self.min_p is not None:
+            warpers.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
+        if self.typical_p < 1.0:
+            warpers.append(TypicalLogitsWarper(mass=self.typical_p, min_tokens_to_keep=1))
+        if 0.0 < self.epsilon_cutoff < 1.0:
+            warpers.append(EpsilonLogitsWarper(epsilon=self.epsilon_cutoff, min_tokens_to_keep=1))
+        if 0.0 < self.eta_cutoff < 1.0:
+            warpers.append(EtaLogitsWarper(epsilon=self.eta_cutoff, min_tokens_to_keep=1))
         return warpers
 
 
@@ -95,9 +122,9 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
     """{field: value} of the settings in the target's generation config that `transformers.generate` would apply
     (as logits processors) and speculative decoding here does not; empty when there are none.
 
-    Temperature, top-k, top-p, the repetition penalty, n-gram blocking and minimum lengths are applied
-    (`SamplingParams`); bad words, sequence biases, forced or suppressed tokens and the other sampling cutoffs are
-    not, so an output would silently differ from the target's own `generate`.
+    Temperature, top-k, top-p, min-p, typical-p, the epsilon and eta cutoffs, the repetition penalty, n-gram
+    blocking and minimum lengths are applied (`SamplingParams`); bad words, sequence biases, forced or suppressed
+    tokens and top-h are not, so an output would silently differ from the target's own `generate`.
     """
 
     def value(name: str) -> Any:
@@ -115,13 +142,7 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
         "watermarking_config": lambda v: v is not None,
     }
     if do_sample:
-        checks.update({
-            "min_p": lambda v: v is not None,
-            "typical_p": lambda v: v is not None and v < 1.0,
-            "epsilon_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
-            "eta_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
-            "top_h": lambda v: v is not None,
-        })
+        checks["top_h"] = lambda v: v is not None
     return {name: value(name) for name, applies in checks.items() if applies(value(name))}
 
 

@@ -24,6 +24,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
+    p.add_argument("--min-p", type=float, default=None, help="min-p sampling, as transformers (default: generation config)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="transformers' repetition penalty (default: the target's generation config; 1.0 = none)")
     p.add_argument("--no-repeat-ngram-size", type=int, default=None,
@@ -77,6 +78,7 @@ def run_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         no_repeat_ngram_size=args.no_repeat_ngram_size,
         streamer=streamer,

@@ -16,11 +16,13 @@ import pytest
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 import specheads.inference.accept as accept_module
@@ -38,6 +40,8 @@ SETTINGS = {
     "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9),
     "T=1.0,repetition_penalty=4.0": dict(temperature=1.0, repetition_penalty=4.0),  # each node's own path counts
     "T=1.0,no_repeat_ngram_size=2": dict(temperature=1.0, no_repeat_ngram_size=2),
+    "T=0.8,min_p=0.1": dict(temperature=0.8, min_p=0.1),
+    "T=1.0,typical_p=0.8": dict(temperature=1.0, typical_p=0.8),
 }
 # a shorter prompt leaves most of the 6 tokens and bigrams out of the context: the processing depends on tree paths
 PROMPTS = {"T=1.0,repetition_penalty=4.0": [1, 3], "T=1.0,no_repeat_ngram_size=2": [1, 3]}
@@ -59,6 +63,8 @@ def warped_probs(
     top_k: int = 0,
     repetition_penalty: float = 1.0,
     no_repeat_ngram_size: int = 0,
+    min_p: float | None = None,
+    typical_p: float = 1.0,
     context: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The target's sampling law as transformers' generate builds it (its own processors, its order): (B, V) logits
@@ -74,6 +80,10 @@ def warped_probs(
         warpers.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p))
+    if min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p))
+    if typical_p < 1.0:
+        warpers.append(TypicalLogitsWarper(typical_p))
     return torch.softmax(warpers(context, logits.float().clone()), dim=-1)
 
 
@@ -297,14 +307,13 @@ def test_default_sampling_matches_transformers_defaults(tiny_llama):
 
 @pytest.mark.parametrize(
     ("setting", "do_sample"),
-    [({"suppress_tokens": [64]}, False), ({"bad_words_ids": [[64]]}, False),
-     ({"min_p": 0.1}, True), ({"typical_p": 0.9}, True)],
+    [({"suppress_tokens": [64]}, False), ({"bad_words_ids": [[64]]}, False), ({"top_h": 0.5}, True)],
 )
 def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, do_sample):
     """transformers' generate applies the target's generation config even when greedy: speculative decoding
-    refuses what it does not apply (it applies temperature, top-k, top-p, the repetition penalty, n-gram blocking
-    and minimum lengths), naming it,
-    instead of emitting other tokens than the target's own; neutral values make both agree again."""
+    refuses what it does not apply (it applies temperature, top-k, top-p, min-p, typical-p, the epsilon and eta
+    cutoffs, the repetition penalty, n-gram blocking and minimum lengths), naming it, instead of emitting other
+    tokens than the target's own; neutral values make both agree again."""
     target = copy.deepcopy(tiny_llama)
     ids = torch.tensor([[1, 5, 9, 33, 7, 5, 9]])
     lm = SpeculativeLM(target, create_heads(target, "medusa"))
@@ -321,9 +330,9 @@ def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, 
 
 
 def test_sampling_cutoffs_do_not_stop_greedy_decoding(tiny_llama):
-    """min_p and typical_p only act when sampling (as in transformers): greedy decoding goes on."""
+    """top_h, like min_p and typical_p, only acts when sampling (as in transformers): greedy decoding goes on."""
     target = copy.deepcopy(tiny_llama)
-    target.generation_config.min_p = 0.1
+    target.generation_config.top_h = 0.5
     ids = torch.tensor([[1, 5, 9, 33, 7]])
     lm = SpeculativeLM(target, create_heads(target, "medusa"))
     assert torch.equal(lm.generate(ids, max_new_tokens=20), target.generate(ids, max_new_tokens=20, do_sample=False))
