@@ -333,8 +333,9 @@ class SpeculativeLM:
         fast_path (whether the call ran on the static-cache fast path).
         """
         params = SamplingParams.resolve(
-            self.target.generation_config, do_sample, temperature, top_p, top_k, repetition_penalty,
-            no_repeat_ngram_size, min_new_tokens, min_p, typical_p,
+            self.target.generation_config, do_sample, temperature, top_p, top_k,
+            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+            min_new_tokens=min_new_tokens, min_p=min_p, typical_p=typical_p,
         )
         params.validate()
         check_generation_config(self.target.generation_config, do_sample)
