@@ -36,6 +36,8 @@ class SamplingParams:
     no_repeat_ngram_size: int = 0
     min_length: int = 0
     min_new_tokens: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] | None = None  # run through transformers' own processors
+    suppress_tokens: tuple[int, ...] | None = None
 
     @classmethod
     def resolve(
@@ -50,6 +52,8 @@ class SamplingParams:
         min_new_tokens: int | None = None,
         min_p: float | None = None,
         typical_p: float | None = None,
+        bad_words_ids: list[list[int]] | None = None,
+        suppress_tokens: list[int] | None = None,
     ) -> SamplingParams:
         """Fill unset options as `generate` does: the model's generation config, then transformers' defaults."""
 
@@ -72,6 +76,8 @@ class SamplingParams:
             no_repeat_ngram_size=int(pick(no_repeat_ngram_size, "no_repeat_ngram_size", 0)),
             min_length=int(pick(None, "min_length", 0)),
             min_new_tokens=int(pick(min_new_tokens, "min_new_tokens", 0)),
+            bad_words_ids=as_tuples(pick(bad_words_ids, "bad_words_ids", None)),
+            suppress_tokens=as_tuples([pick(suppress_tokens, "suppress_tokens", [])])[0] or None,
         )
 
     def validate(self) -> None:
@@ -91,12 +97,17 @@ class SamplingParams:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = off)")
 
+    def sequence_settings(self) -> list[str]:
+        """'name=value' of each active processor that reads the sequence so far."""
+        neutral = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
+                   "bad_words_ids": None, "suppress_tokens": None}
+        return [f"{name}={getattr(self, name)!r}" for name, off in neutral.items() if getattr(self, name) != off]
+
     @property
     def reads_sequence(self) -> bool:
         """Whether each position's logits depend on the tokens before it (repetition penalty, n-gram blocking,
         minimum lengths): then every tree node is processed with its own path (inference/sequence_processors.py)."""
-        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or self.min_length > 0
-                or self.min_new_tokens > 0)
+        return bool(self.sequence_settings())
 
     def warpers(self) -> LogitsProcessorList:
         """The same warpers, in the same order, that `generate(do_sample=True, ...)` builds."""
@@ -118,13 +129,19 @@ class SamplingParams:
         return warpers
 
 
+def as_tuples(sequences: list[list[int]] | None) -> tuple[tuple[int, ...], ...] | None:
+    """[[1, 2], [3]] -> ((1, 2), (3,)) (hashable, for the frozen `SamplingParams`); None stays None."""
+    return None if sequences is None else tuple(tuple(int(t) for t in sequence) for sequence in sequences)
+
+
 def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> dict[str, Any]:
     """{field: value} of the settings in the target's generation config that `transformers.generate` would apply
     (as logits processors) and speculative decoding here does not; empty when there are none.
 
     Temperature, top-k, top-p, min-p, typical-p, the epsilon and eta cutoffs, the repetition penalty, n-gram
-    blocking and minimum lengths are applied (`SamplingParams`); bad words, sequence biases, forced or suppressed
-    tokens and top-h are not, so an output would silently differ from the target's own `generate`.
+    blocking, minimum lengths, bad words and suppressed tokens are applied (`SamplingParams`); sequence biases,
+    forced tokens, tokens suppressed at the beginning and top-h are not, so an output would silently differ from
+    the target's own `generate`.
     """
 
     def value(name: str) -> Any:
@@ -132,11 +149,9 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
 
     checks = {  # field -> whether its value makes transformers add a logits processor (as _get_logits_processor)
         "sequence_bias": lambda v: v is not None,
-        "bad_words_ids": lambda v: v is not None,
         "forced_bos_token_id": lambda v: v is not None,
         "forced_eos_token_id": lambda v: v is not None,
         "exponential_decay_length_penalty": lambda v: v is not None,
-        "suppress_tokens": lambda v: v is not None,
         "begin_suppress_tokens": lambda v: v is not None,
         "guidance_scale": lambda v: v is not None and v != 1,
         "watermarking_config": lambda v: v is not None,

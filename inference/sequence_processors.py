@@ -11,6 +11,11 @@ Applied in transformers' order; the exact same arithmetic, so greedy outputs and
 from __future__ import annotations
 
 import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    NoBadWordsLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
 
 from specheads.inference.sampling import SamplingParams
 
@@ -52,6 +57,12 @@ class SequenceContext:
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=prompt.device)  # (V,) for the penalty
         self.ngrams: dict[tuple[int, ...], set[int]] = {}  # (n-1) tokens -> the tokens that followed them
         self.eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt.device)
+        # token bans, by transformers' own processors (called with each node's own sequence as input_ids)
+        self.bans = LogitsProcessorList()
+        if params.bad_words_ids:
+            self.bans.append(NoBadWordsLogitsProcessor([list(w) for w in params.bad_words_ids], eos_ids or None))
+        if params.suppress_tokens:
+            self.bans.append(SuppressTokensLogitsProcessor(list(params.suppress_tokens), device=prompt.device))
         self.commit(prompt.tolist())
 
     def commit(self, tokens: list[int] | torch.Tensor) -> None:
@@ -77,7 +88,7 @@ class SequenceContext:
             ancestors: (N, N) bool, ancestors[i, j] = node j is node i or above it (nodes in topological order).
         """
         paths = []  # per node: its path's tokens after the root (ancestor indices rise with depth)
-        if self.params.no_repeat_ngram_size > 0:
+        if self.params.no_repeat_ngram_size > 0 or self.bans:
             listed = tokens.tolist()
             paths = [[listed[j] for j in row.nonzero().flatten().tolist() if j > 0] for row in ancestors.cpu()]
         return self._process(logits, tokens, ancestors, paths)
@@ -105,6 +116,15 @@ class SequenceContext:
                 scores = scores.clone()
                 rows = short.nonzero().flatten()
                 scores[rows[:, None], self.eos[None, :]] = -float("inf")
+        if self.bans:  # nodes of one depth have sequences of one length: one call per depth
+            scores = scores.clone()
+            by_length: dict[int, list[int]] = {}
+            for node, path in enumerate(paths):
+                by_length.setdefault(len(path), []).append(node)
+            for nodes in by_length.values():
+                input_ids = torch.tensor([self.tokens + paths[node] for node in nodes], device=scores.device)
+                rows = torch.tensor(nodes, device=scores.device)
+                scores[rows] = self.bans(input_ids, scores[rows])
         return scores
 
     def _banned_by_ngrams(self, path: list[int]) -> set[int]:

@@ -270,6 +270,7 @@ SEQUENCE_SETTINGS = {
     "no_repeat_ngram_size=2": dict(no_repeat_ngram_size=2),
     "no_repeat_ngram_size=3+penalty": dict(no_repeat_ngram_size=3, repetition_penalty=1.1),
     "min_new_tokens=25": dict(min_new_tokens=25),  # with an EOS that plain decoding emits early
+    "bad words + suppressed": {},  # a bigram and a token of the plain continuation, chosen in the test
 }
 
 
@@ -290,6 +291,9 @@ def test_sequence_processors_with_oracle_drafts_equal_hf_generate(tiny_target_fa
     if "min_new_tokens" in options:
         options["eos_token_id"] = early_eos(target, ids)
         assert hf_greedy(target, ids, n, eos_token_id=options["eos_token_id"]).shape[1] <= ids.shape[1] + 12
+    if setting == "bad words + suppressed":  # a two-token bad word (banned after its first token only) and a token
+        plain = hf_greedy(target, ids, n)[0, ids.shape[1]:].tolist()
+        options = dict(bad_words_ids=[plain[3:5]], suppress_tokens=[plain[10]])
     expected = hf_greedy(target, ids, n, **options)
     reference = expected[0].tolist() + [1] * 8  # drafts may run past the end (EOS stops the output there)
     lm = SpeculativeLM(target, make_heads(target, "medusa"))
