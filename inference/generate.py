@@ -297,6 +297,7 @@ class SpeculativeLM:
         min_new_tokens: int | None = None,
         bad_words_ids: list[list[int]] | None = None,
         suppress_tokens: list[int] | None = None,
+        sequence_bias: Any = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         streamer: Any | None = None,
@@ -311,11 +312,11 @@ class SpeculativeLM:
             attention_mask: (B, n), 1 for real tokens.
             max_new_tokens: new tokens at most (0 returns the prompt).
             do_sample, temperature, top_p, top_k, min_p, typical_p, repetition_penalty, no_repeat_ngram_size,
-                min_new_tokens, bad_words_ids, suppress_tokens: as in transformers; None takes the target's
-                generation config (min_length and the epsilon / eta cutoffs too), then transformers' defaults
-                (temperature 1.0, top_p 1.0, top_k 50, the others off). The processors that read the sequence
-                (penalty, n-grams, lengths, bans) make each tree node's logits depend on its own path, so those
-                runs use the dynamic cache (fast_path=True is refused with them).
+                min_new_tokens, bad_words_ids, suppress_tokens, sequence_bias: as in transformers; None takes the
+                target's generation config (min_length, begin_suppress_tokens and the epsilon / eta cutoffs too),
+                then transformers' defaults (temperature 1.0, top_p 1.0, top_k 50, the others off). The processors
+                that read the sequence (penalty, n-grams, lengths, biases, bans) make each tree node's logits depend
+                on its own path, so those runs use the dynamic cache (fast_path=True is refused with them).
             eos_token_id: int or list; default from the target's generation config. Generation stops right
                 after it (the EOS token is included, as transformers does).
             pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
@@ -338,7 +339,7 @@ class SpeculativeLM:
             self.target.generation_config, do_sample, temperature, top_p, top_k,
             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
             min_new_tokens=min_new_tokens, min_p=min_p, typical_p=typical_p, bad_words_ids=bad_words_ids,
-            suppress_tokens=suppress_tokens,
+            suppress_tokens=suppress_tokens, sequence_bias=sequence_bias,
         )
         params.validate()
         check_generation_config(self.target.generation_config, do_sample)

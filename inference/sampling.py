@@ -36,8 +36,11 @@ class SamplingParams:
     no_repeat_ngram_size: int = 0
     min_length: int = 0
     min_new_tokens: int = 0
-    bad_words_ids: tuple[tuple[int, ...], ...] | None = None  # run through transformers' own processors
+    # run through transformers' own processors, with each tree node's own sequence
+    sequence_bias: Any = None  # {(token ids): bias} or [[ids, bias], ...], as transformers takes it
+    bad_words_ids: tuple[tuple[int, ...], ...] | None = None
     suppress_tokens: tuple[int, ...] | None = None
+    begin_suppress_tokens: tuple[int, ...] | None = None
 
     @classmethod
     def resolve(
@@ -54,6 +57,7 @@ class SamplingParams:
         typical_p: float | None = None,
         bad_words_ids: list[list[int]] | None = None,
         suppress_tokens: list[int] | None = None,
+        sequence_bias: Any = None,
     ) -> SamplingParams:
         """Fill unset options as `generate` does: the model's generation config, then transformers' defaults."""
 
@@ -78,6 +82,8 @@ class SamplingParams:
             min_new_tokens=int(pick(min_new_tokens, "min_new_tokens", 0)),
             bad_words_ids=as_tuples(pick(bad_words_ids, "bad_words_ids", None)),
             suppress_tokens=as_tuples([pick(suppress_tokens, "suppress_tokens", [])])[0] or None,
+            sequence_bias=pick(sequence_bias, "sequence_bias", None),
+            begin_suppress_tokens=as_tuples([pick(None, "begin_suppress_tokens", [])])[0] or None,
         )
 
     def validate(self) -> None:
@@ -100,7 +106,7 @@ class SamplingParams:
     def sequence_settings(self) -> list[str]:
         """'name=value' of each active processor that reads the sequence so far."""
         neutral = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
-                   "bad_words_ids": None, "suppress_tokens": None}
+                   "sequence_bias": None, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None}
         return [f"{name}={getattr(self, name)!r}" for name, off in neutral.items() if getattr(self, name) != off]
 
     @property
@@ -139,20 +145,18 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
     (as logits processors) and speculative decoding here does not; empty when there are none.
 
     Temperature, top-k, top-p, min-p, typical-p, the epsilon and eta cutoffs, the repetition penalty, n-gram
-    blocking, minimum lengths, bad words and suppressed tokens are applied (`SamplingParams`); sequence biases,
-    forced tokens, tokens suppressed at the beginning and top-h are not, so an output would silently differ from
-    the target's own `generate`.
+    blocking, minimum lengths, sequence biases, bad words and suppressed tokens are applied (`SamplingParams`);
+    forced tokens, length penalties, guidance, watermarking and top-h are not, so an output would silently differ
+    from the target's own `generate`.
     """
 
     def value(name: str) -> Any:
         return getattr(generation_config, name, None)
 
     checks = {  # field -> whether its value makes transformers add a logits processor (as _get_logits_processor)
-        "sequence_bias": lambda v: v is not None,
         "forced_bos_token_id": lambda v: v is not None,
         "forced_eos_token_id": lambda v: v is not None,
         "exponential_decay_length_penalty": lambda v: v is not None,
-        "begin_suppress_tokens": lambda v: v is not None,
         "guidance_scale": lambda v: v is not None and v != 1,
         "watermarking_config": lambda v: v is not None,
     }

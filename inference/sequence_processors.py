@@ -14,6 +14,8 @@ import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     NoBadWordsLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
 )
 
@@ -57,12 +59,19 @@ class SequenceContext:
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=prompt.device)  # (V,) for the penalty
         self.ngrams: dict[tuple[int, ...], set[int]] = {}  # (n-1) tokens -> the tokens that followed them
         self.eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt.device)
-        # token bans, by transformers' own processors (called with each node's own sequence as input_ids)
+        # transformers' own processors, called with each node's own sequence as input_ids: the sequence bias comes
+        # first in its order (before the repetition penalty), the token bans after the minimum lengths
+        self.biases = LogitsProcessorList()
+        if params.sequence_bias:
+            self.biases.append(SequenceBiasLogitsProcessor(params.sequence_bias))
         self.bans = LogitsProcessorList()
         if params.bad_words_ids:
             self.bans.append(NoBadWordsLogitsProcessor([list(w) for w in params.bad_words_ids], eos_ids or None))
         if params.suppress_tokens:
             self.bans.append(SuppressTokensLogitsProcessor(list(params.suppress_tokens), device=prompt.device))
+        if params.begin_suppress_tokens:  # at the first new token only: transformers' begin_index
+            self.bans.append(SuppressTokensAtBeginLogitsProcessor(
+                list(params.begin_suppress_tokens), self.prompt_length, device=prompt.device))
         self.commit(prompt.tolist())
 
     def commit(self, tokens: list[int] | torch.Tensor) -> None:
@@ -88,7 +97,7 @@ class SequenceContext:
             ancestors: (N, N) bool, ancestors[i, j] = node j is node i or above it (nodes in topological order).
         """
         paths = []  # per node: its path's tokens after the root (ancestor indices rise with depth)
-        if self.params.no_repeat_ngram_size > 0 or self.bans:
+        if self.params.no_repeat_ngram_size > 0 or self.bans or self.biases:
             listed = tokens.tolist()
             paths = [[listed[j] for j in row.nonzero().flatten().tolist() if j > 0] for row in ancestors.cpu()]
         return self._process(logits, tokens, ancestors, paths)
@@ -99,6 +108,8 @@ class SequenceContext:
         """Processors in transformers' order; `tokens` / `ancestors` None: one row after the committed sequence."""
         params = self.params
         scores = logits.float()  # generate scores in float32
+        if self.biases:
+            scores = self._per_depth(self.biases, scores, paths)
         if params.repetition_penalty != 1.0:
             in_context = self.seen[None] if tokens is None else context_token_mask(self.seen, tokens, ancestors)
             scores = penalize_repetitions(scores, in_context, params.repetition_penalty)
@@ -116,15 +127,21 @@ class SequenceContext:
                 scores = scores.clone()
                 rows = short.nonzero().flatten()
                 scores[rows[:, None], self.eos[None, :]] = -float("inf")
-        if self.bans:  # nodes of one depth have sequences of one length: one call per depth
-            scores = scores.clone()
-            by_length: dict[int, list[int]] = {}
-            for node, path in enumerate(paths):
-                by_length.setdefault(len(path), []).append(node)
-            for nodes in by_length.values():
-                input_ids = torch.tensor([self.tokens + paths[node] for node in nodes], device=scores.device)
-                rows = torch.tensor(nodes, device=scores.device)
-                scores[rows] = self.bans(input_ids, scores[rows])
+        if self.bans:
+            scores = self._per_depth(self.bans, scores, paths)
+        return scores
+
+    def _per_depth(self, processors: LogitsProcessorList, scores: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """Run transformers' `processors` on every node with its own sequence as input_ids; nodes of one depth have
+        sequences of one length, so one call per depth. (N, V) -> (N, V)."""
+        scores = scores.clone()
+        by_length: dict[int, list[int]] = {}
+        for node, path in enumerate(paths):
+            by_length.setdefault(len(path), []).append(node)
+        for nodes in by_length.values():
+            input_ids = torch.tensor([self.tokens + paths[node] for node in nodes], device=scores.device)
+            rows = torch.tensor(nodes, device=scores.device)
+            scores[rows] = processors(input_ids, scores[rows])
         return scores
 
     def _banned_by_ngrams(self, path: list[int]) -> set[int]:

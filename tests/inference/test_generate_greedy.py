@@ -271,6 +271,7 @@ SEQUENCE_SETTINGS = {
     "no_repeat_ngram_size=3+penalty": dict(no_repeat_ngram_size=3, repetition_penalty=1.1),
     "min_new_tokens=25": dict(min_new_tokens=25),  # with an EOS that plain decoding emits early
     "bad words + suppressed": {},  # a bigram and a token of the plain continuation, chosen in the test
+    "sequence bias": {},  # biases on a bigram and a token of the plain continuation, chosen in the test
 }
 
 
@@ -294,6 +295,9 @@ def test_sequence_processors_with_oracle_drafts_equal_hf_generate(tiny_target_fa
     if setting == "bad words + suppressed":  # a two-token bad word (banned after its first token only) and a token
         plain = hf_greedy(target, ids, n)[0, ids.shape[1]:].tolist()
         options = dict(bad_words_ids=[plain[3:5]], suppress_tokens=[plain[10]])
+    if setting == "sequence bias":  # finite biases: applied before the repetition penalty, as transformers does
+        plain = hf_greedy(target, ids, n)[0, ids.shape[1]:].tolist()
+        options = dict(sequence_bias={tuple(plain[3:5]): -4.0, (plain[12],): -3.0}, repetition_penalty=1.2)
     expected = hf_greedy(target, ids, n, **options)
     reference = expected[0].tolist() + [1] * 8  # drafts may run past the end (EOS stops the output there)
     lm = SpeculativeLM(target, make_heads(target, "medusa"))
@@ -310,13 +314,14 @@ def test_sequence_processors_with_oracle_drafts_equal_hf_generate(tiny_target_fa
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_sequence_processors_from_the_generation_config(stories260k, head_type):
     """Set in the target's generation config (Qwen2.5-Instruct ships repetition_penalty=1.05), they apply without
-    an argument, like transformers (min_length only comes from there); prompt lookup's copied runs are processed
+    an argument, like transformers (min_length and begin_suppress_tokens only come from there); prompt lookup's copied runs are processed
     too; the fast path (static shapes) refuses them."""
     target, tokenizer = stories260k
     target = copy.deepcopy(target)
     config = target.generation_config
     config.repetition_penalty, config.no_repeat_ngram_size, config.min_length = 1.2, 4, 40
     ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    config.begin_suppress_tokens = [int(hf_greedy(target, ids, 1)[0, -1])]  # the first token transformers would pick
     torch.manual_seed(0)
     lm = SpeculativeLM(target, create_heads(target, head_type), lookup_tokens=8)
     eos = int(hf_greedy(target, ids, 8, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0)[0, -1])

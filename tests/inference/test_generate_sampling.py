@@ -307,12 +307,13 @@ def test_default_sampling_matches_transformers_defaults(tiny_llama):
 
 @pytest.mark.parametrize(
     ("setting", "do_sample"),
-    [({"begin_suppress_tokens": [64]}, False), ({"sequence_bias": {(64,): -10.0}}, False), ({"top_h": 0.5}, True)],
+    [({"forced_eos_token_id": 64}, False), ({"top_h": 0.5}, True)],
 )
 def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, do_sample):
     """transformers' generate applies the target's generation config even when greedy: speculative decoding
     refuses what it does not apply (it applies temperature, top-k, top-p, min-p, typical-p, the epsilon and eta
-    cutoffs, the repetition penalty, n-gram blocking, minimum lengths, bad words and suppressed tokens), naming it,
+    cutoffs, the repetition penalty, n-gram blocking, minimum lengths, sequence biases, bad words and suppressed
+    tokens), naming it,
     instead of emitting other tokens than the target's own; neutral values make both agree again."""
     target = copy.deepcopy(tiny_llama)
     ids = torch.tensor([[1, 5, 9, 33, 7, 5, 9]])
@@ -323,7 +324,7 @@ def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, 
     name, value = next(iter(setting.items()))
     with pytest.raises(ValueError, match=re.escape(f"generation config sets {name}={value!r}, which transformers'")):
         lm.generate(ids, max_new_tokens=30, do_sample=do_sample, eos_token_id=[])
-    if name in ("begin_suppress_tokens", "sequence_bias"):  # it matters: transformers' greedy output moves
+    if name == "forced_eos_token_id":  # it matters: transformers' greedy output moves (EOS forced at the end)
         assert not torch.equal(target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=[]), plain)
     setattr(target.generation_config, name, None)
     assert torch.equal(lm.generate(ids, max_new_tokens=30, eos_token_id=[]), plain)
