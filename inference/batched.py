@@ -119,7 +119,7 @@ def generate_batched(
     next_tokens: list[torch.Tensor] = []  # per row: the token that followed each of those features
     done = []
     # per row, for processors that read the sequence (repetition penalty, ...): its tokens so far
-    contexts = [SequenceContext(p, out.logits.shape[-1], params, sorted(eos)) if params.reads_sequence else None
+    contexts = [SequenceContext(p, params, sorted(eos)) if params.reads_sequence else None
                 for p in prompts]
     for b, prompt in enumerate(prompts):
         last_logits = out.logits[b, -1:] if contexts[b] is None else contexts[b].last(out.logits[b, -1:])
@@ -170,7 +170,7 @@ def generate_batched(
             else:
                 logits = out.logits[i, : tree.num_nodes]  # (N, V)
                 if contexts[i] is not None:
-                    logits = contexts[i].tree(logits, tree_tokens, tree.ancestors)
+                    logits = contexts[i].tree(logits, tree_tokens, tree)
                 path, bonus = accept_tree(tree_tokens, tree, logits, params, acceptance)
             accepted = torch.cat([tree_tokens[path[1:]], bonus[None]])
             if contexts[i] is not None:

@@ -423,8 +423,8 @@ class SpeculativeLM:
         prefill_start = time.perf_counter()
         last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         stats["target_forwards"] += 1
-        # the sequence so far, for processors that read it (repetition penalty, n-gram blocking, minimum lengths)
-        context = SequenceContext(prompt, last_logits.shape[-1], params, sorted(eos)) if params.reads_sequence else None
+        # the sequence so far, for processors that read it (repetition penalty, n-gram blocking, ...)
+        context = SequenceContext(prompt, params, sorted(eos)) if params.reads_sequence else None
         if context is not None:
             last_logits = context.last(last_logits)
         root = self._choose(last_logits, params)[0]
@@ -462,7 +462,7 @@ class SpeculativeLM:
             else:
                 logits, node_features = verifier.verify(tokens, tree, prefix_length)  # (N, V), (N, h)
                 if context is not None:  # node i's sequence: what was emitted plus its own path in the tree
-                    logits = context.tree(logits, tokens, tree.ancestors)
+                    logits = context.tree(logits, tokens, tree)
                 path, bonus = accept_tree(tokens, tree, logits, params, acceptance)
             stats["target_forwards"] += 1
             # update

@@ -81,9 +81,9 @@ class SamplingParams:
             min_length=int(pick(None, "min_length", 0)),
             min_new_tokens=int(pick(min_new_tokens, "min_new_tokens", 0)),
             bad_words_ids=as_tuples(pick(bad_words_ids, "bad_words_ids", None)),
-            suppress_tokens=as_tuples([pick(suppress_tokens, "suppress_tokens", [])])[0] or None,
+            suppress_tokens=as_tuple(pick(suppress_tokens, "suppress_tokens", None)),
             sequence_bias=pick(sequence_bias, "sequence_bias", None),
-            begin_suppress_tokens=as_tuples([pick(None, "begin_suppress_tokens", [])])[0] or None,
+            begin_suppress_tokens=as_tuple(pick(None, "begin_suppress_tokens", None)),
         )
 
     def validate(self) -> None:
@@ -111,8 +111,8 @@ class SamplingParams:
 
     @property
     def reads_sequence(self) -> bool:
-        """Whether each position's logits depend on the tokens before it (repetition penalty, n-gram blocking,
-        minimum lengths): then every tree node is processed with its own path (inference/sequence_processors.py)."""
+        """Whether each position's logits depend on the tokens before it (`sequence_settings`): then every tree node
+        is processed with its own path (inference/sequence_processors.py)."""
         return bool(self.sequence_settings())
 
     def warpers(self) -> LogitsProcessorList:
@@ -135,8 +135,15 @@ class SamplingParams:
         return warpers
 
 
+def as_tuple(tokens: list[int] | None) -> tuple[int, ...] | None:
+    """[1, 2] -> (1, 2) (hashable, for the frozen `SamplingParams`); None and [] -> None (off)."""
+    if not tokens:
+        return None
+    return tuple(int(t) for t in tokens)
+
+
 def as_tuples(sequences: list[list[int]] | None) -> tuple[tuple[int, ...], ...] | None:
-    """[[1, 2], [3]] -> ((1, 2), (3,)) (hashable, for the frozen `SamplingParams`); None stays None."""
+    """[[1, 2], [3]] -> ((1, 2), (3,)); None stays None."""
     return None if sequences is None else tuple(tuple(int(t) for t in sequence) for sequence in sequences)
 
 

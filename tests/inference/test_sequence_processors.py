@@ -45,16 +45,16 @@ def transformers_processors() -> LogitsProcessorList:
 
 def test_every_node_is_processed_like_transformers_processes_its_sequence():
     torch.manual_seed(0)
-    context = SequenceContext(torch.tensor(PROMPT), V, SamplingParams(**SETTINGS), [EOS])
+    context = SequenceContext(torch.tensor(PROMPT), SamplingParams(**SETTINGS), [EOS])
     hf = transformers_processors()
     first = torch.randn(1, V) * 3
     assert torch.equal(context.last(first), hf(torch.tensor([PROMPT]), first.clone()))
-    context.commit([6])  # the first new token: the root of the tree below
+    context.commit(torch.tensor([6]))  # the first new token: the root of the tree below
     # root 6; children 8 and 3; 3 -> 4 -> 6 (a bigram already in the sequence), 8 -> 9
     tokens = torch.tensor([6, 8, 3, 4, 9, 6])
     tree = build_tree_buffers(torch.tensor([-1, 0, 0, 2, 1, 3]))
     logits = torch.randn(tokens.shape[0], V) * 3
-    processed = context.tree(logits, tokens, tree.ancestors)
+    processed = context.tree(logits, tokens, tree)
     for node in range(tokens.shape[0]):
         path = [int(tokens[j]) for j in range(1, node + 1) if tree.ancestors[node, j]]
         sequence = torch.tensor([PROMPT + [6] + path])
