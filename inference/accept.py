@@ -6,9 +6,12 @@ to the deepest accepted node, and `bonus` the target's own next token after it (
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specheads.inference.sampling import SamplingParams, sample_token, target_probs
+from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.tree import TreeBuffers
 
 
@@ -33,8 +36,36 @@ def accept_greedy(tokens: torch.Tensor, tree: TreeBuffers, target_argmax: torch.
     return path, target_argmax[best]
 
 
+def accept_greedy_reached(
+    tokens: torch.Tensor, tree: TreeBuffers, argmax_at: Callable[[list[int]], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_greedy`, asking for the target's argmax only at the nodes it can accept (for per-node processing
+    that costs: logits processors, a caller's constraint).
+
+    Depth by depth, `argmax_at(nodes)` gives the (n,) argmax at the accepted nodes of one depth; their children
+    holding that token are the next depth's accepted nodes. The deepest accepted node (the first of equal depth,
+    as `accept_greedy`) ends the path and its argmax is the bonus. Nodes below a rejected one are never scored: the
+    processors run on (accepted length + 1) nodes, not the whole tree.
+    """
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        children.setdefault(parent, []).append(node)
+    drafted = tokens.tolist()
+    argmax: dict[int, int] = {}
+    frontier, accepted = [0], [0]
+    while frontier:  # the accepted nodes of one depth
+        for node, choice in zip(frontier, argmax_at(frontier).tolist()):
+            argmax[node] = choice
+        frontier = [kid for node in frontier for kid in children.get(node, ()) if drafted[kid] == argmax[node]]
+        accepted += frontier
+    depths = tree.depth.tolist()
+    best = max(accepted, key=lambda node: (depths[node], -node))
+    path = torch.nonzero(tree.ancestors[best]).squeeze(-1)
+    return path, torch.tensor(argmax[best], device=tokens.device)
+
+
 def accept_sampling(
-    tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor
+    tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor | Callable[[int], torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact recursive rejection sampling over sibling candidates (lossless).
 
@@ -50,17 +81,19 @@ def accept_sampling(
     Args:
         tokens: (N,) drafted tokens.
         tree: the tree's buffers.
-        probs: (N, V) target probabilities at each node.
+        probs: (N, V) target probabilities at each node, or a function node -> (V,) probabilities (asked only
+            at the nodes the walk reaches, parents first).
 
     Returns:
         (path, bonus).
     """
+    probs_at = probs if callable(probs) else probs.__getitem__
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(tree.parents.tolist()[1:], start=1):
         children.setdefault(parent, []).append(node)
     node, path = 0, [0]
     while True:
-        p = probs[node]  # p: the target's distribution at this node
+        p = probs_at(node)  # p: the target's distribution at this node
         kids = children.get(node)
         if not kids:
             return torch.tensor(path, device=tokens.device), sample_token(p)
@@ -107,14 +140,30 @@ def accept_typical(
 
 
 def accept_tree(
-    tokens: torch.Tensor, tree: TreeBuffers, logits: torch.Tensor, params: SamplingParams, acceptance: str = "exact"
+    tokens: torch.Tensor,
+    tree: TreeBuffers,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    acceptance: str = "exact",
+    context: SequenceContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The acceptance rule for these decoding options: greedy, exact rejection sampling, or typical.
 
     Args:
         tokens: (N,) drafted tokens; tree: their buffers; logits: (N, V) target logits at each node.
         params: greedy when `params.do_sample` is False; acceptance: "exact" or "typical" (sampling only).
+        context: the row's sequence and processors that read it (inference/sequence_processors.py), when any:
+            each node's logits are then processed with its own path, and (exact rules) only at the nodes the
+            acceptance reaches.
     """
+    if context is not None:
+        if acceptance == "exact" and not params.do_sample:
+            return accept_greedy_reached(tokens, tree, lambda nodes: context.nodes(logits, tokens, tree, nodes).argmax(-1))
+        if acceptance == "exact":
+            return accept_sampling(
+                tokens, tree, lambda node: target_probs(context.nodes(logits, tokens, tree, [node]), params)[0]
+            )
+        logits = context.tree(logits, tokens, tree)  # typical acceptance reads every node's distribution
     if not params.do_sample:
         return accept_greedy(tokens, tree, logits.argmax(dim=-1))
     probs = target_probs(logits, params)

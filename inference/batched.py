@@ -26,6 +26,7 @@ from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.drafting import Drafter
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.sequence_processors import SequenceContext
+from specheads.inference.stopping import StopChecker
 from specheads.inference.tree import TreeBuffers
 from specheads.inference.verify import last_logits_only, no_logits
 
@@ -94,8 +95,11 @@ def generate_batched(
     eos: set[int],
     acceptance: str,
     stats: dict[str, Any],
+    stops: list[StopChecker | None] | None = None,
 ) -> list[list[int]]:
-    """Speculative decoding of several prompts with batched verification; returns each row's new tokens."""
+    """Speculative decoding of several prompts with batched verification; returns each row's new tokens.
+
+    `stops`: per prompt, the stopping criteria to check on its emitted tokens (inference/stopping.py)."""
     target, heads, device, dtype = lm.target, lm.heads, lm.target.device, lm.target.dtype
     rows = len(prompts)
     lengths = torch.tensor([p.shape[0] for p in prompts], device=device)
@@ -119,14 +123,15 @@ def generate_batched(
     next_tokens: list[torch.Tensor] = []  # per row: the token that followed each of those features
     done = []
     # per row, for processors that read the sequence (repetition penalty, ...): its tokens so far
-    contexts = [SequenceContext(p, params, sorted(eos)) if params.reads_sequence else None
-                for p in prompts]
+    contexts = [SequenceContext(p, params, sorted(eos), b) if params.reads_sequence else None
+                for b, p in enumerate(prompts)]
+    stops = stops or [None] * rows
     for b, prompt in enumerate(prompts):
         last_logits = out.logits[b, -1:] if contexts[b] is None else contexts[b].last(out.logits[b, -1:])
         root = lm._choose(last_logits, params)[0]
         if contexts[b] is not None:
             contexts[b].commit(root)
-        done.append(lm._emit([int(root)], new_tokens[b], max_new_tokens, eos, None))
+        done.append(lm._emit([int(root)], new_tokens[b], max_new_tokens, eos, None, stops[b]))
         features.append(features_all[b, pad[b] :])
         next_tokens.append(torch.cat([prompt[1:], root[None]]))
         drafters[b].reset()
@@ -169,9 +174,7 @@ def generate_batched(
                 path, bonus = accept_greedy(tree_tokens, tree, target_argmax[i, : tree.num_nodes])
             else:
                 logits = out.logits[i, : tree.num_nodes]  # (N, V)
-                if contexts[i] is not None:
-                    logits = contexts[i].tree(logits, tree_tokens, tree)
-                path, bonus = accept_tree(tree_tokens, tree, logits, params, acceptance)
+                path, bonus = accept_tree(tree_tokens, tree, logits, params, acceptance, contexts[i])
             accepted = torch.cat([tree_tokens[path[1:]], bonus[None]])
             if contexts[i] is not None:
                 contexts[i].commit(accepted)
@@ -179,7 +182,7 @@ def generate_batched(
             paths.append(path)
             features[i] = row_features[i, path]
             next_tokens[i] = accepted
-            finished.append(lm._emit(accepted.tolist(), new_tokens[active[i]], max_new_tokens, eos, None))
+            finished.append(lm._emit(accepted.tolist(), new_tokens[active[i]], max_new_tokens, eos, None, stops[active[i]]))
         stats["rounds"] += 1
         # update: compact every row's cache to its path, then drop finished rows
         index = compaction_index(valid, paths, cache_length)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specheads.heads.base import DraftHeads
 from specheads.heads.eagle import EagleHeads
@@ -26,6 +29,7 @@ from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
 from specheads.inference.sampling import SamplingParams, check_generation_config, sample_token, target_probs
 from specheads.inference.sequence_processors import SequenceContext
+from specheads.inference.stopping import StopChecker, stopping_criteria_for
 from specheads.inference.target_support import check_tree_verification, context_limit
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
@@ -298,6 +302,12 @@ class SpeculativeLM:
         bad_words_ids: list[list[int]] | None = None,
         suppress_tokens: list[int] | None = None,
         sequence_bias: Any = None,
+        prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        stop_strings: str | list[str] | None = None,
+        max_time: float | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         streamer: Any | None = None,
@@ -316,7 +326,16 @@ class SpeculativeLM:
                 target's generation config (min_length, begin_suppress_tokens and the epsilon / eta cutoffs too),
                 then transformers' defaults (temperature 1.0, top_p 1.0, top_k 50, the others off). The processors
                 that read the sequence (penalty, n-grams, lengths, biases, bans) make each tree node's logits depend
-                on its own path, so those runs use the dynamic cache (fast_path=True is refused with them).
+                on its own path: processed on the host at the nodes acceptance reaches (on the fast path, in the
+                per-phase loop rather than one graph per round).
+            prefix_allowed_tokens_fn, logits_processor: as in transformers (constrained decoding: grammars, JSON
+                schemas, allowed-token functions), applied at transformers' place in the processing; each tree node
+                is processed with its own sequence, so they must be functions of each row's input_ids (called with
+                a tree depth's nodes as rows, batch_id = the caller's row; inference/sequence_processors.py).
+            stopping_criteria, stop_strings, max_time: as in transformers; checked after every emitted token, so a
+                row ends exactly where `generate` would end it (the token that completes a stop string kept).
+                `stop_strings` and `max_time` default to the target's generation config; stop strings need
+                `tokenizer` (default: this model's). Criteria get scores=None (inference/stopping.py).
             eos_token_id: int or list; default from the target's generation config. Generation stops right
                 after it (the EOS token is included, as transformers does).
             pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
@@ -340,9 +359,12 @@ class SpeculativeLM:
             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
             min_new_tokens=min_new_tokens, min_p=min_p, typical_p=typical_p, bad_words_ids=bad_words_ids,
             suppress_tokens=suppress_tokens, sequence_bias=sequence_bias,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=logits_processor,
         )
         params.validate()
         check_generation_config(self.target.generation_config, do_sample)
+        criteria = stopping_criteria_for(self.target.generation_config, stopping_criteria, stop_strings, max_time,
+                                         tokenizer if tokenizer is not None else self.tokenizer)
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
         if acceptance == "typical" and not do_sample:
@@ -355,13 +377,6 @@ class SpeculativeLM:
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0}
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
-        if params.reads_sequence:  # each node's logits depend on its path: the dynamic-cache loops apply that
-            if fast_path:
-                raise ValueError(
-                    f"fast_path=True does not apply {', '.join(params.sequence_settings())}; leave fast_path unset "
-                    "(the rows then decode on the dynamic cache)"
-                )
-            fast_path = False
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
         if runner is not None:
@@ -378,17 +393,19 @@ class SpeculativeLM:
             )
         if batched:
             drafters = [self.drafter.fork() for _ in prompts]
-            rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats)
+            stops = [None if criteria is None else StopChecker(criteria, p) for p in prompts]
+            rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats, stops)
         else:
             verifier = runner if runner is not None else DynamicTreeVerifier(
                 self.target, self.heads.select_features, argmax=None if params.reads_sequence else self.certified_argmax
             )
             rows = []
-            for prompt in prompts:
+            for row, prompt in enumerate(prompts):
                 if streamer is not None:
                     streamer.put(prompt.cpu())
+                stop = None if criteria is None else StopChecker(criteria, prompt)
                 rows.append(self._generate_row(
-                    prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier, row_drafter
+                    prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier, row_drafter, row, stop
                 ))
         if streamer is not None:
             streamer.end()
@@ -408,8 +425,10 @@ class SpeculativeLM:
         stats: dict[str, Any],
         verifier: DynamicTreeVerifier | FastPathRunner,
         drafter: Drafter,
+        row: int = 0,
+        stop: StopChecker | None = None,
     ) -> list[int]:
-        """Speculative decoding of one prompt (n,); returns the new token ids.
+        """Speculative decoding of one prompt (n,), row `row` of the caller's batch; returns the new token ids.
 
         `verifier` is the target's side of each round: a `DynamicTreeVerifier`, or the GPU fast path's
         `FastPathRunner` (static cache, CUDA-graph verification); both give the same tokens. `drafter` is
@@ -424,20 +443,20 @@ class SpeculativeLM:
         last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         stats["target_forwards"] += 1
         # the sequence so far, for processors that read it (repetition penalty, n-gram blocking, ...)
-        context = SequenceContext(prompt, params, sorted(eos)) if params.reads_sequence else None
+        context = SequenceContext(prompt, params, sorted(eos), row) if params.reads_sequence else None
         if context is not None:
             last_logits = context.last(last_logits)
         root = self._choose(last_logits, params)[0]
         if context is not None:
             context.commit(root)
         new_tokens: list[int] = []
-        done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer)  # int(): waits for the prefill
+        done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer, stop)  # int(): waits for the prefill
         stats["prefill_seconds"] += time.perf_counter() - prefill_start
         next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
         prefix_length = prompt.shape[0]
         drafter.reset()
         graphed = None
-        if isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact":
+        if isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact" and context is None:
             wanted = verifier.use_graphs if self.graphed_rounds is None else self.graphed_rounds
             graphed = verifier.graphed_round(drafter) if wanted else None
         if graphed is not None and not done:
@@ -448,7 +467,7 @@ class SpeculativeLM:
                 stats["target_forwards"] += 1
                 stats["rounds"] += 1
                 stats["accepted_counts"].append(len(accepted_tokens) - 1)
-                done = self._emit(accepted_tokens, new_tokens, max_new_tokens, eos, streamer)
+                done = self._emit(accepted_tokens, new_tokens, max_new_tokens, eos, streamer, stop)
         # greedy on the normal path: the target's argmax per node is all acceptance needs (scored by
         # `certified_argmax` when set, without the full-precision lm_head)
         argmax_only = not params.do_sample and isinstance(verifier, DynamicTreeVerifier) and context is None
@@ -461,9 +480,8 @@ class SpeculativeLM:
                 path, bonus = accept_greedy(tokens, tree, target_argmax)
             else:
                 logits, node_features = verifier.verify(tokens, tree, prefix_length)  # (N, V), (N, h)
-                if context is not None:  # node i's sequence: what was emitted plus its own path in the tree
-                    logits = context.tree(logits, tokens, tree)
-                path, bonus = accept_tree(tokens, tree, logits, params, acceptance)
+                # with a context, node i's sequence is what was emitted plus its own path in the tree
+                path, bonus = accept_tree(tokens, tree, logits, params, acceptance, context)
             stats["target_forwards"] += 1
             # update
             verifier.compact(prefix_length, path)
@@ -475,7 +493,7 @@ class SpeculativeLM:
             stats["accepted_counts"].append(path.shape[0] - 1)
             features = node_features[path]  # (L+1, h) true features of the path (a gather: a copy)
             next_tokens = accepted
-            done = self._emit(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer)
+            done = self._emit(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer, stop)
         stats["new_tokens"] += len(new_tokens)
         return new_tokens
 
@@ -487,18 +505,27 @@ class SpeculativeLM:
         return sample_token(target_probs(logits, params)[0])[None]
 
     @staticmethod
-    def _emit(tokens: list[int], out: list[int], max_new_tokens: int, eos: set[int], streamer: Any | None) -> bool:
-        """Append accepted tokens, stopping right after EOS or at max_new_tokens. Returns True when done."""
+    def _emit(
+        tokens: list[int], out: list[int], max_new_tokens: int, eos: set[int], streamer: Any | None,
+        stop: StopChecker | None = None,
+    ) -> bool:
+        """Append accepted tokens, stopping right after EOS, right after the token at which a stopping criterion
+        fires, or at max_new_tokens. Returns True when done."""
         room = max_new_tokens - len(out)
         taken = tokens[:room]
         for i, token in enumerate(taken):
             if token in eos:
                 taken = taken[: i + 1]
                 break
+        stopped = False
+        if stop is not None:
+            first = stop.first_stop(taken)
+            if first is not None:
+                taken, stopped = taken[: first + 1], True
         out.extend(taken)
         if streamer is not None and taken:
             streamer.put(torch.tensor(taken))
-        return len(out) >= max_new_tokens or (bool(taken) and taken[-1] in eos)
+        return stopped or len(out) >= max_new_tokens or (bool(taken) and taken[-1] in eos)
 
     # --- input checks and output assembly ---------------------------------------------------------------
     def _split_prompts(

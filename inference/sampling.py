@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,10 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] | None = None
     suppress_tokens: tuple[int, ...] | None = None
     begin_suppress_tokens: tuple[int, ...] | None = None
+    # the caller's own processors, as `generate` takes them: functions of each row's sequence (see
+    # inference/sequence_processors.py), so they also run once per tree depth with each node's own sequence
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None
+    logits_processor: LogitsProcessorList | None = None
 
     @classmethod
     def resolve(
@@ -58,8 +63,13 @@ class SamplingParams:
         bad_words_ids: list[list[int]] | None = None,
         suppress_tokens: list[int] | None = None,
         sequence_bias: Any = None,
+        prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
+        logits_processor: LogitsProcessorList | list | None = None,
     ) -> SamplingParams:
-        """Fill unset options as `generate` does: the model's generation config, then transformers' defaults."""
+        """Fill unset options as `generate` does: the model's generation config, then transformers' defaults.
+
+        `prefix_allowed_tokens_fn` and `logits_processor` are the caller's alone (transformers takes them as
+        arguments only)."""
 
         def pick(value: Any, name: str, default: Any) -> Any:
             if value is not None:
@@ -84,6 +94,8 @@ class SamplingParams:
             suppress_tokens=as_tuple(pick(suppress_tokens, "suppress_tokens", None)),
             sequence_bias=pick(sequence_bias, "sequence_bias", None),
             begin_suppress_tokens=as_tuple(pick(None, "begin_suppress_tokens", None)),
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            logits_processor=LogitsProcessorList(logits_processor) if logits_processor else None,
         )
 
     def validate(self) -> None:
@@ -102,12 +114,24 @@ class SamplingParams:
         for name in ("no_repeat_ngram_size", "min_length", "min_new_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = off)")
+        if self.prefix_allowed_tokens_fn is not None and not callable(self.prefix_allowed_tokens_fn):
+            raise TypeError(f"prefix_allowed_tokens_fn must be callable (batch_id, input_ids) -> list of token ids, "
+                            f"got {type(self.prefix_allowed_tokens_fn).__name__}")
+        for processor in self.logits_processor or ():
+            if not callable(processor):
+                raise TypeError(f"logits_processor holds {processor!r}, which is not callable (input_ids, scores) -> "
+                                "scores; expected transformers LogitsProcessor objects")
 
     def sequence_settings(self) -> list[str]:
         """'name=value' of each active processor that reads the sequence so far."""
         neutral = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
                    "sequence_bias": None, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None}
-        return [f"{name}={getattr(self, name)!r}" for name, off in neutral.items() if getattr(self, name) != off]
+        settings = [f"{name}={getattr(self, name)!r}" for name, off in neutral.items() if getattr(self, name) != off]
+        if self.prefix_allowed_tokens_fn is not None:
+            settings.append("prefix_allowed_tokens_fn")
+        if self.logits_processor:
+            settings.append(f"logits_processor=[{', '.join(type(p).__name__ for p in self.logits_processor)}]")
+        return settings
 
     @property
     def reads_sequence(self) -> bool:

@@ -29,6 +29,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="transformers' repetition penalty (default: the target's generation config; 1.0 = none)")
     p.add_argument("--no-repeat-ngram-size", type=int, default=None,
                    help="ban repeating n-grams of this size, as transformers (default: the target's generation config)")
+    p.add_argument("--stop", action="append", default=None, metavar="STRING",
+                   help="stop right after the text contains STRING (repeatable; transformers' stop_strings)")
+    p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds (transformers' max_time)")
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                            help="write JSON valid under this schema (a file or inline JSON; needs specheads[constraints])")
+    constraint.add_argument("--regex", default=None, help="write text matching this regex (needs specheads[constraints])")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
                       help="apply the tokenizer's chat template to the prompt (default: when the tokenizer has one)")
@@ -70,6 +77,7 @@ def run_generate(args: argparse.Namespace) -> int:
     # the same rule as `specheads bench`: a chat model answers its chat template, not raw text
     prompt = {"prompt_id": "cli", "category": "cli", "text": args.prompt}
     input_ids = tokenize_prompts([prompt], tokenizer, chat=args.chat)[0].input_ids  # (1, n)
+    processors = [_constraint(args, tokenizer)] if args.json_schema or args.regex else None
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
     lm.generate(
         input_ids,
@@ -81,6 +89,9 @@ def run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         no_repeat_ngram_size=args.no_repeat_ngram_size,
+        stop_strings=args.stop,
+        max_time=args.max_time,
+        logits_processor=processors,
         streamer=streamer,
     )
     stats = lm.last_stats
@@ -90,6 +101,23 @@ def run_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _constraint(args: argparse.Namespace, tokenizer):
+    """`--json-schema` (a file, else inline JSON) or `--regex` as a logits processor (inference/constraints.py)."""
+    from specheads.inference.constraints import json_schema_constraint, regex_constraint
+
+    if args.regex:
+        return regex_constraint(tokenizer, args.regex)
+    text = args.json_schema
+    if os.path.isfile(text):
+        with open(text, encoding="utf-8") as f:
+            text = f.read()
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--json-schema {args.json_schema!r} is neither a file nor valid JSON: {err}") from err
+    return json_schema_constraint(tokenizer, schema, whitespace_pattern=r"[\n ]{0,8}")
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError, ImportError)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -96,6 +97,39 @@ def test_generate_repetition_penalty_gives_transformers_text(stories260k_eagle_d
     assert out.strip() == expected.strip()
     plain = tokenizer.decode(target.generate(ids, max_new_tokens=30, do_sample=False)[0], skip_special_tokens=True)
     assert expected != plain  # the penalty changed the text
+
+
+def test_generate_stop_strings_end_the_text_where_transformers_does(stories260k_eagle_dir, capfd, stories260k):
+    """`--stop " Lily" --stop "zzz"`: the text ends right after the first stop string, as `target.generate`'s."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    stopped = target.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[" Lily", "zzz"],
+                              tokenizer=tokenizer)
+    expected = tokenizer.decode(stopped[0], skip_special_tokens=True)
+    assert expected.endswith(" Lily") and stopped.shape[1] < ids.shape[1] + 40
+    code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+                 "--max-new-tokens", "40", "--stop", " Lily", "--stop", "zzz"])
+    assert code == 0
+    out, err = capfd.readouterr()
+    assert out.strip() == expected.strip()
+    assert f"{stopped.shape[1] - ids.shape[1]} tokens" in err
+
+
+def test_generate_json_schema_writes_valid_json(stories260k_eagle_dir, capfd, tmp_path):
+    """`--json-schema FILE`: the streamed text is JSON valid under the schema; a bad schema is one clear error."""
+    pytest.importorskip("outlines_core")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}},
+                                  "required": ["name"]}))
+    code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+                 "--max-new-tokens", "40", "--json-schema", str(schema)])
+    assert code == 0
+    out, _ = capfd.readouterr()
+    value = json.loads(out.removeprefix("<s>").strip().removeprefix("Once upon a time").strip())
+    assert list(value) == ["name"] and len(value["name"]) <= 10
+    code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "x", "--json-schema", "{not json"])
+    assert code == 2
+    assert "--json-schema '{not json' is neither a file nor valid JSON" in capfd.readouterr().err
 
 
 def test_generate_applies_the_chat_template_when_the_tokenizer_has_one(stories260k_eagle_dir, tmp_path, capfd):

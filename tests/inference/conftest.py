@@ -17,6 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.generation.logits_process import LogitsProcessor
 
 from specheads import SpeculativeLM, create_heads
 from specheads.heads.cache_keyword import cache_kwargs
@@ -63,6 +64,26 @@ def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torc
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     return ids, mask
+
+
+class SumModuloBan(LogitsProcessor):
+    """A caller's logits processor whose effect depends on the whole sequence: it bans the tokens t with
+    (t + sum(input_ids)) % modulus == 0, so every tree node needs its own path (a pure function of input_ids)."""
+
+    def __init__(self, modulus: int = 3) -> None:
+        self.modulus = modulus
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        state = input_ids.sum(dim=1, keepdim=True) % self.modulus  # (R, 1)
+        tokens = torch.arange(scores.shape[1], device=scores.device)  # (V,)
+        return scores.masked_fill((tokens[None] + state) % self.modulus == 0, -float("inf"))
+
+
+def last_token_rule(batch_id: int, sequence: torch.Tensor) -> list[int]:
+    """A `prefix_allowed_tokens_fn` for vocabularies of at least 97 tokens: after token x, only tokens whose
+    difference from x is not a multiple of 4 (x itself banned: no immediate repeats)."""
+    last = int(sequence[-1])
+    return [t for t in range(97) if (t - last) % 4 != 0]
 
 
 # --- reference greedy decoding ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specheads.inference.accept import accept_greedy, accept_sampling, accept_typical
+from specheads.inference.accept import accept_greedy, accept_greedy_reached, accept_sampling, accept_typical
 from specheads.inference.tree import build_tree_buffers
 
 
@@ -52,6 +52,33 @@ def test_accept_greedy_matches_a_slow_reference_walk(case):
         assert tokens[child] == argmax[parent]  # of drafts the target agrees with
     assert len(path) - 1 == reference_accepted_depth(parents, tokens, argmax)  # the longest one
     assert bonus.dim() == 0 and int(bonus) == argmax[path[-1]]
+
+
+@given(verified_tree())
+@settings(max_examples=300, deadline=None)
+def test_accept_greedy_reached_equals_accept_greedy_scoring_only_accepted_nodes(case):
+    """The walk that scores nodes on demand (per-node processing) keeps accept_greedy's path and bonus, asks once
+    per depth, for nodes of one depth, and only for accepted nodes (every ancestor's draft right), each once."""
+    parents, tokens, argmax = case
+    tree = build_tree_buffers(torch.tensor(parents))
+    asked: list[list[int]] = []
+
+    def argmax_at(nodes: list[int]) -> torch.Tensor:
+        asked.append(list(nodes))
+        return torch.tensor([argmax[node] for node in nodes])
+
+    path, bonus = accept_greedy_reached(torch.tensor(tokens), tree, argmax_at)
+    expected_path, expected_bonus = accept_greedy(torch.tensor(tokens), tree, torch.tensor(argmax))
+    assert path.tolist() == expected_path.tolist() and int(bonus) == int(expected_bonus)
+    depth = tree.depth.tolist()
+    flat = [node for nodes in asked for node in nodes]
+    assert len(flat) == len(set(flat)) and asked[0] == [0]
+    for d, nodes in enumerate(asked):
+        assert {depth[node] for node in nodes} == {d}
+    for node in flat:  # accepted: every node on its chain from the root drafted the parent's argmax
+        while node != 0:
+            assert tokens[node] == argmax[parents[node]]
+            node = parents[node]
 
 
 def test_accept_greedy_takes_a_later_sibling_and_its_subtree():

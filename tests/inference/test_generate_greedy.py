@@ -11,12 +11,13 @@ import copy
 
 import pytest
 import torch
+from transformers.generation.logits_process import LogitsProcessorList
 
 from specheads import HEAD_TYPES, SpeculativeLM, create_heads
 from specheads.inference.tree import build_tree_buffers, chain_tree
 
 from ..conftest import OTHER_FAMILIES
-from .conftest import TINY_PROMPT, hf_greedy, left_pad, make_heads
+from .conftest import TINY_PROMPT, SumModuloBan, hf_greedy, last_token_rule, left_pad, make_heads
 
 
 def check_stats(stats: dict, new_tokens: int) -> None:
@@ -272,6 +273,8 @@ SEQUENCE_SETTINGS = {
     "min_new_tokens=25": dict(min_new_tokens=25),  # with an EOS that plain decoding emits early
     "bad words + suppressed": {},  # a bigram and a token of the plain continuation, chosen in the test
     "sequence bias": {},  # biases on a bigram and a token of the plain continuation, chosen in the test
+    "logits_processor": dict(logits_processor=LogitsProcessorList([SumModuloBan(3)])),  # a caller's own processor
+    "prefix_allowed_tokens_fn": dict(prefix_allowed_tokens_fn=last_token_rule, repetition_penalty=1.2),
 }
 
 
@@ -315,7 +318,7 @@ def test_sequence_processors_with_oracle_drafts_equal_hf_generate(tiny_target_fa
 def test_sequence_processors_from_the_generation_config(stories260k, head_type):
     """Set in the target's generation config (Qwen2.5-Instruct ships repetition_penalty=1.05), they apply without
     an argument, like transformers (min_length and begin_suppress_tokens only come from there); prompt lookup's copied runs are processed
-    too; the fast path (static shapes) refuses them."""
+    too; also on the static-shape fast path."""
     target, tokenizer = stories260k
     target = copy.deepcopy(target)
     config = target.generation_config
@@ -328,8 +331,8 @@ def test_sequence_processors_from_the_generation_config(stories260k, head_type):
     out = lm.generate(ids, max_new_tokens=60, eos_token_id=eos)
     assert torch.equal(out, hf_greedy(target, ids, 60, eos_token_id=eos))
     assert out.shape[1] >= 40  # min_length kept the early EOS out
-    with pytest.raises(ValueError, match="fast_path=True does not apply repetition_penalty=1.2"):
-        lm.generate(ids, max_new_tokens=4, fast_path=True)
+    fast = lm.generate(ids, max_new_tokens=60, eos_token_id=eos, fast_path=True)  # static cache, per-phase rounds
+    assert lm.last_stats["fast_path"] and torch.equal(fast, out)
 
 
 @pytest.mark.parametrize("penalty", [1.5, 0.7])  # < 1: loops that prompt lookup guesses deep into
@@ -375,7 +378,8 @@ class PerRowChainOracle:
         return torch.tensor(chain), build_tree_buffers(torch.arange(len(chain)) - 1)
 
 
-@pytest.mark.parametrize("setting", ["repetition_penalty=1.3", "repetition_penalty=0.8", "no_repeat_ngram_size=2"])
+@pytest.mark.parametrize("setting", ["repetition_penalty=1.3", "repetition_penalty=0.8", "no_repeat_ngram_size=2",
+                                     "logits_processor", "prefix_allowed_tokens_fn"])
 def test_sequence_processors_in_batched_verification_with_deep_paths(tiny_target_factory, setting):
     """Batched verification with drafts right up to a corrupted depth: each node is processed with its own path,
     also where its tokens are new to the row (equal to every row's own `generate` alone)."""

@@ -30,7 +30,7 @@ from specheads import SpeculativeLM, create_heads
 from specheads.inference.sampling import sample_token
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
-from .conftest import record_tree_sizes
+from .conftest import SumModuloBan, record_tree_sizes
 
 V = 6
 PROMPT = [1, 3, 4, 5]
@@ -42,9 +42,12 @@ SETTINGS = {
     "T=1.0,no_repeat_ngram_size=2": dict(temperature=1.0, no_repeat_ngram_size=2),
     "T=0.8,min_p=0.1": dict(temperature=0.8, min_p=0.1),
     "T=1.0,typical_p=0.8": dict(temperature=1.0, typical_p=0.8),
+    # a caller's processor: bans 2 of the 6 tokens, which 2 depending on the sum of the whole sequence
+    "T=0.9,logits_processor": dict(temperature=0.9, logits_processor=LogitsProcessorList([SumModuloBan(3)])),
 }
 # a shorter prompt leaves most of the 6 tokens and bigrams out of the context: the processing depends on tree paths
-PROMPTS = {"T=1.0,repetition_penalty=4.0": [1, 3], "T=1.0,no_repeat_ngram_size=2": [1, 3]}
+PROMPTS = {"T=1.0,repetition_penalty=4.0": [1, 3], "T=1.0,no_repeat_ngram_size=2": [1, 3],
+           "T=0.9,logits_processor": [1, 3]}
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,7 @@ def warped_probs(
     no_repeat_ngram_size: int = 0,
     min_p: float | None = None,
     typical_p: float = 1.0,
+    logits_processor: LogitsProcessorList | None = None,
     context: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The target's sampling law as transformers' generate builds it (its own processors, its order): (B, V) logits
@@ -74,6 +78,7 @@ def warped_probs(
         warpers.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
     if no_repeat_ngram_size:
         warpers.append(NoRepeatNGramLogitsProcessor(no_repeat_ngram_size))
+    warpers.extend(logits_processor or [])  # the caller's, after transformers' own processors and before warping
     if temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(temperature))
     if top_k:
