@@ -26,6 +26,7 @@ from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.drafting import Drafter
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.sequence_processors import SequenceContext
+from specheads.inference.step_scores import StepRecorder
 from specheads.inference.stopping import StopChecker
 from specheads.inference.tree import TreeBuffers
 from specheads.inference.verify import last_logits_only, no_logits
@@ -96,10 +97,12 @@ def generate_batched(
     acceptance: str,
     stats: dict[str, Any],
     stops: list[StopChecker | None] | None = None,
+    recorders: list[StepRecorder] | None = None,
 ) -> list[list[int]]:
     """Speculative decoding of several prompts with batched verification; returns each row's new tokens.
 
-    `stops`: per prompt, the stopping criteria to check on its emitted tokens (inference/stopping.py)."""
+    `stops`: per prompt, the stopping criteria to check on its emitted tokens (inference/stopping.py);
+    `recorders`: per prompt, where each emitted token's logits and scores go (inference/step_scores.py)."""
     target, heads, device, dtype = lm.target, lm.heads, lm.target.device, lm.target.dtype
     rows = len(prompts)
     lengths = torch.tensor([p.shape[0] for p in prompts], device=device)
@@ -129,9 +132,11 @@ def generate_batched(
     for b, prompt in enumerate(prompts):
         last_logits = out.logits[b, -1:] if contexts[b] is None else contexts[b].last(out.logits[b, -1:])
         root = lm._choose(last_logits, params)[0]
+        done.append(lm._emit([int(root)], new_tokens[b], max_new_tokens, eos, None, stops[b]))
+        if recorders is not None:
+            recorders[b].add(out.logits[b, -1:], recorders[b].warped(last_logits.float()), len(new_tokens[b]))
         if contexts[b] is not None:
             contexts[b].commit(root)
-        done.append(lm._emit([int(root)], new_tokens[b], max_new_tokens, eos, None, stops[b]))
         features.append(features_all[b, pad[b] :])
         next_tokens.append(torch.cat([prompt[1:], root[None]]))
         drafters[b].reset()
@@ -143,7 +148,7 @@ def generate_batched(
         features, next_tokens = [features[i] for i in keep], [next_tokens[i] for i in keep]
         contexts = [contexts[i] for i in keep]
     # greedy with a certified argmax (CPU): the forward skips the lm_head, the argmax comes from the hidden states
-    argmax = None if params.do_sample or params.reads_sequence else lm.certified_argmax
+    argmax = None if params.do_sample or params.reads_sequence or recorders is not None else lm.certified_argmax
     while active:
         # draft
         proposals = [drafters[row].propose(features[i], next_tokens[i]) for i, row in enumerate(active)]
@@ -176,13 +181,17 @@ def generate_batched(
                 logits = out.logits[i, : tree.num_nodes]  # (N, V)
                 path, bonus = accept_tree(tree_tokens, tree, logits, params, acceptance, contexts[i])
             accepted = torch.cat([tree_tokens[path[1:]], bonus[None]])
-            if contexts[i] is not None:
-                contexts[i].commit(accepted)
             stats["accepted_counts"].append(path.shape[0] - 1)
             paths.append(path)
             features[i] = row_features[i, path]
             next_tokens[i] = accepted
-            finished.append(lm._emit(accepted.tolist(), new_tokens[active[i]], max_new_tokens, eos, None, stops[active[i]]))
+            row_tokens = new_tokens[active[i]]
+            emitted = len(row_tokens)
+            finished.append(lm._emit(accepted.tolist(), row_tokens, max_new_tokens, eos, None, stops[active[i]]))
+            if recorders is not None:  # before the commit: each path node's sequence ends at the committed one
+                recorders[active[i]].add_path(logits, tree_tokens, tree, path, contexts[i], len(row_tokens) - emitted)
+            if contexts[i] is not None:
+                contexts[i].commit(accepted)
         stats["rounds"] += 1
         # update: compact every row's cache to its path, then drop finished rows
         index = compaction_index(valid, paths, cache_length)

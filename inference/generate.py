@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
@@ -29,6 +30,7 @@ from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
 from specheads.inference.sampling import SamplingParams, check_generation_config, sample_token, target_probs
 from specheads.inference.sequence_processors import SequenceContext
+from specheads.inference.step_scores import StepRecorder, generate_output
 from specheads.inference.stopping import StopChecker, stopping_criteria_for
 from specheads.inference.target_support import check_tree_verification, context_limit
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
@@ -308,13 +310,17 @@ class SpeculativeLM:
         stop_strings: str | list[str] | None = None,
         max_time: float | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        generation_config: GenerationConfig | None = None,
+        return_dict_in_generate: bool | None = None,
+        output_scores: bool | None = None,
+        output_logits: bool | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         streamer: Any | None = None,
         acceptance: str = "exact",
         batched: bool | None = None,
         fast_path: bool | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         """Generate like `transformers.generate`: returns prompt + new tokens, (B, n + new).
 
         Args:
@@ -336,6 +342,12 @@ class SpeculativeLM:
                 row ends exactly where `generate` would end it (the token that completes a stop string kept).
                 `stop_strings` and `max_time` default to the target's generation config; stop strings need
                 `tokenizer` (default: this model's). Criteria get scores=None (inference/stopping.py).
+            generation_config: a `GenerationConfig` used instead of the target's own for every default above (as
+                transformers' argument of that name).
+            return_dict_in_generate, output_scores, output_logits: as in transformers (default: the generation
+                config's): a `GenerateDecoderOnlyOutput` with `sequences` and, per generated token, the (B, V)
+                float32 scores it was chosen from (processed; warped when sampling) / the target's logits
+                (inference/step_scores.py). Steps past the end of a row that stopped early hold -inf.
             eos_token_id: int or list; default from the target's generation config. Generation stops right
                 after it (the EOS token is included, as transformers does).
             pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
@@ -354,16 +366,17 @@ class SpeculativeLM:
         verification), ms_per_round (the rest of the time per round: drafting, verification, acceptance) and
         fast_path (whether the call ran on the static-cache fast path).
         """
+        config = self.target.generation_config if generation_config is None else generation_config
         params = SamplingParams.resolve(
-            self.target.generation_config, do_sample, temperature, top_p, top_k,
+            config, do_sample, temperature, top_p, top_k,
             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
             min_new_tokens=min_new_tokens, min_p=min_p, typical_p=typical_p, bad_words_ids=bad_words_ids,
             suppress_tokens=suppress_tokens, sequence_bias=sequence_bias,
             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=logits_processor,
         )
         params.validate()
-        check_generation_config(self.target.generation_config, do_sample)
-        criteria = stopping_criteria_for(self.target.generation_config, stopping_criteria, stop_strings, max_time,
+        check_generation_config(config, do_sample)
+        criteria = stopping_criteria_for(config, stopping_criteria, stop_strings, max_time,
                                          tokenizer if tokenizer is not None else self.tokenizer)
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
@@ -372,7 +385,14 @@ class SpeculativeLM:
         prompts = self._split_prompts(input_ids, attention_mask, max_new_tokens)
         if streamer is not None and len(prompts) > 1:
             raise ValueError(f"streamers support batch size 1 only (as in transformers), got batch size {len(prompts)}")
-        eos_list = self._eos_ids(eos_token_id)
+        eos_list = self._eos_ids(eos_token_id, config)
+        output_scores, output_logits, return_dict_in_generate = (
+            bool(getattr(config, name, False)) if value is None else value
+            for name, value in (("output_scores", output_scores), ("output_logits", output_logits),
+                                ("return_dict_in_generate", return_dict_in_generate))
+        )
+        record = return_dict_in_generate and (output_scores or output_logits)
+        recorders = [StepRecorder(params) for _ in prompts] if record else None
         eos = set(eos_list)
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0}
         start = time.perf_counter()
@@ -394,7 +414,8 @@ class SpeculativeLM:
         if batched:
             drafters = [self.drafter.fork() for _ in prompts]
             stops = [None if criteria is None else StopChecker(criteria, p) for p in prompts]
-            rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats, stops)
+            rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats, stops,
+                                    recorders)
         else:
             verifier = runner if runner is not None else DynamicTreeVerifier(
                 self.target, self.heads.select_features, argmax=None if params.reads_sequence else self.certified_argmax
@@ -404,14 +425,16 @@ class SpeculativeLM:
                 if streamer is not None:
                     streamer.put(prompt.cpu())
                 stop = None if criteria is None else StopChecker(criteria, prompt)
-                rows.append(self._generate_row(
-                    prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier, row_drafter, row, stop
-                ))
+                rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier,
+                                               row_drafter, row, stop, None if recorders is None else recorders[row]))
         if streamer is not None:
             streamer.end()
         seconds = time.perf_counter() - start
         self.last_stats = self._finish_stats(stats, seconds)
-        return self._assemble(input_ids, rows, pad_token_id, eos_list)
+        sequences = self._assemble(input_ids, rows, pad_token_id, eos_list, config)
+        if not return_dict_in_generate:
+            return sequences
+        return generate_output(sequences, recorders or [], output_scores, output_logits)
 
     # --- the loop ---------------------------------------------------------------------------------------
     def _generate_row(
@@ -427,6 +450,7 @@ class SpeculativeLM:
         drafter: Drafter,
         row: int = 0,
         stop: StopChecker | None = None,
+        recorder: StepRecorder | None = None,
     ) -> list[int]:
         """Speculative decoding of one prompt (n,), row `row` of the caller's batch; returns the new token ids.
 
@@ -444,19 +468,23 @@ class SpeculativeLM:
         stats["target_forwards"] += 1
         # the sequence so far, for processors that read it (repetition penalty, n-gram blocking, ...)
         context = SequenceContext(prompt, params, sorted(eos), row) if params.reads_sequence else None
+        raw_logits = last_logits
         if context is not None:
             last_logits = context.last(last_logits)
         root = self._choose(last_logits, params)[0]
-        if context is not None:
-            context.commit(root)
         new_tokens: list[int] = []
         done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer, stop)  # int(): waits for the prefill
+        if recorder is not None:
+            recorder.add(raw_logits, recorder.warped(last_logits.float()), len(new_tokens))
+        if context is not None:
+            context.commit(root)
         stats["prefill_seconds"] += time.perf_counter() - prefill_start
         next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
         prefix_length = prompt.shape[0]
         drafter.reset()
         graphed = None
-        if isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact" and context is None:
+        if (isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact" and context is None
+                and recorder is None):
             wanted = verifier.use_graphs if self.graphed_rounds is None else self.graphed_rounds
             graphed = verifier.graphed_round(drafter) if wanted else None
         if graphed is not None and not done:
@@ -470,7 +498,8 @@ class SpeculativeLM:
                 done = self._emit(accepted_tokens, new_tokens, max_new_tokens, eos, streamer, stop)
         # greedy on the normal path: the target's argmax per node is all acceptance needs (scored by
         # `certified_argmax` when set, without the full-precision lm_head)
-        argmax_only = not params.do_sample and isinstance(verifier, DynamicTreeVerifier) and context is None
+        argmax_only = (not params.do_sample and isinstance(verifier, DynamicTreeVerifier) and context is None
+                       and recorder is None)
         while not done:
             # draft
             tokens, tree = drafter.propose(features, next_tokens)
@@ -487,13 +516,16 @@ class SpeculativeLM:
             verifier.compact(prefix_length, path)
             prefix_length += path.shape[0]
             accepted = torch.cat([tokens[path[1:]], bonus[None]])
-            if context is not None:
-                context.commit(accepted)
             stats["rounds"] += 1
             stats["accepted_counts"].append(path.shape[0] - 1)
             features = node_features[path]  # (L+1, h) true features of the path (a gather: a copy)
             next_tokens = accepted
+            emitted = len(new_tokens)
             done = self._emit(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer, stop)
+            if recorder is not None:  # before the commit: each path node's sequence ends at the committed one
+                recorder.add_path(logits, tokens, tree, path, context, len(new_tokens) - emitted)
+            if context is not None:
+                context.commit(accepted)
         stats["new_tokens"] += len(new_tokens)
         return new_tokens
 
@@ -568,22 +600,25 @@ class SpeculativeLM:
             prompts.append(prompt.to(device))
         return prompts
 
-    def _eos_ids(self, eos_token_id: int | list[int] | None) -> list[int]:
+    @staticmethod
+    def _eos_ids(eos_token_id: int | list[int] | None, config: GenerationConfig) -> list[int]:
         """EOS ids in the caller's order (the first one pads, as in transformers)."""
         if eos_token_id is None:
-            eos_token_id = getattr(self.target.generation_config, "eos_token_id", None)
+            eos_token_id = getattr(config, "eos_token_id", None)
         if eos_token_id is None:
             return []
         return [int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)]
 
+    @staticmethod
     def _assemble(
-        self, input_ids: torch.Tensor, rows: list[list[int]], pad_token_id: int | None, eos: list[int]
+        input_ids: torch.Tensor, rows: list[list[int]], pad_token_id: int | None, eos: list[int],
+        config: GenerationConfig,
     ) -> torch.Tensor:
         """Prompt (with its padding) + new tokens; rows that stopped early are right-padded."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if pad_token_id is None:
-            pad_token_id = getattr(self.target.generation_config, "pad_token_id", None)
+            pad_token_id = getattr(config, "pad_token_id", None)
         if pad_token_id is None:
             pad_token_id = eos[0] if eos else 0
         width = max(len(r) for r in rows)
