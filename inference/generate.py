@@ -311,6 +311,7 @@ class SpeculativeLM:
         max_time: float | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         generation_config: GenerationConfig | None = None,
+        num_return_sequences: int | None = None,
         return_dict_in_generate: bool | None = None,
         output_scores: bool | None = None,
         output_logits: bool | None = None,
@@ -344,6 +345,8 @@ class SpeculativeLM:
                 `tokenizer` (default: this model's). Criteria get scores=None (inference/stopping.py).
             generation_config: a `GenerationConfig` used instead of the target's own for every default above (as
                 transformers' argument of that name).
+            num_return_sequences: sampled continuations per prompt, as in transformers (rows i * n ... i * n + n - 1
+                of the output continue prompt i; default: the generation config's, else 1; greedy takes only 1).
             return_dict_in_generate, output_scores, output_logits: as in transformers (default: the generation
                 config's): a `GenerateDecoderOnlyOutput` with `sequences` and, per generated token, the (B, V)
                 float32 scores it was chosen from (processed; warped when sampling) / the target's logits
@@ -382,6 +385,10 @@ class SpeculativeLM:
             raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
         if acceptance == "typical" and not do_sample:
             raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
+        if num_return_sequences is None:
+            num_return_sequences = getattr(config, "num_return_sequences", None) or 1
+        input_ids, attention_mask = self._expand_for_return_sequences(input_ids, attention_mask, num_return_sequences,
+                                                                      do_sample)
         prompts = self._split_prompts(input_ids, attention_mask, max_new_tokens)
         if streamer is not None and len(prompts) > 1:
             raise ValueError(f"streamers support batch size 1 only (as in transformers), got batch size {len(prompts)}")
@@ -560,6 +567,23 @@ class SpeculativeLM:
         return stopped or len(out) >= max_new_tokens or (bool(taken) and taken[-1] in eos)
 
     # --- input checks and output assembly ---------------------------------------------------------------
+    @staticmethod
+    def _expand_for_return_sequences(
+        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, count: int, do_sample: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each prompt row repeated `count` times in place (transformers' order), for num_return_sequences."""
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"num_return_sequences={count!r} must be an integer >= 1")
+        if count == 1 or not isinstance(input_ids, torch.Tensor):
+            return input_ids, attention_mask
+        if not do_sample:
+            raise ValueError(f"num_return_sequences={count} needs do_sample=True: greedy decoding has one answer per "
+                             "prompt (transformers refuses it too without beam search)")
+        input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
+        if attention_mask is not None:
+            attention_mask = (attention_mask[None] if attention_mask.dim() == 1 else attention_mask)
+            attention_mask = attention_mask.repeat_interleave(count, dim=0)
+        return input_ids.repeat_interleave(count, dim=0), attention_mask
     def _split_prompts(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int
     ) -> list[torch.Tensor]:

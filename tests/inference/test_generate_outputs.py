@@ -123,3 +123,25 @@ def test_generation_config_argument(tiny_target_factory):
     assert torch.equal(out.sequences, expected.sequences) and out.sequences[0, -1] == eos
     assert_steps_close(out.scores, expected.scores)
     assert out.logits is None
+
+
+def test_num_return_sequences(tiny_target_factory):
+    """Sampling: n continuations per prompt, prompt i's in rows i * n ... i * n + n - 1 (transformers' order), each an
+    allowed sample; greedy refuses n > 1 as transformers does."""
+    target = tiny_target_factory("llama")
+    prompts = [PROMPT, [27, 18]]
+    ids, mask = left_pad(prompts)
+    lm = SpeculativeLM(target, make_heads(target, "eagle"))
+    torch.manual_seed(0)
+    out = lm.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=5, num_return_sequences=3,
+                      **OUTPUTS)
+    assert out.sequences.shape == (6, ids.shape[1] + 8)
+    for row in range(6):
+        assert torch.equal(out.sequences[row, : ids.shape[1]], ids[row // 3])
+        for step in range(8):  # every sampled token was among that step's 5 finite scores
+            assert out.scores[step][row, out.sequences[row, ids.shape[1] + step]].isfinite()
+    assert len({tuple(r) for r in out.sequences[:3].tolist()}) > 1, "independent samples"
+    with pytest.raises(ValueError, match="num_return_sequences=2 needs do_sample=True"):
+        lm.generate(ids, attention_mask=mask, max_new_tokens=4, num_return_sequences=2)
+    with pytest.raises(ValueError, match="num_return_sequences=0 must be an integer >= 1"):
+        lm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, num_return_sequences=0)
