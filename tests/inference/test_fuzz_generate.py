@@ -2,7 +2,8 @@
 
 The reference is each prompt decoded alone by `target.generate` (greedy), cut right after the first EOS.
 Both batch schemes (one batched verification per round, and rows one after another) must equal it, with the
-target's argmax from its full logits or from the certified bf16 argmax (`--cpu-argmax`).
+target's argmax from its full logits or from the certified bf16 argmax (`--cpu-argmax`). A second test adds a
+caller's logits processor, a repetition penalty and a stopping criterion, drawn at random, on both sides.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers.generation.logits_process import LogitsProcessor
+from transformers.generation.stopping_criteria import StoppingCriteria
 
 from specheads import SpeculativeLM, create_heads
 from specheads.inference.certified_argmax import certified_argmax_for
@@ -67,6 +70,70 @@ def test_generate_matches_the_reference(models, prompts, max_new_tokens, eos_cho
                       eos_token_id=[] if eos is None else eos, pad_token_id=0, batched=batched and len(prompts) > 1)
     for i, p in enumerate(prompts):
         expected = reference(target, p, max_new_tokens, eos)
+        row = out[i, width:].tolist()
+        assert row[: len(expected)] == expected, f"row {i}"
+        assert all(t == 0 for t in row[len(expected):]), f"row {i} is not padded after it stopped"
+
+
+class BanSumModulo(LogitsProcessor):
+    """Ban token t where (t + sum(sequence)) % modulus == 0: a processor that reads each row's whole sequence."""
+
+    def __init__(self, modulus: int) -> None:
+        self.modulus = modulus
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        state = input_ids.sum(dim=1, keepdim=True) % self.modulus
+        tokens = torch.arange(scores.shape[1])
+        return scores.masked_fill((tokens[None] + state) % self.modulus == 0, -float("inf"))
+
+
+class LastTwoSumStop(StoppingCriteria):
+    """Stop once the last two tokens sum to a multiple of `modulus`."""
+
+    def __init__(self, modulus: int) -> None:
+        self.modulus = modulus
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return input_ids[:, -2:].sum(dim=1) % self.modulus == 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompts=st.lists(st.lists(st.integers(2, VOCAB - 1), min_size=2, max_size=8), min_size=1, max_size=3),
+    max_new_tokens=st.integers(1, 16),
+    ban_modulus=st.one_of(st.none(), st.integers(2, 7)),
+    penalty=st.sampled_from([None, 1.3, 0.8]),
+    stop_modulus=st.one_of(st.none(), st.integers(5, 17)),
+    head_type=st.sampled_from(["eagle", "medusa"]),
+    batched=st.booleans(),
+)
+def test_processors_and_stopping_match_the_reference(
+    models, prompts, max_new_tokens, ban_modulus, penalty, stop_modulus, head_type, batched
+):
+    """Every row equals its own `target.generate` alone with the same processors and criteria, cut at the same
+    token, for both batch schemes."""
+    target, lms, _ = models
+    lm = lms[head_type]
+    lm.certified_argmax = None
+    options = {}
+    if ban_modulus is not None:
+        options["logits_processor"] = [BanSumModulo(ban_modulus)]
+    if penalty is not None:
+        options["repetition_penalty"] = penalty
+    if stop_modulus is not None:
+        options["stopping_criteria"] = [LastTwoSumStop(stop_modulus)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = lm.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0,
+                      batched=batched and len(prompts) > 1, **options)
+    for i, p in enumerate(prompts):
+        alone = target.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                **options)
+        expected = alone[0, len(p):].tolist()
         row = out[i, width:].tolist()
         assert row[: len(expected)] == expected, f"row {i}"
         assert all(t == 0 for t in row[len(expected):]), f"row {i} is not padded after it stopped"
