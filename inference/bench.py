@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from specheads.inference.autotune import autotune_tree
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
+from specheads.inference.constraints import IndexConstraint, constraint_from_options
 from specheads.inference.fast_path import StaticGreedyDecoder, aligned_length
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES, GQA_ATTENTION
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let the guess double, up to N tokens, while whole guesses are accepted (copied passages take "
                    "fewer rounds); default: --lookup-tokens, a fixed length")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                            help="constrain every run (baseline, speculative, peers) to JSON valid under this schema "
+                            "(inference/constraints.py; needs specheads[constraints])")
+    constraint.add_argument("--regex", default=None, help="constrain every run to text matching this regex")
     p.add_argument("--prompt-lookup", type=int, default=10, help="peer: transformers prompt-lookup tokens (0: skip)")
     p.add_argument("--assistant", default=None, help="peer: a draft model for transformers assisted generation")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -138,13 +144,18 @@ def _configure_tree(
 
 def run_prompt(
     lm: SpeculativeLM, prompt: Prompt, mode: str, args: argparse.Namespace, assistant: Any,
-    static_decoder: StaticGreedyDecoder | None = None,
+    static_decoder: StaticGreedyDecoder | None = None, constraint: IndexConstraint | None = None,
 ) -> dict[str, Any]:
     """Baseline, speculative and peer runs of one prompt, alternating in this process.
 
     With `static_decoder` (CUDA, greedy) our own static-cache CUDA-graph plain decoding is timed too: the
-    honest baseline beside `target.generate`.
+    honest baseline beside `target.generate`. With `constraint` every run gets a fresh copy of it as its logits
+    processor (our static plain decoding has none: it is skipped).
     """
+
+    def constrained() -> dict[str, Any]:
+        return {} if constraint is None else {"logits_processor": [constraint.fresh()]}
+
     target, ids = lm.target, prompt.input_ids.to(lm.target.device)
     sample = mode == "sample"
     gen_kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, do_sample=sample,
@@ -152,9 +163,10 @@ def run_prompt(
     if sample:
         options = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         gen_kwargs.update({k: v for k, v in options.items() if v is not None})  # unset: the generation config
-    baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs))
+    baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs,
+                                                      **constrained()))
     fast_path = SWITCH[getattr(args, "fast_path", "auto")]
-    spec, spec_s = _timed(lambda: lm.generate(ids, fast_path=fast_path,
+    spec, spec_s = _timed(lambda: lm.generate(ids, fast_path=fast_path, **constrained(),
                                               **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
     stats = lm.last_stats
     base_new, spec_new = baseline.shape[1] - ids.shape[1], spec.shape[1] - ids.shape[1]
@@ -167,7 +179,7 @@ def run_prompt(
         "tokens_per_second": spec_new / spec_s, "baseline_tokens_per_second": base_new / base_s,
     }
     row["speedup"] = row["tokens_per_second"] / row["baseline_tokens_per_second"]
-    if static_decoder is not None and not sample:
+    if static_decoder is not None and not sample and constraint is None:
         static, static_s = _timed(lambda: static_decoder.generate(ids, args.max_new_tokens))
         row["static_baseline_tokens"] = static.shape[1] - ids.shape[1]
         row["static_baseline_seconds"] = static_s
@@ -197,10 +209,11 @@ def run_prompt(
             )
     if args.prompt_lookup and not sample:
         out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids),
-                                                prompt_lookup_num_tokens=args.prompt_lookup, **gen_kwargs))
+                                                prompt_lookup_num_tokens=args.prompt_lookup, **gen_kwargs, **constrained()))
         row["prompt_lookup_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
     if assistant is not None:
-        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant, **gen_kwargs))
+        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
+                                                **gen_kwargs, **constrained()))
         row["assisted_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
     return row
 
@@ -277,6 +290,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                chat=False if args.no_chat else None)
     if not prompts:
         raise ValueError(f"no prompts selected from {args.prompts}")
+    constraint = constraint_from_options(lm.tokenizer, getattr(args, "json_schema", None), getattr(args, "regex", None))
     assistant = None
     if args.assistant:
         from specheads.targets import load_target
@@ -296,7 +310,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         static_decoder = StaticGreedyDecoder(lm.target, aligned_length(longest + args.max_new_tokens),
                                              graphed_prefill=lm.graphed_prefill)
     # Warm-up, not recorded: the longest prompt, so the fast path sizes its static cache and captures once.
-    run_prompt(lm, max(prompts, key=lambda p: p.input_ids.shape[-1]), "greedy", args, None, static_decoder)
+    run_prompt(lm, max(prompts, key=lambda p: p.input_ids.shape[-1]), "greedy", args, None, static_decoder, constraint)
     if lm.graphed_prefill:  # and one prompt of each padded length, so every prompt graph is captured before timing
         for prompt in {aligned_length(p.input_ids.shape[-1]): p for p in prompts}.values():
             lm.generate(prompt.input_ids.to(lm.target.device), max_new_tokens=2,
@@ -306,13 +320,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for mode in modes:
         for prompt in tqdm(prompts, desc=f"bench {mode}", unit="prompt"):
-            rows.append(run_prompt(lm, prompt, mode, args, assistant, static_decoder))
+            rows.append(run_prompt(lm, prompt, mode, args, assistant, static_decoder, constraint))
     results: dict[str, Any] = {
         "target": args.target, "heads": str(args.heads), "head_type": lm.heads.config.head_type,
         "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens,
         "tree": lm.tree_description(), "environment": environment(lm), "fast_path": getattr(args, "fast_path", "auto"),
         "command": "specheads bench " + " ".join(getattr(args, "argv", [])),
     }
+    if constraint is not None:
+        results["constraint"] = {"json_schema": getattr(args, "json_schema", None), "regex": getattr(args, "regex", None)}
     if tree_report:
         results["tree_autotune"] = tree_report
     for mode in modes:

@@ -28,8 +28,9 @@ class StepRecorder:
 
     def add(self, logits: torch.Tensor, scores: torch.Tensor, count: int) -> None:
         """Keep the first `count` rows of (k, V) logits and their processed scores (the tokens emitted)."""
-        self.logits.extend(logits[:count].to(torch.float32, copy=True).unbind(0))  # the fast path's are views
-        self.scores.extend(scores[:count].unbind(0))
+        # copies: the fast path's logits are views of buffers the next forward overwrites
+        self.logits.extend(logits[:count].to(torch.float32, copy=True).unbind(0))
+        self.scores.extend(scores[:count].to(torch.float32, copy=True).unbind(0))
 
     def warped(self, scores: torch.Tensor) -> torch.Tensor:
         """Sampling scores go through the warpers too (temperature, top-k, ...), as in transformers."""

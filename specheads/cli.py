@@ -64,6 +64,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
+    from specheads.inference.constraints import constraint_from_options
     from specheads.inference.generate import SpeculativeLM
     from specheads.inference.lookup import check_lookup_settings
     from specheads.inference.prompts import tokenize_prompts
@@ -77,7 +78,8 @@ def run_generate(args: argparse.Namespace) -> int:
     # the same rule as `specheads bench`: a chat model answers its chat template, not raw text
     prompt = {"prompt_id": "cli", "category": "cli", "text": args.prompt}
     input_ids = tokenize_prompts([prompt], tokenizer, chat=args.chat)[0].input_ids  # (1, n)
-    processors = [_constraint(args, tokenizer)] if args.json_schema or args.regex else None
+    constraint = constraint_from_options(tokenizer, args.json_schema, args.regex)
+    processors = None if constraint is None else [constraint]
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
     lm.generate(
         input_ids,
@@ -101,23 +103,6 @@ def run_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def _constraint(args: argparse.Namespace, tokenizer):
-    """`--json-schema` (a file, else inline JSON) or `--regex` as a logits processor (inference/constraints.py)."""
-    from specheads.inference.constraints import json_schema_constraint, regex_constraint
-
-    if args.regex:
-        return regex_constraint(tokenizer, args.regex)
-    text = args.json_schema
-    if os.path.isfile(text):
-        with open(text, encoding="utf-8") as f:
-            text = f.read()
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--json-schema {args.json_schema!r} is neither a file nor valid JSON: {err}") from err
-    return json_schema_constraint(tokenizer, schema, whitespace_pattern=r"[\n ]{0,8}")
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError, ImportError)

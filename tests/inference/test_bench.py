@@ -61,6 +61,31 @@ def test_bench_with_lookup_and_tree_auto_records_both(tmp_path, eagle_heads_dir)
     assert results["tree_autotune"]["calibration_max_new_tokens"] == 12
 
 
+def test_bench_under_a_json_schema_constrains_every_run(tmp_path, eagle_heads_dir):
+    """--json-schema: the baseline, the speculative run and transformers' prompt lookup all generate under it (each
+    call a fresh processor over one compiled index); greedy stays identical, the schema is recorded; a bad schema
+    is a clear error."""
+    pytest.importorskip("outlines_core")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                                  "required": ["name"]}))
+    results, _ = run_bench(tmp_path, eagle_heads_dir, "Once upon a time\nThe cat sat\n", "--json-schema", str(schema),
+                           "--prompt-lookup", "3", "--max-new-tokens", "24")
+    assert results["greedy_identical"] is True and results["constraint"]["json_schema"] == str(schema)
+    assert all(r["prompt_lookup_tokens_per_second"] > 0 for r in results["per_prompt"])
+    target, tokenizer = load_target("stories260K")
+    ids = tokenizer("The cat sat", return_tensors="pt").input_ids
+    from specheads.inference.constraints import constraint_from_options
+
+    constrained = target.generate(ids, max_new_tokens=24, do_sample=False,
+                                  logits_processor=[constraint_from_options(tokenizer, str(schema))])
+    text = tokenizer.decode(constrained[0, ids.shape[1] :], skip_special_tokens=True)
+    assert text.lstrip().startswith("{")  # what the bench compared against is constrained output
+    assert [r["tokens"] for r in results["per_prompt"]][1] == constrained.shape[1] - ids.shape[1]
+    with pytest.raises(ValueError, match="is neither a file nor valid JSON"):
+        run_bench(tmp_path, eagle_heads_dir, "x\n", "--json-schema", "{oops")
+
+
 class _CorruptingLM:
     """A SpeculativeLM stand-in whose greedy output differs from the target's at the third new token."""
 
