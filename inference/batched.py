@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
-from specheads.inference.drafting import Drafter
+from specheads.inference.drafting import Drafter, constrain_drafts
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder
@@ -104,6 +104,7 @@ def generate_batched(
     `stops`: per prompt, the stopping criteria to check on its emitted tokens (inference/stopping.py);
     `recorders`: per prompt, where each emitted token's logits and scores go (inference/step_scores.py)."""
     target, heads, device, dtype = lm.target, lm.heads, lm.target.device, lm.target.dtype
+    vocab_size = heads.config.vocab_size
     rows = len(prompts)
     lengths = torch.tensor([p.shape[0] for p in prompts], device=device)
     width = int(lengths.max())
@@ -140,6 +141,8 @@ def generate_batched(
         features.append(features_all[b, pad[b] :])
         next_tokens.append(torch.cat([prompt[1:], root[None]]))
         drafters[b].reset()
+        if contexts[b] is not None:  # EAGLE heads draft among the tokens the row's processors allow
+            constrain_drafts(drafters[b], lambda paths, context=contexts[b]: context.allowed_after(paths, vocab_size))
     valid = torch.full((rows,), width, device=device)  # committed cache entries per row (padding included)
     keep = [i for i in range(rows) if not done[i]]
     if len(keep) < rows:  # rows that ended on their first token leave the batch

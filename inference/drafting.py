@@ -9,6 +9,7 @@ is the new root, already chosen by the target), and returns the tree's tokens an
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -75,6 +76,12 @@ class EagleDrafter:
     EAGLE-3 heads (`Eagle3Heads`) go through the same loop: their first forward fuses the target's 3-layer
     features, deeper levels read their own outputs, and they score a reduced draft vocabulary whose ids are
     mapped to target ids (`d2t`) before they enter the tree or the next head forward.
+
+    `allowed_after` (set by `SpeculativeLM.generate` while a call's logits processors may ban tokens: a grammar, a
+    JSON schema, bad words): a function from the (n, d) token paths below the root to the (n, V) bool tokens the
+    processors allow after each. Each level then drafts among the allowed tokens only (renormalised), so drafts obey
+    the constraint and its forced tokens (JSON punctuation and keys) are drafted with certainty. It changes the
+    proposals only: verification decides, and the output is the target's either way.
     """
 
     def __init__(
@@ -105,6 +112,8 @@ class EagleDrafter:
         self.neg = torch.finfo(dtype).min
         self.cache = tree_cache()
         self.committed = 0  # head positions with true target features in the cache
+        self.allowed_after: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._draft_targets: torch.Tensor | None = None  # (V_draft,) target id of each draft id, for the filter
 
     def reset(self) -> None:
         self.cache = tree_cache()
@@ -114,13 +123,25 @@ class EagleDrafter:
         """A drafter with the same heads and tree shape and its own (empty) draft cache."""
         return EagleDrafter(self.heads, self.depth, self.top_k, self.num_nodes, self.dtype, self.stop_prob, self.min_prob)
 
-    def top_children(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_children(
+        self, predicted: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` likeliest next tokens after predicted features (..., h).
 
         Returns (log-probs, target ids), each (..., k); draft ids of a reduced draft vocabulary (EAGLE-3, or EAGLE
-        with `eagle_draft_vocab_size`) are mapped to target ids through d2t.
+        with `eagle_draft_vocab_size`) are mapped to target ids through d2t. With `allowed` ((..., V) bool over
+        target ids) only those are drafted, renormalised; a row allowing none of the draft vocabulary stays as it
+        is (verification rejects what the constraint bans).
         """
-        log_probs = torch.log_softmax(self.heads.draft_logits(predicted).float(), dim=-1)  # (..., V_draft)
+        logits = self.heads.draft_logits(predicted).float()  # (..., V_draft)
+        if allowed is not None:
+            if self._draft_targets is None:
+                draft_ids = torch.arange(self.heads.draft_vocab_size, device=logits.device)
+                self._draft_targets = self.heads.draft_to_target_ids(draft_ids)
+            keep = allowed[..., self._draft_targets]  # (..., V_draft)
+            keep |= ~keep.any(dim=-1, keepdim=True)
+            logits = logits.masked_fill(~keep, -math.inf)
+        log_probs = torch.log_softmax(logits, dim=-1)
         scores, ids = torch.topk(log_probs, self.top_k, dim=-1)
         return scores, self.heads.draft_to_target_ids(ids)
 
@@ -139,7 +160,8 @@ class EagleDrafter:
         last = predicted[-1]  # f^ at the root's position: its logits rank the depth-1 tokens
 
         # 2. Depth 1: the top-k children of the root.
-        scores, tokens = self.top_children(last)  # (k,)
+        allowed = None if self.allowed_after is None else self.allowed_after(next_tokens.new_zeros(1, 0))[0]
+        scores, tokens = self.top_children(last, allowed)  # (k,)
         pool = DraftPool(scores, tokens, last)
 
         # 3. Deeper levels: feed the frontier (k nodes) at position committed + d - 2, expand, rerank.
@@ -152,11 +174,20 @@ class EagleDrafter:
             mask[0, 0, :, self.committed :].masked_fill_(~rows, self.neg)
             positions = torch.full((1, k), self.committed + level - 2, device=device)
             out = heads(pool.frontier_features[None], pool.frontier_tokens[None], positions, mask, self.cache)[0]
-            pool.expand(out, *self.top_children(out))
+            allowed = None if self.allowed_after is None else self.allowed_after(pool.frontier_paths())  # (k, V)
+            pool.expand(out, *self.top_children(out, allowed))
 
         # 4. Keep the best num_nodes of the pool (those likely enough, with min_prob).
         tree_tokens, parents = pool.best_subtree(self.num_nodes, next_tokens[-1:], self.log_min)
         return tree_tokens, build_tree_buffers(parents, dtype=self.dtype, check=False)  # valid by construction
+
+
+def constrain_drafts(drafter: Drafter, allowed_after: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Set (or clear, with None) `allowed_after` on the EAGLE drafter inside `drafter` (itself, or the heads'
+    drafter a prompt-lookup drafter wraps); other drafters draft as they are."""
+    inner = getattr(drafter, "drafter", drafter)
+    if isinstance(inner, EagleDrafter):
+        inner.allowed_after = allowed_after
 
 
 class DraftPool:
@@ -184,6 +215,16 @@ class DraftPool:
         self.frontier_features = root_feature.expand(k, -1)  # (k, h)
         self.fed_ancestors = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (F, F) over fed entries
         self.parent_fed = torch.full((k,), -1, device=device)  # fed-entry index of each frontier node's parent
+
+    def frontier_paths(self) -> torch.Tensor:
+        """(k, d) the frontier nodes' tokens from depth 1 down to themselves (d = their depth; one host sync)."""
+        tokens, parents = torch.cat(self.tokens), torch.cat(self.parents)
+        node, path = self.frontier, []
+        while True:
+            path.append(tokens[node])
+            node = parents[node]
+            if bool((node < 0).all()):  # every frontier node has the same depth: they reach the root together
+                return torch.stack(path[::-1], dim=1)
 
     def feed(self) -> tuple[int, torch.Tensor]:
         """Append the frontier to the fed entries. Returns (F = entries fed before, rows (k, F + k) bool: what

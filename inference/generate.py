@@ -25,7 +25,7 @@ from specheads.heads.medusa import MedusaHeads
 from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
-from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
+from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, constrain_drafts
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
 from specheads.inference.sampling import SamplingParams, check_generation_config, sample_token, target_probs
@@ -489,6 +489,9 @@ class SpeculativeLM:
         next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
         prefix_length = prompt.shape[0]
         drafter.reset()
+        # processors that may ban tokens (constraints): EAGLE heads draft among the allowed tokens only
+        vocab = self.heads.config.vocab_size
+        constrain_drafts(drafter, None if context is None else lambda paths: context.allowed_after(paths, vocab))
         graphed = None
         if (isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact" and context is None
                 and recorder is None):
@@ -533,6 +536,7 @@ class SpeculativeLM:
                 recorder.add_path(logits, tokens, tree, path, context, len(new_tokens) - emitted)
             if context is not None:
                 context.commit(accepted)
+        constrain_drafts(drafter, None)
         stats["new_tokens"] += len(new_tokens)
         return new_tokens
 

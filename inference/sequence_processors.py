@@ -159,6 +159,13 @@ class SequenceContext:
         """(1, V) logits after the committed sequence -> processed (1, V) float32."""
         return self.processors(self.sequence[None], logits.float().clone())  # generate scores in float32
 
+    def allowed_after(self, paths: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """(n, d) token paths below the root (the last committed token) -> (n, V) bool: the tokens the processors do
+        not ban (-inf) after each path; for drafting (`EagleDrafter.allowed_after`)."""
+        input_ids = torch.cat([self.sequence.expand(paths.shape[0], -1), paths.to(self.sequence.device)], dim=1)
+        scores = torch.zeros(paths.shape[0], vocab_size, device=self.sequence.device)
+        return self.processors(input_ids, scores).isfinite()
+
     def tree(self, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
         """(N, V) logits at a tree's nodes -> processed (N, V) float32 (every node; acceptance processes only the
         nodes it reaches, through `nodes`).

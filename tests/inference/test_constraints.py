@@ -71,6 +71,62 @@ def test_a_missing_outlines_core_says_how_to_install_it(monkeypatch):
         require_outlines_core()
 
 
+def chain_index(length: int = 30, eos: int = 96) -> TableIndex:
+    """A constraint that forces one token per step (like a JSON key or punctuation, for `length` steps)."""
+    return TableIndex({(i, (7 * i + 3) % 90): i + 1 for i in range(length)}, final={length}, eos=eos)
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_eagle_heads_draft_what_the_constraint_forces(tiny_target_factory, head_type):
+    """Untrained heads draft among the allowed tokens only: where the constraint forces every token, whole drafts
+    are accepted (tau near depth + 1, per row and batched) and the output is still `generate`'s."""
+    target = tiny_target_factory("llama")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    expected = hf_greedy(target, ids, 40, logits_processor=[IndexConstraint(chain_index(), 96)], eos_token_id=96)
+    assert expected[0, ids.shape[1] :].tolist() == [(7 * i + 3) % 90 for i in range(30)] + [96]
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, head_type, tree_depth=4, tree_top_k=3, tree_num_nodes=10))
+    out = lm.generate(ids, max_new_tokens=40, logits_processor=[IndexConstraint(chain_index(), 96)], eos_token_id=96)
+    assert torch.equal(out, expected)
+    assert lm.last_stats["mean_accepted"] > 3.5  # 31 tokens in 8 forwards or so: every drafted chain accepted
+    batch = torch.cat([ids, ids])
+    out = lm.generate(batch, max_new_tokens=40, logits_processor=[IndexConstraint(chain_index(), 96)],
+                      eos_token_id=96, batched=True)
+    assert torch.equal(out, torch.cat([expected, expected])) and lm.last_stats["mean_accepted"] > 3.5
+    plain = SpeculativeLM(target, create_heads(target, head_type, tree_depth=4, tree_top_k=3, tree_num_nodes=10))
+    plain.generate(ids, max_new_tokens=40)
+    assert plain.last_stats["mean_accepted"] < 2  # without a constraint the same untrained heads guess badly
+
+
+def test_drafted_tree_holds_only_allowed_tokens(tiny_target_factory):
+    target = tiny_target_factory("qwen2")
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, "eagle3", tree_depth=3, tree_top_k=3, tree_num_nodes=9))
+    drafter = lm.drafter
+    allowed_tokens = [5, 9, 11, 40, 41]
+    mask = torch.zeros(97, dtype=torch.bool)
+    mask[allowed_tokens] = True
+    seen_depths = []
+
+    def allowed_after(paths: torch.Tensor) -> torch.Tensor:
+        seen_depths.append(paths.shape[1])
+        return mask.expand(paths.shape[0], -1)
+
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    with torch.no_grad():
+        hidden = target(prompt, output_hidden_states=True).hidden_states
+    features = lm.heads.select_features(hidden)[0, :4]  # (4, 3h): the target's fused features of the prompt
+    drafter.reset()
+    drafter.allowed_after = allowed_after
+    tokens, tree = drafter.propose(features, torch.tensor([14, 15, 92, 65]))
+    assert set(tokens[1:].tolist()) <= set(allowed_tokens) and tree.num_nodes == 10
+    assert seen_depths == [0, 1, 2]  # the root, then each level's frontier paths
+    drafter.allowed_after = None
+    drafter.reset()
+    tokens, _ = drafter.propose(features, torch.tensor([14, 15, 92, 65]))
+    assert not set(tokens[1:].tolist()) <= set(allowed_tokens)
+
+
 # --- outlines-core's Index ---------------------------------------------------------------------------------------
 LETTERS = "abcde"
 EOS = 96
