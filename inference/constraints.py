@@ -69,7 +69,9 @@ class IndexConstraint(LogitsProcessor):
 
     def reset(self) -> None:
         """Forget every sequence seen (before reusing the processor for other prompts)."""
-        self.states: dict[tuple[int, ...], int | None] = {}  # sequence -> its state; None: unconstrained
+        # hash of a sequence -> its state (None: unconstrained). Hashes, not the sequences: a long generation
+        # would otherwise keep every processed sequence whole (outlines keys its states the same way)
+        self.states: dict[int, int | None] = {}
         self.masks: dict[int, torch.Tensor] = {}  # state -> (V,) bool, the allowed tokens
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -83,16 +85,17 @@ class IndexConstraint(LogitsProcessor):
 
     def state_of(self, sequence: tuple[int, ...]) -> int | None:
         """The index state after `sequence` (None: unconstrained), cached."""
-        if sequence in self.states:
-            return self.states[sequence]
-        parent = sequence[:-1]
+        key = hash(sequence)
+        if key in self.states:
+            return self.states[key]
+        parent = hash(sequence[:-1])
         if parent not in self.states:
             state = self.index.get_initial_state()  # a prompt
         elif self.states[parent] is None or sequence[-1] == self.eos_token_id:
             state = None  # below a token the constraint does not allow, or after EOS
         else:
             state = self.index.get_next_state(self.states[parent], sequence[-1])
-        self.states[sequence] = state
+        self.states[key] = state
         return state
 
     def allowed_mask(self, state: int, vocab_size: int, device: torch.device) -> torch.Tensor:

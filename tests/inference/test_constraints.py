@@ -56,7 +56,7 @@ def test_states_follow_parents_and_prompts_start_over():
     assert out[1:].isfinite().all()
     out = constraint(torch.tensor([[5, 5, 1, 3]]), torch.zeros(1, 10))
     assert out[0].isfinite().nonzero().flatten().tolist() == [9]  # the final state: EOS only
-    assert constraint.states[(5, 5, 1, 3)] == 2
+    assert constraint.state_of((5, 5, 1, 3)) == 2 and len(constraint.states) == 8  # one entry per sequence seen
     constraint.reset()
     assert constraint.states == {}
     # a token id past the model's vocabulary is dropped; a state with no token left is an error naming it
