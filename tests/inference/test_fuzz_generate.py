@@ -19,6 +19,7 @@ from specheads import SpeculativeLM, create_heads
 from specheads.inference.certified_argmax import certified_argmax_for
 
 from ..conftest import build_tiny_target
+from .conftest import left_pad
 
 VOCAB = 97
 
@@ -60,12 +61,8 @@ def test_generate_matches_the_reference(models, prompts, max_new_tokens, eos_cho
         row, position = eos_choice
         continuation = reference(target, prompts[row % len(prompts)], 16, None)
         eos = continuation[position % len(continuation)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_pad(prompts)
+    width = ids.shape[1]
     out = lm.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                       eos_token_id=[] if eos is None else eos, pad_token_id=0, batched=batched and len(prompts) > 1)
     for i, p in enumerate(prompts):
@@ -122,12 +119,8 @@ def test_processors_and_stopping_match_the_reference(
         options["repetition_penalty"] = penalty
     if stop_modulus is not None:
         options["stopping_criteria"] = [LastTwoSumStop(stop_modulus)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_pad(prompts)
+    width = ids.shape[1]
     out = lm.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0,
                       batched=batched and len(prompts) > 1, **options)
     for i, p in enumerate(prompts):
