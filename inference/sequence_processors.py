@@ -8,7 +8,8 @@ JSON schemas, custom bans). In a token tree each node has its own sequence: what
 own path from the root. So each node's logits are processed by the same processors, in `generate`'s order, with that
 sequence as input_ids (nodes of one depth share a length: one call per depth, depths in increasing order, so a
 processor that caches per sequence prefix, as outlines' do, has seen every node's parent first), and greedy outputs
-and sampled laws stay the target's.
+and sampled laws stay the target's. Acceptance asks only for the nodes it reaches (`SequenceContext.nodes`, from
+inference/accept.py), and EAGLE drafting for the frontier of each draft level (`allowed_after`), parents first too.
 
 A caller's processor must therefore be a function of each row's input_ids and scores: it is called with a tree
 depth's nodes as the rows (any number of them, not the caller's batch), and a row's sequence never holds padding.
