@@ -8,6 +8,7 @@ is the new root, already chosen by the target), and returns the tree's tokens an
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -31,7 +32,12 @@ class Drafter(Protocol):
 
 
 class MedusaDrafter:
-    """Medusa heads fill a static tree in one shot from the last committed feature."""
+    """Medusa heads fill a static tree in one shot from the last committed feature.
+
+    `allowed_after` (set by `SpeculativeLM.generate` while a call's processors may ban tokens; see `EagleDrafter`):
+    then each node's token is the choice-th likeliest of its head among the tokens allowed after its parent's path
+    (one call per depth, for that depth's parents).
+    """
 
     def __init__(self, heads: MedusaHeads, tree: StaticTree, dtype: torch.dtype) -> None:
         if tree.max_depth > heads.config.num_heads:
@@ -47,18 +53,40 @@ class MedusaDrafter:
         self.buffers = build_tree_buffers(tree.parents.to(device), dtype=dtype)  # built once: the shape is fixed
         self.head_index = (tree.depth[1:] - 1).to(device)  # (N-1,) head drafting each non-root node
         self.choice = tree.choices[1:].to(device)  # (N-1,) rank of its token in that head's distribution
+        self.allowed_after: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def reset(self) -> None:
         pass
 
     def fork(self) -> MedusaDrafter:
-        return self  # stateless: one drafter serves every row
+        return copy.copy(self)  # no state but `allowed_after`, which is per row: share the heads and buffers
 
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
         logits = self.heads(features[-1:][None])[:, 0, 0]  # (K, V): head k's logits for depth k+1
+        if self.allowed_after is not None:
+            return self._propose_allowed(logits, next_tokens[-1:]), self.buffers
         top = torch.topk(logits, self.tree.max_choice, dim=-1).indices  # (K, C)
         tokens = torch.cat([next_tokens[-1:], top[self.head_index, self.choice]])
         return tokens, self.buffers
+
+    def _propose_allowed(self, logits: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """The tree's (N,) tokens, each node's the `choice`-th likeliest of its head among the tokens allowed after
+        its parent's path (all of the head's when none is); depth by depth, since paths need the depths above."""
+        buffers, max_choice = self.buffers, self.tree.max_choice
+        tokens = torch.zeros(buffers.num_nodes, dtype=torch.long, device=logits.device)
+        tokens[0] = root[0]
+        choice = torch.cat([self.choice.new_zeros(1), self.choice])  # (N,) the root's is unused
+        for depth in range(1, self.tree.max_depth + 1):
+            nodes = (buffers.depth == depth).nonzero().flatten()
+            parents, of_parent = torch.unique(buffers.parents[nodes], return_inverse=True)
+            # each parent's ancestors, root first: depth of them; its path below the root is the last depth - 1
+            ancestors = buffers.ancestors[parents].nonzero()[:, 1].view(parents.shape[0], depth)
+            allowed = self.allowed_after(tokens[ancestors[:, 1:]])  # (P, V)
+            keep = allowed | ~allowed.any(dim=-1, keepdim=True)
+            head = logits[depth - 1].expand(parents.shape[0], -1).masked_fill(~keep, -math.inf)
+            ranked = torch.topk(head, max_choice, dim=-1).indices  # (P, C)
+            tokens[nodes] = ranked[of_parent, choice[nodes]]
+        return tokens
 
 
 class EagleDrafter:
@@ -183,10 +211,10 @@ class EagleDrafter:
 
 
 def constrain_drafts(drafter: Drafter, allowed_after: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-    """Set (or clear, with None) `allowed_after` on the EAGLE drafter inside `drafter` (itself, or the heads'
-    drafter a prompt-lookup drafter wraps); other drafters draft as they are."""
+    """Set (or clear, with None) `allowed_after` on the heads' drafter inside `drafter` (itself, or the one a
+    prompt-lookup drafter wraps); other drafters (the fast path's static one) draft as they are."""
     inner = getattr(drafter, "drafter", drafter)
-    if isinstance(inner, EagleDrafter):
+    if isinstance(inner, (EagleDrafter, MedusaDrafter)):
         inner.allowed_after = allowed_after
 
 

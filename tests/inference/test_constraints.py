@@ -76,16 +76,22 @@ def chain_index(length: int = 30, eos: int = 96) -> TableIndex:
     return TableIndex({(i, (7 * i + 3) % 90): i + 1 for i in range(length)}, final={length}, eos=eos)
 
 
-@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
-def test_eagle_heads_draft_what_the_constraint_forces(tiny_target_factory, head_type):
+def small_tree_heads(target, head_type: str):
+    torch.manual_seed(0)
+    if head_type == "medusa":
+        return create_heads(target, "medusa", num_heads=4)
+    return create_heads(target, head_type, tree_depth=4, tree_top_k=3, tree_num_nodes=10)
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "eagle", "eagle3"])
+def test_heads_draft_what_the_constraint_forces(tiny_target_factory, head_type):
     """Untrained heads draft among the allowed tokens only: where the constraint forces every token, whole drafts
     are accepted (tau near depth + 1, per row and batched) and the output is still `generate`'s."""
     target = tiny_target_factory("llama")
     ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
     expected = hf_greedy(target, ids, 40, logits_processor=[IndexConstraint(chain_index(), 96)], eos_token_id=96)
     assert expected[0, ids.shape[1] :].tolist() == [(7 * i + 3) % 90 for i in range(30)] + [96]
-    torch.manual_seed(0)
-    lm = SpeculativeLM(target, create_heads(target, head_type, tree_depth=4, tree_top_k=3, tree_num_nodes=10))
+    lm = SpeculativeLM(target, small_tree_heads(target, head_type))
     out = lm.generate(ids, max_new_tokens=40, logits_processor=[IndexConstraint(chain_index(), 96)], eos_token_id=96)
     assert torch.equal(out, expected)
     assert lm.last_stats["mean_accepted"] > 3.5  # 31 tokens in 8 forwards or so: every drafted chain accepted
@@ -93,7 +99,7 @@ def test_eagle_heads_draft_what_the_constraint_forces(tiny_target_factory, head_
     out = lm.generate(batch, max_new_tokens=40, logits_processor=[IndexConstraint(chain_index(), 96)],
                       eos_token_id=96, batched=True)
     assert torch.equal(out, torch.cat([expected, expected])) and lm.last_stats["mean_accepted"] > 3.5
-    plain = SpeculativeLM(target, create_heads(target, head_type, tree_depth=4, tree_top_k=3, tree_num_nodes=10))
+    plain = SpeculativeLM(target, small_tree_heads(target, head_type))
     plain.generate(ids, max_new_tokens=40)
     assert plain.last_stats["mean_accepted"] < 2  # without a constraint the same untrained heads guess badly
 
@@ -125,6 +131,31 @@ def test_drafted_tree_holds_only_allowed_tokens(tiny_target_factory):
     drafter.reset()
     tokens, _ = drafter.propose(features, torch.tensor([14, 15, 92, 65]))
     assert not set(tokens[1:].tolist()) <= set(allowed_tokens)
+
+
+def test_medusa_tree_takes_its_choices_among_allowed_tokens(tiny_target_factory):
+    """Each node is the choice-th likeliest allowed token of its head: allowed tokens only, siblings distinct, and
+    the allowed set may depend on the parent's path (asked once per depth, for that depth's parents)."""
+    target = tiny_target_factory("llama")
+    lm = SpeculativeLM(target, small_tree_heads(target, "medusa"))
+    drafter = lm.drafter
+    tree = drafter.buffers
+
+    def allowed_after(paths: torch.Tensor) -> torch.Tensor:  # after token t, only t + 1 ... t + 12 (mod 97)
+        last = paths[:, -1] if paths.shape[1] else torch.full((paths.shape[0],), 50)
+        offsets = (torch.arange(97)[None] - last[:, None]) % 97
+        return (offsets >= 1) & (offsets <= 12)
+
+    drafter.allowed_after = allowed_after
+    features = torch.randn(3, target.config.hidden_size)
+    tokens, _ = drafter.propose(features, torch.tensor([7, 8, 50]))
+    assert tokens[0] == 50
+    for node in range(1, tree.num_nodes):
+        parent = int(tree.parents[node])
+        assert 1 <= (int(tokens[node]) - int(tokens[parent])) % 97 <= 12, node
+    for parent in range(tree.num_nodes):
+        siblings = tokens[tree.parents == parent].tolist()
+        assert len(siblings) == len(set(siblings)), parent
 
 
 # --- outlines-core's Index ---------------------------------------------------------------------------------------
