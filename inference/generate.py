@@ -291,7 +291,7 @@ class SpeculativeLM:
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int = 128,
+        max_new_tokens: int | None = None,
         do_sample: bool = False,
         temperature: float | None = None,
         top_p: float | None = None,
@@ -311,6 +311,7 @@ class SpeculativeLM:
         max_time: float | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         generation_config: GenerationConfig | None = None,
+        max_length: int | None = None,
         num_return_sequences: int | None = None,
         return_dict_in_generate: bool | None = None,
         output_scores: bool | None = None,
@@ -327,7 +328,7 @@ class SpeculativeLM:
         Args:
             input_ids: (B, n) or (n,) prompt ids; left padding with `attention_mask` for B > 1.
             attention_mask: (B, n), 1 for real tokens.
-            max_new_tokens: new tokens at most (0 returns the prompt).
+            max_new_tokens: new tokens at most (0 returns the prompt; default 128, or what `max_length` leaves).
             do_sample, temperature, top_p, top_k, min_p, typical_p, repetition_penalty, no_repeat_ngram_size,
                 min_new_tokens, bad_words_ids, suppress_tokens, sequence_bias: as in transformers; None takes the
                 target's generation config (min_length, begin_suppress_tokens and the epsilon / eta cutoffs too),
@@ -345,6 +346,8 @@ class SpeculativeLM:
                 `tokenizer` (default: this model's). Criteria get scores=None (inference/stopping.py).
             generation_config: a `GenerationConfig` used instead of the target's own for every default above (as
                 transformers' argument of that name).
+            max_length: prompt (padded batch width) + new tokens at most, as in transformers, when max_new_tokens is
+                not given (max_new_tokens wins when both are).
             num_return_sequences: sampled continuations per prompt, as in transformers (rows i * n ... i * n + n - 1
                 of the output continue prompt i; default: the generation config's, else 1; greedy takes only 1).
             return_dict_in_generate, output_scores, output_logits: as in transformers (default: the generation
@@ -385,6 +388,7 @@ class SpeculativeLM:
             raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
         if acceptance == "typical" and not do_sample:
             raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
+        max_new_tokens = self._new_token_budget(input_ids, max_new_tokens, max_length)
         if num_return_sequences is None:
             num_return_sequences = getattr(config, "num_return_sequences", None) or 1
         input_ids, attention_mask = self._expand_for_return_sequences(input_ids, attention_mask, num_return_sequences,
@@ -571,6 +575,18 @@ class SpeculativeLM:
         return stopped or len(out) >= max_new_tokens or (bool(taken) and taken[-1] in eos)
 
     # --- input checks and output assembly ---------------------------------------------------------------
+    @staticmethod
+    def _new_token_budget(input_ids: torch.Tensor, max_new_tokens: int | None, max_length: int | None) -> int:
+        """max_new_tokens as given, else what max_length leaves after the (padded) prompt, else 128."""
+        if max_new_tokens is not None or max_length is None:
+            return 128 if max_new_tokens is None else max_new_tokens
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length={max_length!r} must be an integer >= 1")
+        width = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0
+        if max_length <= width:
+            raise ValueError(f"max_length={max_length} leaves no room after the prompt of {width} tokens: use "
+                             "max_new_tokens (transformers counts the prompt in max_length)")
+        return max_length - width
     @staticmethod
     def _expand_for_return_sequences(
         input_ids: torch.Tensor, attention_mask: torch.Tensor | None, count: int, do_sample: bool

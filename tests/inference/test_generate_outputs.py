@@ -145,3 +145,16 @@ def test_num_return_sequences(tiny_target_factory):
         lm.generate(ids, attention_mask=mask, max_new_tokens=4, num_return_sequences=2)
     with pytest.raises(ValueError, match="num_return_sequences=0 must be an integer >= 1"):
         lm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, num_return_sequences=0)
+
+
+def test_max_length_counts_the_prompt(tiny_target_factory):
+    """max_length as in transformers: prompt + new tokens; max_new_tokens wins when both are given."""
+    target = tiny_target_factory("llama")
+    ids = torch.tensor([PROMPT])
+    lm = SpeculativeLM(target, make_heads(target, "eagle"))
+    out = lm.generate(ids, max_length=20)
+    assert out.shape[1] == 20 and torch.equal(out, target.generate(ids, max_length=20, do_sample=False))
+    assert lm.generate(ids, max_length=20, max_new_tokens=5).shape[1] == len(PROMPT) + 5
+    assert lm.generate(ids).shape[1] == len(PROMPT) + 128  # the default budget
+    with pytest.raises(ValueError, match="max_length=6 leaves no room after the prompt of 6 tokens"):
+        lm.generate(ids, max_length=6)
