@@ -104,7 +104,6 @@ def generate_batched(
     `stops`: per prompt, the stopping criteria to check on its emitted tokens (inference/stopping.py);
     `recorders`: per prompt, where each emitted token's logits and scores go (inference/step_scores.py)."""
     target, heads, device, dtype = lm.target, lm.heads, lm.target.device, lm.target.dtype
-    vocab_size = heads.config.vocab_size
     rows = len(prompts)
     lengths = torch.tensor([p.shape[0] for p in prompts], device=device)
     width = int(lengths.max())
@@ -141,8 +140,7 @@ def generate_batched(
         features.append(features_all[b, pad[b] :])
         next_tokens.append(torch.cat([prompt[1:], root[None]]))
         drafters[b].reset()
-        if contexts[b] is not None:  # EAGLE heads draft among the tokens the row's processors allow
-            constrain_drafts(drafters[b], lambda paths, context=contexts[b]: context.allowed_after(paths, vocab_size))
+        constrain_drafts(drafters[b], contexts[b], heads.config.vocab_size)  # processors that ban: allowed drafts only
     valid = torch.full((rows,), width, device=device)  # committed cache entries per row (padding included)
     keep = [i for i in range(rows) if not done[i]]
     if len(keep) < rows:  # rows that ended on their first token leave the batch

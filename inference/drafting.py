@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,6 +20,9 @@ from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.kv_cache import crop_cache, tree_cache
 from specheads.inference.tree import StaticTree, TreeBuffers, build_tree_buffers
+
+if TYPE_CHECKING:
+    from specheads.inference.sequence_processors import SequenceContext
 
 
 class Drafter(Protocol):
@@ -210,12 +213,14 @@ class EagleDrafter:
         return tree_tokens, build_tree_buffers(parents, dtype=self.dtype, check=False)  # valid by construction
 
 
-def constrain_drafts(drafter: Drafter, allowed_after: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-    """Set (or clear, with None) `allowed_after` on the heads' drafter inside `drafter` (itself, or the one a
-    prompt-lookup drafter wraps); other drafters (the fast path's static one) draft as they are."""
+def constrain_drafts(drafter: Drafter, context: SequenceContext | None, vocab_size: int) -> None:
+    """Let the heads' drafter inside `drafter` (itself, or the one a prompt-lookup drafter wraps) draft among the
+    tokens `context`'s processors allow, when they can ban any; clear it with context=None. Other drafters (the fast
+    path's static one) draft as they are."""
     inner = getattr(drafter, "drafter", drafter)
     if isinstance(inner, (EagleDrafter, MedusaDrafter)):
-        inner.allowed_after = allowed_after
+        constrained = context is not None and context.may_ban
+        inner.allowed_after = (lambda paths: context.allowed_after(paths, vocab_size)) if constrained else None
 
 
 class DraftPool:

@@ -27,12 +27,19 @@ from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, constrain_drafts
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
+from specheads.inference.generate_inputs import (
+    assemble,
+    eos_ids,
+    expand_for_return_sequences,
+    new_token_budget,
+    split_prompts,
+)
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
 from specheads.inference.sampling import SamplingParams, check_generation_config, sample_token, target_probs
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder, generate_output
 from specheads.inference.stopping import StopChecker, stopping_criteria_for
-from specheads.inference.target_support import check_tree_verification, context_limit
+from specheads.inference.target_support import check_tree_verification
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
 from specheads.targets import load_target
@@ -388,15 +395,14 @@ class SpeculativeLM:
             raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
         if acceptance == "typical" and not do_sample:
             raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
-        max_new_tokens = self._new_token_budget(input_ids, max_new_tokens, max_length)
+        max_new_tokens = new_token_budget(input_ids, max_new_tokens, max_length)
         if num_return_sequences is None:
             num_return_sequences = getattr(config, "num_return_sequences", None) or 1
-        input_ids, attention_mask = self._expand_for_return_sequences(input_ids, attention_mask, num_return_sequences,
-                                                                      do_sample)
-        prompts = self._split_prompts(input_ids, attention_mask, max_new_tokens)
+        input_ids, attention_mask = expand_for_return_sequences(input_ids, attention_mask, num_return_sequences, do_sample)
+        prompts = split_prompts(input_ids, attention_mask, max_new_tokens, self.target, self.heads.config.vocab_size)
         if streamer is not None and len(prompts) > 1:
             raise ValueError(f"streamers support batch size 1 only (as in transformers), got batch size {len(prompts)}")
-        eos_list = self._eos_ids(eos_token_id, config)
+        eos_list = eos_ids(eos_token_id, config)
         output_scores, output_logits, return_dict_in_generate = (
             bool(getattr(config, name, False)) if value is None else value
             for name, value in (("output_scores", output_scores), ("output_logits", output_logits),
@@ -442,7 +448,7 @@ class SpeculativeLM:
             streamer.end()
         seconds = time.perf_counter() - start
         self.last_stats = self._finish_stats(stats, seconds)
-        sequences = self._assemble(input_ids, rows, pad_token_id, eos_list, config)
+        sequences = assemble(input_ids, rows, pad_token_id, eos_list, config)
         if not return_dict_in_generate:
             return sequences
         return generate_output(sequences, recorders or [], output_scores, output_logits)
@@ -493,9 +499,7 @@ class SpeculativeLM:
         next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
         prefix_length = prompt.shape[0]
         drafter.reset()
-        # processors that may ban tokens (constraints): EAGLE heads draft among the allowed tokens only
-        vocab = self.heads.config.vocab_size
-        constrain_drafts(drafter, None if context is None else lambda paths: context.allowed_after(paths, vocab))
+        constrain_drafts(drafter, context, self.heads.config.vocab_size)  # processors that ban: allowed drafts only
         graphed = None
         if (isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact" and context is None
                 and recorder is None):
@@ -540,7 +544,7 @@ class SpeculativeLM:
                 recorder.add_path(logits, tokens, tree, path, context, len(new_tokens) - emitted)
             if context is not None:
                 context.commit(accepted)
-        constrain_drafts(drafter, None)
+        constrain_drafts(drafter, None, 0)
         stats["new_tokens"] += len(new_tokens)
         return new_tokens
 
@@ -574,103 +578,7 @@ class SpeculativeLM:
             streamer.put(torch.tensor(taken))
         return stopped or len(out) >= max_new_tokens or (bool(taken) and taken[-1] in eos)
 
-    # --- input checks and output assembly ---------------------------------------------------------------
-    @staticmethod
-    def _new_token_budget(input_ids: torch.Tensor, max_new_tokens: int | None, max_length: int | None) -> int:
-        """max_new_tokens as given, else what max_length leaves after the (padded) prompt, else 128."""
-        if max_new_tokens is not None or max_length is None:
-            return 128 if max_new_tokens is None else max_new_tokens
-        if not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"max_length={max_length!r} must be an integer >= 1")
-        width = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0
-        if max_length <= width:
-            raise ValueError(f"max_length={max_length} leaves no room after the prompt of {width} tokens: use "
-                             "max_new_tokens (transformers counts the prompt in max_length)")
-        return max_length - width
-    @staticmethod
-    def _expand_for_return_sequences(
-        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, count: int, do_sample: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each prompt row repeated `count` times in place (transformers' order), for num_return_sequences."""
-        if not isinstance(count, int) or count < 1:
-            raise ValueError(f"num_return_sequences={count!r} must be an integer >= 1")
-        if count == 1 or not isinstance(input_ids, torch.Tensor):
-            return input_ids, attention_mask
-        if not do_sample:
-            raise ValueError(f"num_return_sequences={count} needs do_sample=True: greedy decoding has one answer per "
-                             "prompt (transformers refuses it too without beam search)")
-        input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
-        if attention_mask is not None:
-            attention_mask = (attention_mask[None] if attention_mask.dim() == 1 else attention_mask)
-            attention_mask = attention_mask.repeat_interleave(count, dim=0)
-        return input_ids.repeat_interleave(count, dim=0), attention_mask
-    def _split_prompts(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int
-    ) -> list[torch.Tensor]:
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids must be a torch.LongTensor, got {type(input_ids).__name__}")
-        if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
-            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        elif attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        vocab = self.heads.config.vocab_size
-        context, limit_name = context_limit(self.target)
-        device = self.target.device
-        prompts = []
-        for row, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
-            keep = mask.bool()
-            n = int(keep.sum())
-            if n == 0:
-                raise ValueError(f"prompt {row} is empty: generation needs at least one token")
-            if not bool(keep[-n:].all()):
-                raise ValueError(f"prompt {row} is not left-padded: padding must come before the tokens")
-            prompt = ids[-n:].long()
-            bad = prompt[(prompt < 0) | (prompt >= vocab)]
-            if bad.numel():
-                raise ValueError(f"prompt {row} has token ids {bad.tolist()[:5]} outside the vocabulary [0, {vocab})")
-            if context is not None and n + max_new_tokens > context:
-                raise ValueError(
-                    f"prompt {row} length {n} + max_new_tokens {max_new_tokens} = {n + max_new_tokens} exceeds "
-                    f"{limit_name} of {context} positions"
-                )
-            prompts.append(prompt.to(device))
-        return prompts
-
-    @staticmethod
-    def _eos_ids(eos_token_id: int | list[int] | None, config: GenerationConfig) -> list[int]:
-        """EOS ids in the caller's order (the first one pads, as in transformers)."""
-        if eos_token_id is None:
-            eos_token_id = getattr(config, "eos_token_id", None)
-        if eos_token_id is None:
-            return []
-        return [int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)]
-
-    @staticmethod
-    def _assemble(
-        input_ids: torch.Tensor, rows: list[list[int]], pad_token_id: int | None, eos: list[int],
-        config: GenerationConfig,
-    ) -> torch.Tensor:
-        """Prompt (with its padding) + new tokens; rows that stopped early are right-padded."""
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if pad_token_id is None:
-            pad_token_id = getattr(config, "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = eos[0] if eos else 0
-        width = max(len(r) for r in rows)
-        new = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            new[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        return torch.cat([input_ids.long().cpu(), new], dim=1).to(input_ids.device)
-
+    # --- stats ---------------------------------------------------------------------------------------------
     @staticmethod
     def _finish_stats(stats: dict[str, Any], seconds: float) -> dict[str, Any]:
         counts = stats.pop("accepted_counts")

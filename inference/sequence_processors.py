@@ -19,6 +19,7 @@ one token per call) would be wrong here, as it would be under transformers' own 
 
 from __future__ import annotations
 
+import math
 from typing import TypeVar
 
 import torch
@@ -136,6 +137,13 @@ class NGramIndex(LogitsProcessor):
         return scores
 
 
+def finite_bias(processor: object) -> bool:
+    """Whether `processor` is a sequence bias whose biases are all finite (it moves scores, never bans)."""
+    return isinstance(processor, SequenceBiasLogitsProcessor) and all(
+        math.isfinite(float(value)) for value in processor.sequence_bias.values()  # a dict, however it was given
+    )
+
+
 class SequenceContext:
     """One row's sequence so far (prompt + emitted tokens) and the processors that read it.
 
@@ -148,6 +156,8 @@ class SequenceContext:
         n = params.no_repeat_ngram_size
         self.ngrams = NGramIndex(n, prompt.tolist()) if n > 0 else None
         self.processors = transformers_processors(params, prompt.shape[0], eos_ids, prompt.device, row, self.ngrams)
+        # whether any processor can ban a token (-inf): only then is drafting worth constraining (`allowed_after`)
+        self.may_ban = not all(isinstance(p, RepetitionPenaltyLogitsProcessor) or finite_bias(p) for p in self.processors)
 
     def commit(self, tokens: torch.Tensor) -> None:
         """Append emitted tokens (any shape: a 0-d root too) to the sequence."""

@@ -48,7 +48,7 @@ class StepRecorder:
         """The steps of a round's emitted tokens: the (N, V) tree logits at the (L+1,) path nodes."""
         raw = logits[path].float()  # (L+1, V)
         if context is None:
-            scores = raw.clone()
+            scores = raw  # `add` copies both
         else:  # node by node: each has its own depth, hence its own sequence length
             scores = torch.cat([context.nodes(logits, tokens, tree, [node]) for node in path[:count].tolist()])
         self.add(raw, self.warped(scores), count)

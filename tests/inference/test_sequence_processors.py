@@ -60,3 +60,19 @@ def test_every_node_is_processed_like_transformers_processes_its_sequence():
         sequence = torch.tensor([PROMPT + [6] + path])
         expected = hf(sequence, logits[node : node + 1].clone())
         assert torch.equal(processed[node : node + 1], expected), (node, path)
+
+
+def test_may_ban_tells_processors_that_can_ban_from_those_that_only_move_scores():
+    """Drafting is constrained only where a processor can ban (-inf): a repetition penalty and finite sequence
+    biases cannot; bad words, n-gram blocking, a -inf bias and a caller's processor can."""
+    prompt, eos = torch.tensor(PROMPT), [EOS]
+
+    def may_ban(**settings) -> bool:
+        return SequenceContext(prompt, SamplingParams(**settings), eos).may_ban
+
+    assert not may_ban(repetition_penalty=1.05)
+    assert not may_ban(repetition_penalty=1.2, sequence_bias={(3,): -2.0, (4, 5): 1.5})
+    assert may_ban(sequence_bias=[[[3], float("-inf")]])
+    assert may_ban(bad_words_ids=((3, 4),))
+    assert may_ban(no_repeat_ngram_size=2)
+    assert may_ban(logits_processor=[lambda input_ids, scores: scores])
