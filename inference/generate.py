@@ -35,6 +35,7 @@ from specheads.inference.generate_inputs import (
     split_prompts,
 )
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
+from specheads.inference.prompt_cache import PromptCache, check_prompt_cache_call
 from specheads.inference.sampling import SamplingParams, check_generation_config, sample_token, target_probs
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder, generate_output
@@ -326,6 +327,7 @@ class SpeculativeLM:
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         streamer: Any | None = None,
+        prompt_cache: PromptCache | None = None,
         acceptance: str = "exact",
         batched: bool | None = None,
         fast_path: bool | None = None,
@@ -365,6 +367,9 @@ class SpeculativeLM:
                 after it (the EOS token is included, as transformers does).
             pad_token_id: fills rows that stopped early (default: generation config's pad, else EOS).
             streamer: a transformers `TextStreamer` / `TextIteratorStreamer` (batch size 1).
+            prompt_cache: a `PromptCache` kept across calls (multi-turn chat, batch size 1): the target runs only
+                the prompt's tokens after the longest prefix the cache holds from the previous call, and the cache
+                then holds this call's sequence (inference/prompt_cache.py). Runs on the dynamic-cache path.
             acceptance: "exact" (lossless) or "typical" (Medusa's, lossy, sampling only).
             batched: for B > 1, verify all rows in one target forward (default when the target has no
                 sliding window) or, with False, run the rows one after another (the reference scheme).
@@ -411,9 +416,13 @@ class SpeculativeLM:
         record = return_dict_in_generate and (output_scores or output_logits)
         recorders = [StepRecorder(params) for _ in prompts] if record else None
         eos = set(eos_list)
-        stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0}
+        stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0,
+                 "reused_prompt_tokens": 0}
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
+        if prompt_cache is not None:
+            check_prompt_cache_call(prompt_cache, len(prompts), fast_path, batched)
+            fast_path = False
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
         if runner is not None:
@@ -443,7 +452,8 @@ class SpeculativeLM:
                     streamer.put(prompt.cpu())
                 stop = None if criteria is None else StopChecker(criteria, prompt)
                 rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier,
-                                               row_drafter, row, stop, None if recorders is None else recorders[row]))
+                                               row_drafter, row, stop, None if recorders is None else recorders[row],
+                                               prompt_cache))
         if streamer is not None:
             streamer.end()
         seconds = time.perf_counter() - start
@@ -468,6 +478,7 @@ class SpeculativeLM:
         row: int = 0,
         stop: StopChecker | None = None,
         recorder: StepRecorder | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> list[int]:
         """Speculative decoding of one prompt (n,), row `row` of the caller's batch; returns the new token ids.
 
@@ -476,12 +487,20 @@ class SpeculativeLM:
         `self.drafter`, or on the fast path its fixed-shape version (`FastPathRunner.use_drafter`). With
         `graphed_rounds`, greedy decoding with that fixed-shape EAGLE drafter runs each round as one graph
         (`FastPathRunner.graphed_round`, inference/graphed_round.py); everything else runs the four phases below,
-        the reference.
+        the reference. With `prompt_cache` (on a `DynamicTreeVerifier`), the prefill runs only the prompt's tokens
+        after those the cache holds, and the cache keeps this call's sequence at the end.
         """
         if max_new_tokens == 0:
             return []
         prefill_start = time.perf_counter()
-        last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
+        if prompt_cache is None:
+            last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
+        else:
+            cache, held_features, reused = prompt_cache.take(prompt, self.target, self.heads)
+            held = None if cache is None else (cache, held_features)
+            last_logits, features = verifier.prefill(prompt, max_new_tokens, held)
+            stats["reused_prompt_tokens"] += reused
+            committed_features = [features]  # (n, h), then each round's path: the features of the cache's positions
         stats["target_forwards"] += 1
         # the sequence so far, for processors that read it (repetition penalty, n-gram blocking, ...)
         context = SequenceContext(prompt, params, sorted(eos), row) if params.reads_sequence else None
@@ -537,6 +556,8 @@ class SpeculativeLM:
             stats["rounds"] += 1
             stats["accepted_counts"].append(path.shape[0] - 1)
             features = node_features[path]  # (L+1, h) true features of the path (a gather: a copy)
+            if prompt_cache is not None:
+                committed_features.append(features)
             next_tokens = accepted
             emitted = len(new_tokens)
             done = self._emit(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer, stop)
@@ -546,6 +567,12 @@ class SpeculativeLM:
                 context.commit(accepted)
         constrain_drafts(drafter, None, 0)
         stats["new_tokens"] += len(new_tokens)
+        if prompt_cache is not None:
+            # the cache holds prompt + accepted tokens but the last (never run through the target); a stop inside
+            # the last round leaves accepted tokens past the emitted ones, which are not kept
+            held = min(prefix_length, prompt.shape[0] + len(new_tokens))
+            sequence = torch.cat([prompt, torch.tensor(new_tokens, dtype=prompt.dtype, device=prompt.device)])
+            prompt_cache.store(sequence[:held], verifier.cache, torch.cat(committed_features), self.target, self.heads)
         return new_tokens
 
     @staticmethod

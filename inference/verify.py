@@ -119,14 +119,23 @@ class DynamicTreeVerifier:
         self.target, self.select_features, self.argmax = target, select_features, argmax
         self.cache = tree_cache()
 
-    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the (n,) prompt into a fresh cache. Returns the last logits (1, V) and the features (n, h)."""
-        self.cache = tree_cache()
+    def prefill(
+        self, prompt: torch.Tensor, max_new_tokens: int, held: tuple[Cache, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the (n,) prompt into a fresh cache. Returns the last logits (1, V) and the features (n, h).
+
+        `held`: (cache, (m, h) features) of the prompt's first m tokens from an earlier call
+        (`prompt_cache.PromptCache.take`); only the n - m tokens after them are run."""
+        self.cache, shared = (tree_cache(), None) if held is None else held
+        start = 0 if shared is None else shared.shape[0]
         out = self.target(
-            input_ids=prompt[None], **cache_kwargs(self.target, self.cache), use_cache=True, output_hidden_states=True,
-            **last_logits_only(self.target),
+            input_ids=prompt[None, start:], **cache_kwargs(self.target, self.cache), use_cache=True,
+            output_hidden_states=True, **last_logits_only(self.target),
         )
-        return out.logits[0, -1:], self.select_features(out.hidden_states)[0]
+        features = self.select_features(out.hidden_states)[0]  # (n - start, h)
+        if shared is not None:
+            features = torch.cat([shared, features])
+        return out.logits[0, -1:], features
 
     def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over the (N,) tree tokens. Returns logits (N, V) and features (N, h)."""

@@ -8,7 +8,10 @@ __version__ = "0.1.0"
 from specheads.heads import HEAD_TYPES, HeadsConfig, create_heads, load_heads  # noqa: E402
 from specheads.targets import load_target  # noqa: E402
 
-__all__ = ["HEAD_TYPES", "HeadsConfig", "SpeculativeLM", "__version__", "create_heads", "load_heads", "load_target"]
+__all__ = [
+    "HEAD_TYPES", "ChatSession", "HeadsConfig", "PromptCache", "SpeculativeLM", "__version__", "create_heads",
+    "load_heads", "load_target",
+]
 
 
 def __getattr__(name: str):
@@ -17,4 +20,12 @@ def __getattr__(name: str):
         from specheads.inference.generate import SpeculativeLM
 
         return SpeculativeLM
+    if name == "PromptCache":
+        from specheads.inference.prompt_cache import PromptCache
+
+        return PromptCache
+    if name == "ChatSession":
+        from specheads.inference.chat import ChatSession
+
+        return ChatSession
     raise AttributeError(f"module 'specheads' has no attribute {name!r}")

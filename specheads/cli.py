@@ -1,4 +1,4 @@
-"""The `specheads` command line: demo, train, data, generate, bench, eval, export, import."""
+"""The `specheads` command line: demo, train, data, generate, chat, bench, eval, export, import."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import os
 import sys
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
+def _add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """The model, decoding and CPU-kernel options `generate` and `chat` share."""
     # torch is loaded by now (the package imports it)
     from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
     from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES
     from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
     from specheads.inference.onednn import CPU_LINEAR_CHOICES
 
-    p = sub.add_parser("generate", help="speculative generation: streams text, prints tau and tokens/s")
     p.add_argument("--target", default="stories260K", help="target path, Hub id or alias (default: stories260K)")
     p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
-    p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--temperature", type=float, default=None, help="default: the target's generation config")
@@ -32,15 +31,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="STRING",
                    help="stop right after the text contains STRING (repeatable; transformers' stop_strings)")
     p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds (transformers' max_time)")
-    constraint = p.add_mutually_exclusive_group()
-    constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
-                            help="write JSON valid under this schema (a file or inline JSON; needs specheads[constraints])")
-    constraint.add_argument("--regex", default=None, help="write text matching this regex (needs specheads[constraints])")
-    chat = p.add_mutually_exclusive_group()
-    chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
-                      help="apply the tokenizer's chat template to the prompt (default: when the tokenizer has one)")
-    chat.add_argument("--no-chat", dest="chat", action="store_const", const=False,
-                      help="feed the prompt as plain text even if the tokenizer has a chat template")
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'onednn' runs the linear layers on oneDNN (faster tree verification on some "
                    "CPUs); 'auto' (default): onednn for a float32 CPU target whose linear layers hold >= 1M weights, else default")
@@ -60,20 +50,71 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import TextStreamer
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="speculative generation: streams text, prints tau and tokens/s")
+    _add_decoding_options(p)
+    p.add_argument("--prompt", required=True)
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                            help="write JSON valid under this schema (a file or inline JSON; needs specheads[constraints])")
+    constraint.add_argument("--regex", default=None, help="write text matching this regex (needs specheads[constraints])")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
+                      help="apply the tokenizer's chat template to the prompt (default: when the tokenizer has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_const", const=False,
+                      help="feed the prompt as plain text even if the tokenizer has a chat template")
 
-    from specheads.inference.constraints import constraint_from_options
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive multi-turn chat (stdin lines; /reset, /exit), the cache kept between turns")
+    _add_decoding_options(p)
+    p.add_argument("--system", default=None, help="a system message to open the conversation")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template instead of the tokenizer's (needed when it has none)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="run the whole conversation through the target every turn (default: reuse its cache)")
+
+
+def _load_lm(args: argparse.Namespace):
+    """The SpeculativeLM the decoding options ask for, on the CPU kernels they choose: (lm, kernel choices)."""
+    import torch
+
     from specheads.inference.generate import SpeculativeLM
     from specheads.inference.lookup import check_lookup_settings
-    from specheads.inference.prompts import tokenize_prompts
 
     check_lookup_settings(args.lookup_tokens, lookup_max_tokens=args.lookup_max_tokens)  # before loading any model
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
                                       lookup_max_tokens=args.lookup_max_tokens)
     kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention, args.cpu_argmax)
+    return lm, kernels
+
+
+def _generate_options(args: argparse.Namespace) -> dict:
+    """`generate` keyword arguments from the decoding options."""
+    return dict(
+        max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size, stop_strings=args.stop, max_time=args.max_time,
+    )
+
+
+def _stats_line(stats: dict, kernels: dict | None = None) -> str:
+    line = f"[specheads] {stats['new_tokens']} tokens, tau={stats['mean_accepted']:.2f}, {stats['tokens_per_second']:.1f} tokens/s"
+    if "prompt_tokens" in stats:
+        line += f", prompt {stats['prompt_tokens']} tokens ({stats['reused_prompt_tokens']} reused)"
+    if kernels:
+        line += f" ({', '.join(f'{k}={v}' for k, v in kernels.items())})"
+    return line
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    from specheads.inference.constraints import constraint_from_options
+    from specheads.inference.prompts import tokenize_prompts
+
+    lm, kernels = _load_lm(args)
     tokenizer = lm.tokenizer
     # the same rule as `specheads bench`: a chat model answers its chat template, not raw text
     prompt = {"prompt_id": "cli", "category": "cli", "text": args.prompt}
@@ -81,28 +122,45 @@ def run_generate(args: argparse.Namespace) -> int:
     constraint = constraint_from_options(tokenizer, args.json_schema, args.regex)
     processors = None if constraint is None else [constraint]
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
-    lm.generate(
-        input_ids,
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size,
-        stop_strings=args.stop,
-        max_time=args.max_time,
-        logits_processor=processors,
-        streamer=streamer,
-    )
-    stats = lm.last_stats
-    print(
-        f"\n[specheads] {stats['new_tokens']} tokens, tau={stats['mean_accepted']:.2f}, "
-        f"{stats['tokens_per_second']:.1f} tokens/s ({', '.join(f'{k}={v}' for k, v in kernels.items())})",
-        file=sys.stderr,
-    )
+    lm.generate(input_ids, logits_processor=processors, streamer=streamer, **_generate_options(args))
+    print("\n" + _stats_line(lm.last_stats, kernels), file=sys.stderr)
     return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """The chat loop: one user message per stdin line; `/reset` starts over, `/exit` (or end of input) quits, Ctrl-C
+    during an answer drops that turn."""
+    from transformers import TextStreamer
+
+    from specheads.inference.chat import ChatSession, read_chat_template
+
+    template = None if args.chat_template is None else read_chat_template(args.chat_template)
+    lm, kernels = _load_lm(args)
+    session = ChatSession(lm, system=args.system, chat_template=template, reuse_cache=not args.no_cache,
+                          **_generate_options(args))
+    print(f"[specheads] chat with {args.target} ({', '.join(f'{k}={v}' for k, v in kernels.items())}); "
+          "/reset starts over, /exit quits", file=sys.stderr)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/reset":
+            session.reset()
+            print("[specheads] new conversation", file=sys.stderr)
+            continue
+        streamer = TextStreamer(session.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        try:
+            session.ask(text, streamer=streamer)
+        except KeyboardInterrupt:
+            print("\n[specheads] interrupted: the turn is dropped", file=sys.stderr)
+            continue
+        print(_stats_line(session.last_stats), file=sys.stderr, flush=True)
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError, ImportError)
@@ -136,6 +194,7 @@ def _dispatch(argv: list[str] | None) -> int:
     sub.add_parser("data", help="data tools: regenerate responses, dump target features", add_help=False)
 
     _add_generate(sub)
+    _add_chat(sub)
 
     sub.add_parser("bench", help="benchmark speculative vs plain decoding (JSON out)", add_help=False)
     sub.add_parser("eval", help="score heads on held-out text: per-depth accuracy, simulated tau (JSON out)",
@@ -175,6 +234,8 @@ def _dispatch(argv: list[str] | None) -> int:
         return data_main(rest)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "chat":
+        return run_chat(args)
     if args.command == "bench":
         from specheads.inference.bench import bench_main
 

@@ -19,7 +19,7 @@ def test_module_help():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage: specheads" in result.stdout
-    for command in ("demo", "train", "data", "generate", "bench"):
+    for command in ("demo", "train", "data", "generate", "chat", "bench"):
         assert command in result.stdout
 
 
@@ -180,3 +180,48 @@ def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPECHEADS_TRACEBACK", "1")
     with pytest.raises(FileNotFoundError):
         main(["generate", "--heads", str(missing), "--prompt", "Once"])
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_chat_answers_each_line_reuses_the_cache_and_resets(stories260k_eagle_dir, stories260k, tmp_path, capfd,
+                                                            monkeypatch):
+    """`specheads chat`: one answer per stdin line, each the target's greedy answer to the conversation so far;
+    the second turn reuses the first's cache; `/reset` starts over; end of input quits with status 0."""
+    import io
+
+    target, tokenizer = stories260k
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Tom had a dog\n\nWhat did the dog do\n/reset\nTom had a dog\n"))
+    code = main(["chat", "--heads", str(stories260k_eagle_dir), "--chat-template", str(template),
+                 "--max-new-tokens", "20"])
+    assert code == 0
+    out, err = capfd.readouterr()
+
+    def answer(messages):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=CHAT_TEMPLATE,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        new = target.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:]
+        return tokenizer.decode(new, skip_special_tokens=True)
+
+    first = answer([{"role": "user", "content": "Tom had a dog"}])
+    second = answer([{"role": "user", "content": "Tom had a dog"}, {"role": "assistant", "content": first},
+                     {"role": "user", "content": "What did the dog do"}])
+    assert out == f"{first}\n{second}\n{first}\n"  # the streamer ends each answer with a newline
+    stats = [line for line in err.splitlines() if "tokens/s" in line]
+    assert len(stats) == 3 and "(0 reused)" in stats[0] and "(0 reused)" not in stats[1] and "(0 reused)" in stats[2]
+    assert "new conversation" in err
+
+
+def test_chat_without_a_template_is_a_clear_error(stories260k_eagle_dir, capsys, monkeypatch):
+    import io
+
+    monkeypatch.delenv("SPECHEADS_TRACEBACK", raising=False)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--heads", str(stories260k_eagle_dir)]) == 2
+    assert "has no chat template" in capsys.readouterr().err

@@ -54,6 +54,8 @@ def test_public_api():
         "load_heads",
         "load_target",
         "SpeculativeLM",
+        "PromptCache",
+        "ChatSession",
     ):
         assert hasattr(specheads, name), name
         assert name in specheads.__all__

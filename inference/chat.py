@@ -1,0 +1,98 @@
+"""A multi-turn conversation with a `SpeculativeLM`: history, chat template, and the target cache between turns.
+
+Each turn renders the whole history through the tokenizer's chat template, as a chat client does, and generates with
+one `PromptCache` for the conversation, so the target runs only what the previous turn did not leave in its cache
+(the new user message and the template's tokens around it). The answer is the target's own (greedy: identical to
+`target.generate` on the rendered conversation; sampling: its distribution); the history keeps its decoded text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from .prompt_cache import PromptCache
+
+
+def read_chat_template(value: str) -> str:
+    """A Jinja chat template given as a file path or as the template text itself."""
+    path = Path(value)
+    if "{" not in value and not path.is_file():
+        raise FileNotFoundError(f"chat template {value!r} is neither a file nor a Jinja template")
+    return path.read_text() if "{" not in value else value
+
+
+class ChatSession:
+    """A conversation: `ask(text)` adds a user message, generates the answer, adds it, returns its text.
+
+    Args:
+        lm: the `SpeculativeLM` that answers.
+        tokenizer: default `lm.tokenizer`; it needs a chat template (or pass `chat_template`).
+        system: an optional system message, first in the history (kept by `reset`).
+        chat_template: a Jinja template used instead of the tokenizer's.
+        reuse_cache: keep the target's cache between turns (`PromptCache`); False runs the whole conversation
+            every turn (the reference).
+        **generate_options: passed to every `lm.generate` call (max_new_tokens, do_sample, temperature, stop_strings,
+            logits_processor, ...).
+
+    After each turn `last_stats` holds `lm.last_stats` (tau, tokens/s, `reused_prompt_tokens`) plus
+    `prompt_tokens`, the length of the rendered conversation.
+    """
+
+    def __init__(
+        self,
+        lm: Any,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        system: str | None = None,
+        chat_template: str | None = None,
+        reuse_cache: bool = True,
+        **generate_options: Any,
+    ) -> None:
+        self.lm = lm
+        self.tokenizer = tokenizer if tokenizer is not None else lm.tokenizer
+        if self.tokenizer is None:
+            raise ValueError("ChatSession needs a tokenizer: pass tokenizer= or build the SpeculativeLM with one")
+        self.chat_template = chat_template
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer of {getattr(self.tokenizer, 'name_or_path', '?')!r} has no chat template; pass "
+                "chat_template= (CLI: --chat-template FILE_OR_TEMPLATE)"
+            )
+        self.system = system
+        self.generate_options = generate_options
+        self.cache = PromptCache() if reuse_cache else None
+        self.messages: list[dict[str, str]] = []
+        self.last_stats: dict[str, Any] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new conversation (the system message stays)."""
+        self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+        if self.cache is not None:
+            self.cache.reset()
+
+    def render(self) -> torch.Tensor:
+        """The conversation so far with the assistant's turn opened: (1, n) ids."""
+        return self.tokenizer.apply_chat_template(
+            self.messages, add_generation_prompt=True, chat_template=self.chat_template, return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
+
+    def ask(self, text: str, streamer: Any | None = None) -> str:
+        """Add the user message `text`, generate the answer (streamed to `streamer` if given), return its text."""
+        if not text.strip():
+            raise ValueError("a chat message must hold some text, got an empty one")
+        self.messages.append({"role": "user", "content": text})
+        try:
+            input_ids = self.render().to(self.lm.target.device)
+            out = self.lm.generate(input_ids, prompt_cache=self.cache, streamer=streamer, **self.generate_options)
+        except BaseException:
+            self.messages.pop()  # the turn did not happen (an error, Ctrl-C): the history stays as it was
+            raise
+        answer = self.tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": answer})
+        self.last_stats = {**self.lm.last_stats, "prompt_tokens": int(input_ids.shape[1])}
+        return answer

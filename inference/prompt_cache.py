@@ -1,0 +1,108 @@
+"""A conversation's target cache kept between `generate` calls, so each turn runs only its new tokens.
+
+A chat re-sends the whole conversation every turn: the system prompt, every earlier question and answer, then the
+new question. Without a cache the target runs all of it again before the first new token (its prefill), which on a
+CPU grows to seconds as a conversation lengthens (SmolLM2-135M on 2 threads: ~400 tokens/s). `PromptCache` keeps
+what the last call left: the target's keys / values of the sequence it committed (prompt + emitted tokens, the last
+one excepted: it was never run through the target) and the heads' input features of the same positions. The next
+call that starts with a prefix of that sequence crops the cache to the shared prefix and runs only the rest.
+
+Outputs stay the target's: the kept entries are the ones the target computed for exactly those tokens at exactly
+those positions (tree verification computes an accepted node's keys and values with its path as context, which is
+the sequence), so the continuation is what a fresh prefill would give, up to floating-point summation order, the
+same margin as tree verification itself (tested: identical to `target.generate` on the whole conversation).
+
+Batch size 1 and the dynamic-cache path only (not the static-shape fast path, not batched verification).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+from .kv_cache import cache_length, crop_cache
+
+
+class PromptCache:
+    """The target's KV cache and the heads' features of one conversation, reused by the next `generate` call.
+
+    Usage: `cache = PromptCache()`, then `lm.generate(ids, prompt_cache=cache)` for each turn with the whole
+    conversation so far as `ids`; `lm.last_stats["reused_prompt_tokens"]` says how many prompt tokens were not run
+    again. One cache per conversation and per `SpeculativeLM` (a cache filled by other models is refused); an edited
+    history reuses the part before the first changed token. A call that fails leaves the cache empty (the next one
+    runs its whole prompt), never half-updated.
+    """
+
+    def __init__(self) -> None:
+        self.tokens: torch.Tensor | None = None  # (S,) the ids whose entries are held
+        self.cache: Cache | None = None  # the target's keys / values of those S positions
+        self.features: torch.Tensor | None = None  # (S, h) the heads' input features of those positions
+        self._models: tuple[PreTrainedModel, PreTrainedModel] | None = None  # (target, heads) that filled it
+
+    def __len__(self) -> int:
+        return 0 if self.tokens is None else int(self.tokens.shape[0])
+
+    def reset(self) -> None:
+        """Forget everything held (a new conversation)."""
+        self.tokens = self.cache = self.features = None
+        self._models = None
+
+    def shared_length(self, prompt: torch.Tensor) -> int:
+        """How many leading tokens of `prompt` (n,) the cache holds, at most n - 1 (the target must run the last
+        prompt token to give the first new token's logits)."""
+        if self.tokens is None:
+            return 0
+        limit = min(len(self), prompt.shape[0] - 1)
+        if limit <= 0:
+            return 0
+        differs = (prompt[:limit].to(self.tokens.device) != self.tokens[:limit]).nonzero()
+        return limit if differs.numel() == 0 else int(differs[0, 0])
+
+    def take(self, prompt: torch.Tensor, target: PreTrainedModel, heads: PreTrainedModel) -> tuple[Cache | None, torch.Tensor | None, int]:
+        """Hand over the cache cropped to the prefix `prompt` shares with it: (cache, (m, h) features, m), or
+        (None, None, 0) when nothing is shared. The cache is emptied: `store` refills it when the call completes."""
+        if self._models is not None and (self._models[0] is not target or self._models[1] is not heads):
+            raise ValueError(
+                "this PromptCache was filled by another target or other heads; use one PromptCache per SpeculativeLM "
+                "and conversation (or call reset())"
+            )
+        shared = self.shared_length(prompt)
+        cache, features = self.cache, self.features
+        self.reset()
+        if shared == 0:
+            return None, None, 0
+        crop_cache(cache, shared)
+        return cache, features[:shared], shared
+
+    def store(
+        self,
+        tokens: torch.Tensor,
+        cache: Cache,
+        features: torch.Tensor,
+        target: PreTrainedModel,
+        heads: PreTrainedModel,
+    ) -> None:
+        """Keep a completed call's state: `tokens` (S,) whose entries `cache` holds and their (S, h) `features`.
+        The cache may hold more positions (accepted tokens after a stop); they are cropped away."""
+        length = tokens.shape[0]
+        if features.shape[0] < length or cache_length(cache) < length:
+            raise ValueError(
+                f"PromptCache.store: {length} tokens but {features.shape[0]} features and {cache_length(cache)} "
+                "cached positions (expected at least as many)"
+            )
+        crop_cache(cache, length)
+        self.tokens, self.cache, self.features = tokens, cache, features[:length]
+        self._models = (target, heads)
+
+
+def check_prompt_cache_call(prompt_cache: object, rows: int, fast_path: bool | None, batched: bool | None) -> None:
+    """Refuse, naming the value, a `generate(prompt_cache=...)` call the cache cannot serve."""
+    if not isinstance(prompt_cache, PromptCache):
+        raise TypeError(f"prompt_cache must be a specheads PromptCache, got {type(prompt_cache).__name__}")
+    if rows != 1:
+        raise ValueError(f"prompt_cache serves one conversation: batch size 1 (num_return_sequences 1), got {rows} rows")
+    if fast_path:
+        raise ValueError("prompt_cache runs on the dynamic-cache path; fast_path=True cannot take it (use None or False)")
+    if batched:
+        raise ValueError("prompt_cache serves one row; batched=True cannot take it")
