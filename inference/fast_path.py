@@ -227,6 +227,7 @@ class GraphedPrefill:
         # every mask column a prompt can see ([0, N)), later columns stay hidden
         tree = TreeBuffers(chain.parents[:n], chain.depth[:n], chain.ancestors[:n, :n], chain.attention_bias[:n, :n])
         verifier.load(prompt, tree, 0)
+        self.cache.sequence_number += 1
         logits, features = verifier.run()  # (N, V), (N, h) or None
         return logits[n - 1 : n].clone(), None if features is None else features[:n].clone()
 
@@ -309,14 +310,25 @@ class FastPathRunner:
             self.greedy_round = GraphedGreedyRound(self.verifier(self.fixed_slots), drafter, self.use_graphs)
         return self.greedy_round
 
-    def prefill(self, prompt: torch.Tensor, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(
+        self, prompt: torch.Tensor, max_new_tokens: int = 0, held: tuple[StaticTreeCache, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the (n,) prompt into slots [0, n) (eager: prompt lengths vary; `graphed_prefill`: padded, a CUDA graph per
         padded length). Returns last logits (1, V), features (n, h).
 
+        `held`: (this runner's cache, (m, h) features) when its slots [0, m) still hold the prompt's first m tokens
+        (`prompt_cache.PromptCache.take`); only the tokens after them are run (eagerly), into slots [m, n).
         Raises a ValueError first when prompt + max_new_tokens + the drafter's trees do not fit the cache.
         """
         self.cache.check_room(prompt.shape[0] + max_new_tokens + self.reserve)
-        if self.graphed_prefill:
+        if held is not None:
+            if held[0] is not self.cache:
+                raise ValueError("FastPathRunner.prefill: the held entries are not in this runner's cache")
+            start = held[1].shape[0]
+            out = prefill_static(self.target, self.cache, prompt[start:], output_hidden_states=True, start=start)
+            last_logits = out.logits[0, -1:]
+            features = torch.cat([held[1], self.select_features(out.hidden_states)[0]])
+        elif self.graphed_prefill:
             if self.prompt_graphs is None:
                 self.prompt_graphs = GraphedPrefill(self.target, self.cache, self.select_features, self.use_graphs)
             last_logits, features = self.prompt_graphs(prompt)

@@ -369,7 +369,8 @@ class SpeculativeLM:
             streamer: a transformers `TextStreamer` / `TextIteratorStreamer` (batch size 1).
             prompt_cache: a `PromptCache` kept across calls (multi-turn chat, batch size 1): the target runs only
                 the prompt's tokens after the longest prefix the cache holds from the previous call, and the cache
-                then holds this call's sequence (inference/prompt_cache.py). Runs on the dynamic-cache path.
+                then holds this call's sequence (inference/prompt_cache.py). On the fast path, rounds run the per-phase
+                loop (the whole-round graph does not hand back each round's features).
             acceptance: "exact" (lossless) or "typical" (Medusa's, lossy, sampling only).
             batched: for B > 1, verify all rows in one target forward (default when the target has no
                 sliding window) or, with False, run the rows one after another (the reference scheme).
@@ -421,8 +422,7 @@ class SpeculativeLM:
         start = time.perf_counter()
         can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
         if prompt_cache is not None:
-            check_prompt_cache_call(prompt_cache, len(prompts), fast_path, batched)
-            fast_path = False
+            check_prompt_cache_call(prompt_cache, len(prompts), batched)
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
         if runner is not None:
@@ -487,7 +487,7 @@ class SpeculativeLM:
         `self.drafter`, or on the fast path its fixed-shape version (`FastPathRunner.use_drafter`). With
         `graphed_rounds`, greedy decoding with that fixed-shape EAGLE drafter runs each round as one graph
         (`FastPathRunner.graphed_round`, inference/graphed_round.py); everything else runs the four phases below,
-        the reference. With `prompt_cache` (on a `DynamicTreeVerifier`), the prefill runs only the prompt's tokens
+        the reference. With `prompt_cache`, the prefill runs only the prompt's tokens
         after those the cache holds, and the cache keeps this call's sequence at the end.
         """
         if max_new_tokens == 0:
@@ -496,7 +496,8 @@ class SpeculativeLM:
         if prompt_cache is None:
             last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         else:
-            cache, held_features, reused = prompt_cache.take(prompt, self.target, self.heads)
+            static = verifier.cache if isinstance(verifier, FastPathRunner) else None
+            cache, held_features, reused = prompt_cache.take(prompt, self.target, self.heads, static)
             held = None if cache is None else (cache, held_features)
             last_logits, features = verifier.prefill(prompt, max_new_tokens, held)
             stats["reused_prompt_tokens"] += reused
@@ -521,7 +522,7 @@ class SpeculativeLM:
         constrain_drafts(drafter, context, self.heads.config.vocab_size)  # processors that ban: allowed drafts only
         graphed = None
         if (isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact" and context is None
-                and recorder is None):
+                and recorder is None and prompt_cache is None):
             wanted = verifier.use_graphs if self.graphed_rounds is None else self.graphed_rounds
             graphed = verifier.graphed_round(drafter) if wanted else None
         if graphed is not None and not done:

@@ -12,7 +12,12 @@ those positions (tree verification computes an accepted node's keys and values w
 the sequence), so the continuation is what a fresh prefill would give, up to floating-point summation order, the
 same margin as tree verification itself (tested: identical to `target.generate` on the whole conversation).
 
-Batch size 1 and the dynamic-cache path only (not the static-shape fast path, not batched verification).
+Batch size 1 (not batched verification). On the dynamic-cache path the cache object is the conversation's own. On
+the static-shape fast path (GPU) the entries live in the `FastPathRunner`'s static cache, which every call on that
+`SpeculativeLM` writes: the `PromptCache` records which sequence the static cache held when it was stored
+(`StaticTreeCache.sequence_number`) and reuses nothing once another prompt has been written there (another
+conversation, a call without the cache). When the runner grows (a longer conversation than its cache holds), the
+shared entries are copied from the old static cache into the new one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from .kv_cache import cache_length, crop_cache
+from .static_cache import StaticTreeCache
 
 
 class PromptCache:
@@ -36,7 +42,8 @@ class PromptCache:
 
     def __init__(self) -> None:
         self.tokens: torch.Tensor | None = None  # (S,) the ids whose entries are held
-        self.cache: Cache | None = None  # the target's keys / values of those S positions
+        self.cache: Cache | None = None  # the target's keys / values of those S positions (dynamic, or a runner's static)
+        self.sequence_number: int | None = None  # a static cache's sequence_number when stored
         self.features: torch.Tensor | None = None  # (S, h) the heads' input features of those positions
         self._models: tuple[PreTrainedModel, PreTrainedModel] | None = None  # (target, heads) that filled it
 
@@ -45,7 +52,7 @@ class PromptCache:
 
     def reset(self) -> None:
         """Forget everything held (a new conversation)."""
-        self.tokens = self.cache = self.features = None
+        self.tokens = self.cache = self.features = self.sequence_number = None
         self._models = None
 
     def shared_length(self, prompt: torch.Tensor) -> int:
@@ -59,20 +66,41 @@ class PromptCache:
         differs = (prompt[:limit].to(self.tokens.device) != self.tokens[:limit]).nonzero()
         return limit if differs.numel() == 0 else int(differs[0, 0])
 
-    def take(self, prompt: torch.Tensor, target: PreTrainedModel, heads: PreTrainedModel) -> tuple[Cache | None, torch.Tensor | None, int]:
+    def take(
+        self,
+        prompt: torch.Tensor,
+        target: PreTrainedModel,
+        heads: PreTrainedModel,
+        static_cache: StaticTreeCache | None = None,
+    ) -> tuple[Cache | None, torch.Tensor | None, int]:
         """Hand over the cache cropped to the prefix `prompt` shares with it: (cache, (m, h) features, m), or
-        (None, None, 0) when nothing is shared. The cache is emptied: `store` refills it when the call completes."""
+        (None, None, 0) when nothing is shared or usable. `static_cache`: the fast path's cache this call writes to
+        (the held entries are used only if they are in it, untouched since). The `PromptCache` is emptied: `store`
+        refills it when the call completes."""
         if self._models is not None and (self._models[0] is not target or self._models[1] is not heads):
             raise ValueError(
                 "this PromptCache was filled by another target or other heads; use one PromptCache per SpeculativeLM "
                 "and conversation (or call reset())"
             )
         shared = self.shared_length(prompt)
-        cache, features = self.cache, self.features
+        cache, features, sequence_number = self.cache, self.features, self.sequence_number
         self.reset()
+        if static_cache is not None:  # usable only if still this sequence's entries
+            if not isinstance(cache, StaticTreeCache) or sequence_number != cache.sequence_number:
+                shared = 0
+            elif cache is not static_cache:  # the fast path grew into a new cache: carry the shared entries over
+                storage = cache.storage
+                if storage is None or (storage.dtype, storage.device) != (target.dtype, target.device):
+                    shared = 0
+                else:
+                    static_cache.copy_prefix(cache, shared)
+                    cache = static_cache
+        elif isinstance(cache, StaticTreeCache):  # stored by the fast path, taken by the dynamic path
+            shared = 0
         if shared == 0:
             return None, None, 0
-        crop_cache(cache, shared)
+        if not isinstance(cache, StaticTreeCache):  # a static cache's prefill writes from the shared length on
+            crop_cache(cache, shared)
         return cache, features[:shared], shared
 
     def store(
@@ -84,25 +112,27 @@ class PromptCache:
         heads: PreTrainedModel,
     ) -> None:
         """Keep a completed call's state: `tokens` (S,) whose entries `cache` holds and their (S, h) `features`.
-        The cache may hold more positions (accepted tokens after a stop); they are cropped away."""
+        The cache may hold more positions (accepted tokens after a stop); they are cropped away (a static cache's
+        are left in place and never read: the next prefill writes from the shared length on)."""
         length = tokens.shape[0]
         if features.shape[0] < length or cache_length(cache) < length:
             raise ValueError(
                 f"PromptCache.store: {length} tokens but {features.shape[0]} features and {cache_length(cache)} "
                 "cached positions (expected at least as many)"
             )
-        crop_cache(cache, length)
+        if isinstance(cache, StaticTreeCache):
+            self.sequence_number = cache.sequence_number
+        else:
+            crop_cache(cache, length)
         self.tokens, self.cache, self.features = tokens, cache, features[:length]
         self._models = (target, heads)
 
 
-def check_prompt_cache_call(prompt_cache: object, rows: int, fast_path: bool | None, batched: bool | None) -> None:
+def check_prompt_cache_call(prompt_cache: object, rows: int, batched: bool | None) -> None:
     """Refuse, naming the value, a `generate(prompt_cache=...)` call the cache cannot serve."""
     if not isinstance(prompt_cache, PromptCache):
         raise TypeError(f"prompt_cache must be a specheads PromptCache, got {type(prompt_cache).__name__}")
     if rows != 1:
         raise ValueError(f"prompt_cache serves one conversation: batch size 1 (num_return_sequences 1), got {rows} rows")
-    if fast_path:
-        raise ValueError("prompt_cache runs on the dynamic-cache path; fast_path=True cannot take it (use None or False)")
     if batched:
         raise ValueError("prompt_cache serves one row; batched=True cannot take it")

@@ -115,6 +115,9 @@ class StaticTreeCache(Cache):
         )
         self.capacity = capacity
         self.committed_length = 0
+        # bumped by every prompt written into the cache (`prefill_static`, `GraphedPrefill`): which sequence it holds,
+        # so a `PromptCache` can tell whether another sequence has overwritten its entries since
+        self.sequence_number = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Committed positions (what transformers calls the cached length)."""
@@ -132,6 +135,23 @@ class StaticTreeCache(Cache):
                 f"StaticTreeCache of capacity {self.capacity} cannot hold {end} positions (prompt + max_new_tokens + "
                 "tree nodes): allocate a larger cache"
             )
+
+    def copy_prefix(self, source: StaticTreeCache, length: int) -> None:
+        """Copy slots [0, length) of every layer from `source` (a smaller cache of the same model, replaced by this
+        one): a sequence's entries survive the fast path's growth. Allocates the storage if needed."""
+        kv = source.storage
+        if kv is None or length == 0:
+            return
+        self.check_room(length)
+        shape = (*kv.shape[:4], self.capacity, kv.shape[5])
+        if self.shared.kv is None:
+            self.shared.kv = torch.zeros(shape, dtype=kv.dtype, device=kv.device)
+        elif self.shared.kv.shape != shape or self.shared.kv.dtype != kv.dtype:
+            raise ValueError(
+                f"StaticTreeCache.copy_prefix: storage {tuple(self.shared.kv.shape)} {self.shared.kv.dtype} cannot take "
+                f"{tuple(kv.shape)} {kv.dtype}"
+            )
+        self.shared.kv[..., :length, :].copy_(kv[..., :length, :])
 
     def set_write_positions(self, positions: torch.Tensor) -> None:
         """Where the next forward writes its T tokens: a (T,) long tensor on the model's device.
@@ -167,28 +187,37 @@ class StaticTreeCache(Cache):
         kv.index_copy_(4, destination, kv.index_select(4, prefix + path))
 
 
-def prefill_mask(length: int, capacity: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """(1, 1, length, capacity) additive mask for a prompt written at slots [0, length): causal, rest hidden."""
-    query = torch.arange(length, device=device)[:, None]
+def prefill_mask(
+    length: int, capacity: int, dtype: torch.dtype, device: torch.device | str, start: int = 0
+) -> torch.Tensor:
+    """(1, 1, length, capacity) additive mask for prompt tokens written at slots [start, start + length): each sees
+    the slots up to its own (the `start` before it hold the prompt's first tokens), the rest hidden."""
+    query = start + torch.arange(length, device=device)[:, None]
     key = torch.arange(capacity, device=device)[None, :]
     mask = torch.zeros(length, capacity, dtype=dtype, device=device)
     return mask.masked_fill_(key > query, torch.finfo(dtype).min)[None, None]
 
 
 def prefill_static(
-    target: PreTrainedModel, cache: StaticTreeCache, prompt: torch.Tensor, output_hidden_states: bool = False
+    target: PreTrainedModel,
+    cache: StaticTreeCache,
+    prompt: torch.Tensor,
+    output_hidden_states: bool = False,
+    start: int = 0,
 ):
-    """Run the (n,) prompt through `target` into slots [0, n) of `cache` (eager: prompt lengths vary).
+    """Run the (n,) prompt through `target` into slots [start, start + n) of `cache` (eager: prompt lengths vary);
+    with `start` > 0 the slots before it must hold the sequence's first `start` tokens (`PromptCache` reuse).
 
     Returns the model output (the last position's logits (1, 1, V), and hidden states when asked). The caller sets
     its own bookkeeping (`committed_length`, masks) afterwards.
     """
     n, device = prompt.shape[0], target.device
-    positions = torch.arange(n, device=device)
+    positions = torch.arange(start, start + n, device=device)
     cache.set_write_positions(positions)
+    cache.sequence_number += 1
     return target(
         input_ids=prompt[None],
-        attention_mask=prefill_mask(n, cache.capacity, target.dtype, device),
+        attention_mask=prefill_mask(n, cache.capacity, target.dtype, device, start),
         position_ids=positions[None],
         **cache_kwargs(target, cache),
         use_cache=True,

@@ -33,7 +33,7 @@ class PrefillWatch:
         self.handle.remove()
 
 
-def conversation(lm, target, first: torch.Tensor, turns: int, max_new_tokens: int, **options):
+def conversation(lm, target, first: torch.Tensor, turns: int, max_new_tokens: int, fast_path=None, **options):
     """Run `turns` turns through one PromptCache, each prompt = the last output + a follow-up; every output is
     checked against plain greedy `generate` on the whole sequence. Yields (output, cache, stats) per turn."""
     cache, ids = PromptCache(), first
@@ -41,12 +41,13 @@ def conversation(lm, target, first: torch.Tensor, turns: int, max_new_tokens: in
         held_before = len(cache)
         watch = PrefillWatch(target)
         try:
-            out = lm.generate(ids, max_new_tokens=max_new_tokens, prompt_cache=cache, **options)
+            out = lm.generate(ids, max_new_tokens=max_new_tokens, prompt_cache=cache, fast_path=fast_path, **options)
         finally:
             watch.close()
         assert torch.equal(out, hf_greedy(target, ids, max_new_tokens, **options)), f"turn {turn}"
         stats = lm.last_stats
         assert stats["reused_prompt_tokens"] == min(held_before, ids.shape[1] - 1)
+        assert stats["fast_path"] == bool(fast_path)
         # the prefill ran exactly the tokens after the reused prefix
         assert watch.lengths[0] == ids.shape[1] - stats["reused_prompt_tokens"]
         yield out, cache, stats
@@ -167,8 +168,6 @@ def test_calls_a_cache_cannot_serve_are_refused(tiny_target_factory):
     cache = PromptCache()
     with pytest.raises(ValueError, match="batch size 1"):
         lm.generate(torch.cat([ids, ids]), max_new_tokens=4, prompt_cache=cache)
-    with pytest.raises(ValueError, match="fast_path=True"):
-        lm.generate(ids, max_new_tokens=4, prompt_cache=cache, fast_path=True)
     with pytest.raises(TypeError, match="PromptCache"):
         lm.generate(ids, max_new_tokens=4, prompt_cache={})
     lm.generate(ids, max_new_tokens=4, prompt_cache=cache)
@@ -177,3 +176,51 @@ def test_calls_a_cache_cannot_serve_are_refused(tiny_target_factory):
         other.generate(ids, max_new_tokens=4, prompt_cache=cache)
     cache.reset()
     assert torch.equal(other.generate(ids, max_new_tokens=4, prompt_cache=cache), hf_greedy(target, ids, 4))
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_static_fast_path_reuses_its_own_cache(tiny_target_factory, family, head_type):
+    """On the static-shape fast path (run eagerly on the CPU) the entries stay in the runner's static cache: three
+    turns identical to `generate`, each reusing the previous one (EAGLE: the fixed-shape graphed drafter)."""
+    target = tiny_target_factory(family)
+    lm = SpeculativeLM(target, make_heads(target, head_type))
+    held = 0
+    for turn, (_, cache, stats) in enumerate(conversation(lm, target, torch.tensor([TINY_PROMPT]), 3, 24, True)):
+        assert cache.cache is lm._fast_runner.cache
+        if turn:
+            assert stats["reused_prompt_tokens"] == held > 0
+        held = len(cache)
+
+
+def test_the_fast_path_reuses_nothing_once_another_prompt_was_written(tiny_target_factory):
+    """Another call on the same SpeculativeLM writes its prompt into the runner's static cache: the conversation's
+    next turn must not read those entries (it runs its whole prompt, still identical), nor may the dynamic path
+    read static entries."""
+    target = tiny_target_factory("llama")
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    cache = PromptCache()
+    out = lm.generate(torch.tensor([TINY_PROMPT]), max_new_tokens=16, prompt_cache=cache, fast_path=True)
+    lm.generate(torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]), max_new_tokens=16, fast_path=True)  # another conversation
+    ids = torch.cat([out, torch.tensor([[8, 8]])], dim=1)
+    again = lm.generate(ids, max_new_tokens=16, prompt_cache=cache, fast_path=True)
+    assert lm.last_stats["reused_prompt_tokens"] == 0
+    assert torch.equal(again, hf_greedy(target, ids, 16))
+    assert lm.last_stats["reused_prompt_tokens"] == 0
+    ids = torch.cat([again, torch.tensor([[6, 6]])], dim=1)
+    assert torch.equal(lm.generate(ids, max_new_tokens=8, prompt_cache=cache, fast_path=False), hf_greedy(target, ids, 8))
+    assert lm.last_stats["reused_prompt_tokens"] == 0  # static entries are not handed to the dynamic path
+
+
+def test_the_fast_path_carries_the_conversation_into_a_larger_cache(tiny_target_factory):
+    """A turn that needs more slots than the runner's static cache holds gets a new, larger runner: the shared
+    entries are copied over (reused, identical), and the old cache's copy is checked like any other."""
+    target = tiny_target_factory("qwen2")
+    lm = SpeculativeLM(target, make_heads(target, "eagle"))
+    cache = PromptCache()
+    out = lm.generate(torch.tensor([TINY_PROMPT]), max_new_tokens=12, prompt_cache=cache, fast_path=True)
+    runner, held = lm._fast_runner, len(cache)
+    ids = torch.cat([out, torch.tensor([[7, 7]])], dim=1)
+    longer = lm.generate(ids, max_new_tokens=2 * runner.capacity, prompt_cache=cache, fast_path=True)
+    assert lm._fast_runner is not runner and lm.last_stats["reused_prompt_tokens"] == held > 0
+    assert torch.equal(longer, hf_greedy(target, ids, 2 * runner.capacity))
