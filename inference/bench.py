@@ -29,7 +29,7 @@ from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES, GQA_ATTENTI
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
 from specheads.inference.lookup import check_lookup_settings
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
-from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts, tokenize_prompts
+from specheads.inference.prompts import Prompt, calibration_prompts, follow_up, read_prompts, tokenize_prompts
 
 SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-path -> graphed_rounds= / fast_path=
 
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="stories260K", help="target path, Hub id or alias")
     p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
     p.add_argument("--prompts", required=True, help="MT-bench style JSONL (first turn) or a text file, one prompt a line")
+    p.add_argument("--turns", type=int, default=1,
+                   help="turns of each multi-turn record to run (MT-bench: 2): turn k+1 is the chat template over the "
+                   "earlier turns with plain generate's answers between them, run like any prompt (default: 1)")
     p.add_argument("--category", action="append", help="only these categories (repeatable)")
     p.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
@@ -145,12 +148,14 @@ def _configure_tree(
 def run_prompt(
     lm: SpeculativeLM, prompt: Prompt, mode: str, args: argparse.Namespace, assistant: Any,
     static_decoder: StaticGreedyDecoder | None = None, constraint: IndexConstraint | None = None,
+    outputs: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Baseline, speculative and peer runs of one prompt, alternating in this process.
 
     With `static_decoder` (CUDA, greedy) our own static-cache CUDA-graph plain decoding is timed too: the
     honest baseline beside `target.generate`. With `constraint` every run gets a fresh copy of it as its logits
-    processor (our static plain decoding has none: it is skipped).
+    processor (our static plain decoding has none: it is skipped). `outputs` (a dict) receives the baseline's
+    sequence as "baseline" (a later turn's history).
     """
 
     def constrained() -> dict[str, Any]:
@@ -169,6 +174,8 @@ def run_prompt(
     spec, spec_s = _timed(lambda: lm.generate(ids, fast_path=fast_path, **constrained(),
                                               **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
     stats = lm.last_stats
+    if outputs is not None:
+        outputs["baseline"] = baseline
     base_new, spec_new = baseline.shape[1] - ids.shape[1], spec.shape[1] - ids.shape[1]
     row = {
         "prompt_id": prompt.prompt_id, "category": prompt.category, "mode": mode,
@@ -290,6 +297,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                chat=False if args.no_chat else None)
     if not prompts:
         raise ValueError(f"no prompts selected from {args.prompts}")
+    turns = getattr(args, "turns", 1)
+    if turns < 1:
+        raise ValueError(f"--turns {turns}: expected at least 1")
+    if turns > 1 and (args.no_chat or not getattr(lm.tokenizer, "chat_template", None)):
+        raise ValueError(f"--turns {turns} needs the target's chat template (a later turn holds the earlier ones); "
+                         f"{'--no-chat was given' if args.no_chat else 'the tokenizer has none'}")
     constraint = constraint_from_options(lm.tokenizer, getattr(args, "json_schema", None), getattr(args, "regex", None))
     assistant = None
     if args.assistant:
@@ -307,6 +320,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     static_decoder = None
     if lm.target.device.type == "cuda":  # our own compiled plain decoding, sized for the longest prompt
         longest = max(p.input_ids.shape[-1] for p in prompts)
+        # a later turn also holds the earlier questions and answers (re-tokenized answers: a margin per answer)
+        longest += (turns - 1) * (longest + args.max_new_tokens + 64)
         static_decoder = StaticGreedyDecoder(lm.target, aligned_length(longest + args.max_new_tokens),
                                              graphed_prefill=lm.graphed_prefill)
     # Warm-up, not recorded: the longest prompt, so the fast path sizes its static cache and captures once.
@@ -320,10 +335,17 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for mode in modes:
         for prompt in tqdm(prompts, desc=f"bench {mode}", unit="prompt"):
-            rows.append(run_prompt(lm, prompt, mode, args, assistant, static_decoder, constraint))
+            answers: list[str] = []
+            for turn in range(1, min(turns, len(prompt.turns)) + 1):  # a record with fewer turns runs those it has
+                asked = prompt if turn == 1 else follow_up(prompt, answers, lm.tokenizer)
+                outputs: dict[str, torch.Tensor] = {}
+                row = run_prompt(lm, asked, mode, args, assistant, static_decoder, constraint, outputs)
+                rows.append({**row, "turn": turn, "prompt_tokens": asked.input_ids.shape[-1]})
+                new = outputs["baseline"][0, asked.input_ids.shape[-1]:]
+                answers.append(lm.tokenizer.decode(new, skip_special_tokens=True))
     results: dict[str, Any] = {
         "target": args.target, "heads": str(args.heads), "head_type": lm.heads.config.head_type,
-        "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens,
+        "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens, "turns": turns,
         "tree": lm.tree_description(), "environment": environment(lm), "fast_path": getattr(args, "fast_path", "auto"),
         "command": "specheads bench " + " ".join(getattr(args, "argv", [])),
     }
@@ -338,6 +360,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             by_category[r["category"]].append(r)
         results[mode] = {"overall": aggregate(mode_rows),
                          "by_category": {c: aggregate(rs) for c, rs in sorted(by_category.items())}}
+        if turns > 1:
+            results[mode]["by_turn"] = {str(t): aggregate([r for r in mode_rows if r["turn"] == t])
+                                        for t in sorted({r["turn"] for r in mode_rows})}
     if "greedy" in modes:  # the headline check, also at the top level
         results["greedy_identical"] = results["greedy"]["overall"]["greedy_identical"]
     results["per_prompt"] = rows

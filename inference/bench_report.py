@@ -20,7 +20,8 @@ def markdown_table(results: dict[str, Any]) -> str:
             f" {p.replace('_', '-')} speedup |" for p in peers)
         header += " our plain decoding tokens/s | speedup vs it |" if static else ""
         lines += [f"**{mode}**", "", header, "|" + "---|" * (6 + len(peers) + 2 * static)]
-        rows = list(results[mode]["by_category"].items()) + [("**overall**", results[mode]["overall"])]
+        by_turn = [(f"turn {t}", agg) for t, agg in results[mode].get("by_turn", {}).items()]
+        rows = list(results[mode]["by_category"].items()) + by_turn + [("**overall**", results[mode]["overall"])]
         for name, agg in rows:
             lines.append(
                 f"| {name} | {agg['prompts']} | {agg['tau']:.2f} | {agg['tokens_per_second']:.1f} | "

@@ -1,4 +1,5 @@
-"""Benchmark prompts: MT-bench-style JSONL (first turn, chat template applied) or plain text lines."""
+"""Benchmark prompts: MT-bench-style JSONL (first turn, chat template applied; later turns on request) or plain text
+lines."""
 
 from __future__ import annotations
 
@@ -18,16 +19,17 @@ class Prompt:
     category: str
     text: str
     input_ids: torch.Tensor  # (1, n)
+    turns: tuple[str, ...] = ()  # every user turn of a multi-turn record (MT-bench: 2); `text` is the one asked here
 
 
 def read_prompts(
     path: str | Path, categories: list[str] | None = None, limit: int | None = None, per_category: int | None = None
 ) -> list[dict]:
-    """Raw prompts as dicts {prompt_id, category, text}: `per_category` keeps the first N of each category, then
-    `limit` the first N in all.
+    """Raw prompts as dicts {prompt_id, category, text, turns}: `per_category` keeps the first N of each category,
+    then `limit` the first N in all.
 
-    JSONL lines with `turns` (MT-bench: the first turn is used), `prompt` or `text`; any other file is read
-    as one prompt per non-empty line (category "text").
+    JSONL lines with `turns` (MT-bench: `text` is the first, `turns` keeps them all for `follow_up`), `prompt` or
+    `text`; any other file is read as one prompt per non-empty line (category "text").
     """
     path = Path(path)
     if not path.is_file():
@@ -49,10 +51,11 @@ def read_prompts(
                     "prompt_id": str(record.get("question_id", number)),
                     "category": str(record.get("category", "default")),
                     "text": text,
+                    "turns": [str(t) for t in record["turns"]] if "turns" in record else [text],
                 }
             )
         else:
-            rows.append({"prompt_id": str(number), "category": "text", "text": line.strip()})
+            rows.append({"prompt_id": str(number), "category": "text", "text": line.strip(), "turns": [line.strip()]})
     if categories:
         known = sorted({r["category"] for r in rows})
         unknown = set(categories) - set(known)
@@ -83,8 +86,24 @@ def tokenize_prompts(rows: list[dict], tokenizer: PreTrainedTokenizerBase, chat:
             )["input_ids"]
         else:
             ids = tokenizer(row["text"], return_tensors="pt").input_ids
-        prompts.append(Prompt(row["prompt_id"], row["category"], row["text"], ids))
+        prompts.append(Prompt(row["prompt_id"], row["category"], row["text"], ids, tuple(row.get("turns", [row["text"]]))))
     return prompts
+
+
+def follow_up(prompt: Prompt, answers: list[str], tokenizer: PreTrainedTokenizerBase) -> Prompt:
+    """Turn k + 1 of a multi-turn prompt, given the k answers so far: the chat template over the first k + 1 user
+    turns with the answers between them (MT-bench's second turn reads the first answer, as in its judge setup)."""
+    k = len(answers)
+    if not 0 < k < len(prompt.turns):
+        raise ValueError(f"prompt {prompt.prompt_id} has {len(prompt.turns)} turns; cannot ask turn {k + 1}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"a later turn of prompt {prompt.prompt_id} needs a chat template; the tokenizer has none")
+    messages: list[dict[str, str]] = []
+    for question, answer in zip(prompt.turns, answers):
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": prompt.turns[k]})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return Prompt(prompt.prompt_id, prompt.category, prompt.turns[k], ids["input_ids"], prompt.turns)
 
 
 def calibration_prompts(prompts: list[Prompt], count: int = 4) -> list[Prompt]:

@@ -211,3 +211,50 @@ def test_tree_sweep_runs_several_heads_side_by_side_on_one_target(tmp_path, eagl
     # the second heads were loaded onto the first one's target (the first come with SpeculativeLM.from_pretrained)
     second = [target_seen for path, target_seen in loaded if path == str(other)]
     assert len(second) == 1 and second[0] is not None
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_bench_turns_run_later_turns_over_the_earlier_answers(tmp_path, eagle_heads_dir):
+    """--turns 2: each two-turn record runs turn 1, then turn 2 = the chat template over turn 1, plain generate's
+    answer to it and turn 2 (a one-turn record runs its one turn); every run identical; reported by turn."""
+    import shutil
+
+    from specheads.targets import ALIASES
+
+    chat_target = tmp_path / "stories260K-chat"
+    shutil.copytree(ALIASES["stories260k"], chat_target)
+    config = json.loads((chat_target / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (chat_target / "tokenizer_config.json").write_text(json.dumps(config))
+    records = [{"question_id": 1, "category": "story", "turns": ["Tom had a ball", "Where did it go"]},
+               {"question_id": 2, "category": "story", "turns": ["Lily saw a cat"]}]
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    out = tmp_path / "bench" / "results.json"
+    argv = ["--target", str(chat_target), "--heads", str(eagle_heads_dir), "--prompts", str(prompts),
+            "--max-new-tokens", "10", "--threads", "1", "--prompt-lookup", "0", "--turns", "2", "--out", str(out)]
+    assert bench_main(argv) == 0
+    results = json.loads(out.read_text())
+    rows = results["per_prompt"]
+    assert [(r["prompt_id"], r["turn"]) for r in rows] == [("1", 1), ("1", 2), ("2", 1)]
+    assert all(r["greedy_identical"] for r in rows) and results["turns"] == 2
+    assert results["greedy"]["by_turn"]["2"]["prompts"] == 1 and results["greedy"]["by_turn"]["1"]["prompts"] == 2
+    assert "| turn 2 | 1 |" in out.with_suffix(".md").read_text()
+
+    # turn 2's prompt is the template over turn 1, plain generate's answer and turn 2
+    target, tokenizer = load_target(str(chat_target))
+    first = tokenizer.apply_chat_template([{"role": "user", "content": "Tom had a ball"}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+    answer = tokenizer.decode(target.generate(first, max_new_tokens=10, do_sample=False)[0, first.shape[1]:],
+                              skip_special_tokens=True)
+    second = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tom had a ball"}, {"role": "assistant", "content": answer},
+         {"role": "user", "content": "Where did it go"}], add_generation_prompt=True, return_tensors="pt",
+        return_dict=True)["input_ids"]
+    assert rows[1]["prompt_tokens"] == second.shape[1] and rows[0]["prompt_tokens"] == first.shape[1]
+
+    with pytest.raises(ValueError, match="needs the target's chat template"):
+        bench_main([*argv, "--no-chat"])
