@@ -136,3 +136,36 @@ def check_prompt_cache_call(prompt_cache: object, rows: int, batched: bool | Non
         raise ValueError(f"prompt_cache serves one conversation: batch size 1 (num_return_sequences 1), got {rows} rows")
     if batched:
         raise ValueError("prompt_cache serves one row; batched=True cannot take it")
+
+
+class PromptCachePool:
+    """Prompt caches for several interleaved conversations (a server's clients).
+
+    A call takes the slot its prompt continues (the prompt starts with the slot's held sequence, up to its last
+    `tail` tokens: a client re-tokenizing an answer may differ at its end) or lies within (the prompt is a prefix of
+    what the slot holds: an answer regenerated), the longest such; else the least recently used slot, whose
+    conversation is then forgotten. Only those cases reuse a slot, so conversations that share just a system prompt
+    do not take over each other's slots (each runs the system prompt once, in its own slot).
+
+    Args:
+        slots: how many conversations are kept at once; 0 keeps none (`take` returns None: every prompt runs whole).
+            Each slot holds up to one conversation's keys / values (SmolLM2-135M, float32: ~46 KB per token).
+    """
+
+    def __init__(self, slots: int, tail: int = 8) -> None:
+        if not isinstance(slots, int) or slots < 0:
+            raise ValueError(f"slots={slots!r}: expected an integer >= 0")
+        self.caches = [PromptCache() for _ in range(slots)]  # least recently used first
+        self.tail = tail
+
+    def take(self, prompt: torch.Tensor) -> PromptCache | None:
+        """The slot for `prompt` (n,), now the most recently used; None when the pool has no slots."""
+        if not self.caches:
+            return None
+        shared = [cache.shared_length(prompt) for cache in self.caches]
+        fits = [i for i, cache in enumerate(self.caches)
+                if len(cache) - shared[i] <= self.tail or shared[i] == prompt.shape[0] - 1]
+        best = max(fits, key=lambda i: shared[i]) if fits else 0  # max: the least recently used of equals
+        cache = self.caches.pop(best)
+        self.caches.append(cache)
+        return cache

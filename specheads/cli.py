@@ -1,4 +1,4 @@
-"""The `specheads` command line: demo, train, data, generate, chat, bench, eval, export, import."""
+"""The `specheads` command line: demo, train, data, generate, chat, serve, bench, eval, export, import."""
 
 from __future__ import annotations
 
@@ -73,6 +73,46 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
                    help="a Jinja chat template instead of the tokenizer's (needed when it has none)")
     p.add_argument("--no-cache", action="store_true",
                    help="run the whole conversation through the target every turn (default: reuse its cache)")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, streaming)")
+    _add_decoding_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    p.add_argument("--cache-slots", type=int, default=4,
+                   help="conversations whose target cache is kept between requests (default: 4; 0: none)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template instead of the tokenizer's")
+    p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
+
+
+def build_server(args: argparse.Namespace):
+    """The HTTP server `specheads serve` runs (not yet serving)."""
+    from specheads.inference.chat import read_chat_template
+    from specheads.inference.server import CompletionService, make_server
+
+    template = None if args.chat_template is None else read_chat_template(args.chat_template)
+    lm, kernels = _load_lm(args)
+    defaults = {k: v for k, v in _generate_options(args).items() if v is not None}
+    service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template)
+    server = make_server(service, args.host, args.port, quiet=args.quiet)
+    host, port = server.server_address[:2]
+    print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; "
+          f"{', '.join(f'{k}={v}' for k, v in kernels.items())})", file=sys.stderr, flush=True)
+    return server
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    server = build_server(args)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
 
 
 def _load_lm(args: argparse.Namespace):
@@ -195,6 +235,7 @@ def _dispatch(argv: list[str] | None) -> int:
 
     _add_generate(sub)
     _add_chat(sub)
+    _add_serve(sub)
 
     sub.add_parser("bench", help="benchmark speculative vs plain decoding (JSON out)", add_help=False)
     sub.add_parser("eval", help="score heads on held-out text: per-depth accuracy, simulated tau (JSON out)",
@@ -236,6 +277,8 @@ def _dispatch(argv: list[str] | None) -> int:
         return run_generate(args)
     if args.command == "chat":
         return run_chat(args)
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "bench":
         from specheads.inference.bench import bench_main
 

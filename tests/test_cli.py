@@ -225,3 +225,47 @@ def test_chat_without_a_template_is_a_clear_error(stories260k_eagle_dir, capsys,
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     assert main(["chat", "--heads", str(stories260k_eagle_dir)]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_dir, stories260k, tmp_path):
+    """`specheads serve` as a user starts it: a process listening on the port, the model under its served name, the
+    command line's decoding options as the defaults of a request that leaves them out; Ctrl-C ends it cleanly."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    target, tokenizer = stories260k
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specheads", "serve", "--heads", str(stories260k_eagle_dir), "--chat-template",
+         str(template), "--port", str(port), "--served-model-name", "tiny", "--max-new-tokens", "12", "--quiet"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):  # up to a minute to import and load
+            try:
+                urllib.request.urlopen(base + "/health", timeout=1)
+                break
+            except OSError:
+                assert process.poll() is None, process.stderr.read()
+                time.sleep(0.1)
+        messages = [{"role": "user", "content": "Tom had a dog"}]
+        request = urllib.request.Request(base + "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "tiny", "messages": messages}).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            body = json.loads(response.read())
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=CHAT_TEMPLATE,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        expected = tokenizer.decode(target.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:],
+                                    skip_special_tokens=True)
+        assert body["model"] == "tiny" and body["usage"]["completion_tokens"] == 12
+        assert body["choices"][0]["message"]["content"] == expected
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in process.stderr.read()

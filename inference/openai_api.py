@@ -1,0 +1,238 @@
+"""OpenAI API requests to `generate` calls, and the answers back: the wire format of `specheads serve`.
+
+`parse_request` checks a `/v1/chat/completions` or `/v1/completions` body and turns it into the prompt's token ids
+and `generate` keyword arguments; every refusal is an `ApiError` naming the field, its value and what was expected.
+The fields that would change the answer in a way this engine cannot (n > 1, log-probabilities, tools, presence /
+frequency penalties, logit biases) are refused rather than ignored; fields that do not change it (user, metadata)
+are ignored. Extensions, as vLLM takes them: top_k, min_p, repetition_penalty.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+REFUSED = {  # field -> why, for fields whose non-default value changes the answer in a way this server cannot give
+    "logprobs": "log-probabilities are not returned",
+    "top_logprobs": "log-probabilities are not returned",
+    "tools": "tool calls are not supported",
+    "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "logit_bias": "logit biases are not supported",
+    "presence_penalty": "use repetition_penalty (transformers' multiplicative penalty)",
+    "frequency_penalty": "use repetition_penalty (transformers' multiplicative penalty)",
+    "echo": "echoing the prompt is not supported",
+    "suffix": "suffixes are not supported",
+}
+DEFAULTS = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+            "functions": (None, []), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+            "frequency_penalty": (None, 0, 0.0), "echo": (None, False), "suffix": (None, "")}
+ROLES = ("system", "user", "assistant")
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP `status`, OpenAI error `type`, and the field (`param`) at fault."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.error_type = status, param, error_type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.error_type, "param": self.param, "code": None}}
+
+
+@dataclass
+class ParsedRequest:
+    """A checked request: the prompt (1, n), `generate` options, the stop strings, and how to answer."""
+
+    input_ids: torch.Tensor
+    options: dict[str, Any]
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    seed: int | None = None
+    json_schema: dict[str, Any] | None = None
+
+
+def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None,
+            low_open: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        bounds = ("" if low is None else f" {'>' if low_open else '>='} {low}") + ("" if high is None else f" and <= {high}")
+        raise ApiError(f"{name}={value!r}: expected {'an integer' if kind is int else 'a number'}{bounds}", param=name)
+    return kind(value)
+
+
+def _stop_strings(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
+        raise ApiError(f"stop={stop!r}: expected a non-empty string or a list of at most 16 of them", param="stop")
+    return stops
+
+
+def _message_text(message: Any, index: int) -> dict[str, str]:
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        role = message.get("role") if isinstance(message, dict) else message
+        raise ApiError(f"messages[{index}]: role {role!r}, expected one of {', '.join(ROLES)}", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
+        if any(kind != "text" for kind in kinds):
+            raise ApiError(f"messages[{index}].content has parts of type {kinds}: only 'text' parts are supported",
+                           param="messages")
+        content = "".join(str(part.get("text", "")) for part in content)
+    if not isinstance(content, str):
+        raise ApiError(f"messages[{index}].content={content!r}: expected a string", param="messages")
+    return {"role": message["role"], "content": content}
+
+
+def chat_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> torch.Tensor:
+    """The (1, n) ids of a chat request's messages through the chat template, the assistant's turn opened."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(f"messages={messages!r}: expected a non-empty list of {{role, content}}", param="messages")
+    texts = [_message_text(m, i) for i, m in enumerate(messages)]
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ApiError("this model's tokenizer has no chat template: use /v1/completions, or start the server with "
+                       "--chat-template", param="messages")
+    return tokenizer.apply_chat_template(texts, add_generation_prompt=True, chat_template=chat_template,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def completion_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """The (1, n) ids of a completions request's prompt: one string, or one list of token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return tokenizer(prompt, return_tensors="pt").input_ids
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return torch.tensor([prompt])
+    raise ApiError(f"prompt={prompt!r}: expected a non-empty string or list of token ids (one prompt per request)",
+                   param="prompt")
+
+
+def parse_request(
+    body: Any, chat: bool, tokenizer: PreTrainedTokenizerBase, defaults: dict[str, Any],
+    chat_template: str | None = None,
+) -> ParsedRequest:
+    """Check a request body and turn it into a `ParsedRequest`.
+
+    Args:
+        body: the decoded JSON body.
+        chat: a `/v1/chat/completions` request (else `/v1/completions`).
+        defaults: the server's `generate` options, for the fields a request leaves out.
+        chat_template: a Jinja template used instead of the tokenizer's.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    for name, why in REFUSED.items():
+        if body.get(name) not in DEFAULTS[name]:
+            raise ApiError(f"{name}={body[name]!r} is not supported: {why}", param=name)
+    n = body.get("n", 1)
+    if n != 1 or body.get("best_of", 1) != 1:
+        raise ApiError(f"n={n!r}, best_of={body.get('best_of', 1)!r}: one completion per request (send several "
+                       "requests)", param="n")
+    input_ids = chat_prompt(body, tokenizer, chat_template) if chat else completion_prompt(body, tokenizer)
+
+    options = dict(defaults)
+    max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
+    if max_tokens is not None:
+        options["max_new_tokens"] = max_tokens
+    temperature = _number(body, "temperature", float, 0, 2)
+    if temperature is not None:  # 0: greedy, the target's own argmax path; else sampling from its distribution
+        options["do_sample"] = temperature > 0
+        options["temperature"] = temperature if temperature > 0 else None
+    for name, kind, low, high, low_open in (("top_p", float, 0, 1, True), ("min_p", float, 0, 1, False),
+                                            ("repetition_penalty", float, 0, None, True)):
+        value = _number(body, name, kind, low, high, low_open)
+        if value is not None:
+            options[name] = value
+    top_k = _number(body, "top_k", int, -1)
+    if top_k is not None:
+        options["top_k"] = max(top_k, 0)  # vLLM's -1 and transformers' 0 both mean no top-k cut
+    stop = _stop_strings(body)
+    options["stop_strings"] = (options.get("stop_strings") or []) + stop or None
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(f"stream={stream!r}: expected true or false", param="stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise ApiError(f"stream_options={stream_options!r}: expected an object", param="stream_options")
+    return ParsedRequest(
+        input_ids=input_ids, options=options, stop=options["stop_strings"] or [], stream=stream,
+        include_usage=bool(stream_options.get("include_usage", False)), seed=_number(body, "seed", int),
+        json_schema=_json_schema(body.get("response_format")),
+    )
+
+
+def _json_schema(response_format: Any) -> dict[str, Any] | None:
+    """The JSON schema a `response_format` asks for (None: plain text)."""
+    if response_format is None or response_format == {"type": "text"}:
+        return None
+    schema = response_format.get("json_schema", {}).get("schema") if isinstance(response_format, dict) else None
+    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema" or not isinstance(
+            schema, dict):
+        raise ApiError(f"response_format={response_format!r}: expected {{'type': 'text'}} or {{'type': 'json_schema', "
+                       "'json_schema': {'schema': {...}}}", param="response_format")
+    return schema
+
+
+def finish_reason(stopped_by_string: bool, new_tokens: list[int], max_new_tokens: int, eos: set[int]) -> str:
+    """OpenAI's finish_reason: "length" when the answer hit max_tokens without ending, else "stop"."""
+    if stopped_by_string or (new_tokens and new_tokens[-1] in eos) or len(new_tokens) < max_new_tokens:
+        return "stop"
+    return "length"
+
+
+def response_body(chat: bool, model: str, text: str, reason: str, usage: dict[str, Any],
+                  stats: dict[str, Any]) -> dict[str, Any]:
+    """The whole (non-streamed) answer; `specheads` carries the speculation statistics."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice.update(text=text, logprobs=None)
+    return {"id": new_id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage, "specheads": stats}
+
+
+def chunk_body(chat: bool, request_id: str, model: str, text: str | None = None, reason: str | None = None,
+               first: bool = False) -> dict[str, Any]:
+    """One streamed piece of the answer (the first of a chat carries the role; the last the finish_reason)."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+    if chat:
+        delta: dict[str, str] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice.update(text=text or "", logprobs=None)
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <json>` (or `data: [DONE]`)."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()

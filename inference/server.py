@@ -1,0 +1,209 @@
+"""`specheads serve`: an OpenAI-compatible HTTP server over a `SpeculativeLM` (Python's standard library only).
+
+    specheads serve --target smollm2-135m-instruct --heads checkpoints/smollm2-135m-instruct-eagle3 --port 8000
+
+Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both with `"stream": true` as server-sent events),
+`GET /v1/models`, `GET /health`. Any OpenAI client works (`base_url="http://127.0.0.1:8000/v1"`). Answers are the
+target's own, as `generate` gives them: greedy (`temperature` 0) identical to `target.generate`, sampling from its
+distribution. Each answer carries `specheads` statistics (tau, reused prompt tokens, tokens/s).
+
+Requests run one at a time (one model, batch size 1; others wait their turn). The target's cache is kept between
+requests in a `PromptCachePool`: a chat client re-sends the whole conversation every turn, and only the part the
+previous turn did not leave in a slot runs through the target.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from .openai_api import (
+    ApiError,
+    ParsedRequest,
+    chunk_body,
+    finish_reason,
+    new_id,
+    parse_request,
+    response_body,
+    sse,
+)
+from .prompt_cache import PromptCachePool
+from .text_deltas import TextDeltas
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ClientGone(Exception):
+    """The client closed a streamed answer's connection: generation is abandoned."""
+
+
+class CompletionService:
+    """What the HTTP layer calls: checks a request, generates under a lock, and shapes the answer.
+
+    Args:
+        lm: the `SpeculativeLM` that answers (its tokenizer is used).
+        model_name: the id clients address (`model`); requests naming another are refused (404).
+        defaults: `generate` options for the fields a request leaves out (max_new_tokens, do_sample, ...).
+        cache_slots: conversations whose target cache is kept between requests (0: none).
+        chat_template: a Jinja template used instead of the tokenizer's.
+    """
+
+    def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
+                 chat_template: str | None = None) -> None:
+        if lm.tokenizer is None:
+            raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
+        self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
+        self.defaults = {"max_new_tokens": 128, **(defaults or {})}
+        self.chat_template = chat_template
+        self.pool = PromptCachePool(cache_slots)
+        self.lock = threading.Lock()
+        self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "specheads"}]}
+
+    def parse(self, body: Any, chat: bool) -> ParsedRequest:
+        if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
+            raise ApiError(f"model {body['model']!r} is not served here; this server serves {self.model_name!r}",
+                           status=404, param="model", error_type="not_found_error")
+        return parse_request(body, chat, self.tokenizer, self.defaults, self.chat_template)
+
+    def complete(self, request: ParsedRequest, on_text: Any = None) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
+        """Generate the answer: (text, finish_reason, usage, statistics); `on_text` gets each streamed piece."""
+        deltas = TextDeltas(self.tokenizer, request.stop, on_text)
+        processors = None if request.json_schema is None else [self._constraint(request.json_schema)]
+        ids = request.input_ids.to(self.lm.target.device)
+        with self.lock:
+            if request.seed is not None:
+                torch.manual_seed(request.seed)
+            cache = self.pool.take(ids[0])
+            try:
+                out = self.lm.generate(ids, prompt_cache=cache, streamer=deltas, logits_processor=processors,
+                                       **request.options)
+            except ValueError as err:  # the prompt does not fit, a setting the target refuses, ...
+                raise ApiError(str(err)) from err
+            stats = dict(self.lm.last_stats)
+        new = out[0, ids.shape[1]:].tolist()
+        eos = self.lm.target.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        reason = finish_reason(deltas.stopped, new, request.options["max_new_tokens"], eos)
+        usage = {"prompt_tokens": ids.shape[1], "completion_tokens": len(new), "total_tokens": ids.shape[1] + len(new),
+                 "prompt_tokens_details": {"cached_tokens": stats.get("reused_prompt_tokens", 0)}}
+        summary = {key: stats[key] for key in ("mean_accepted", "target_forwards", "tokens_per_second",
+                                                "reused_prompt_tokens") if key in stats}
+        return deltas.text, reason, usage, summary
+
+    def _constraint(self, schema: dict[str, Any]) -> Any:
+        from .constraints import CHAT_JSON_WHITESPACE, json_schema_constraint
+
+        key = json.dumps(schema, sort_keys=True)
+        if key not in self._constraints:
+            try:
+                self._constraints[key] = json_schema_constraint(self.tokenizer, schema, CHAT_JSON_WHITESPACE)
+            except ImportError as err:
+                raise ApiError(str(err), status=501, param="response_format") from err
+            except Exception as err:  # outlines-core's own errors for schemas it cannot compile
+                raise ApiError(f"response_format: cannot compile the JSON schema: {err}", param="response_format") from err
+        return self._constraints[key].fresh()
+
+
+def server_error(err: Exception) -> ApiError:
+    return ApiError(f"generation failed: {type(err).__name__}: {err}", 500, error_type="server_error")
+
+
+class OpenAIHandler(BaseHTTPRequestHandler):
+    """HTTP/1.0 handler: one request per connection; streamed answers end with the connection."""
+
+    service: CompletionService  # set on the subclass `make_server` builds
+    quiet = False
+
+    def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+        if self.path.rstrip("/") == "/v1/models":
+            self._send_json(HTTPStatus.OK, self.service.models())
+        elif self.path.rstrip("/") == "/health":
+            self._send_json(HTTPStatus.OK, {"status": "ok"})
+        else:
+            self._send_json(HTTPStatus.NOT_FOUND, ApiError(f"no route GET {self.path}", 404).body())
+
+    def do_POST(self) -> None:  # noqa: N802
+        chat = {"/v1/chat/completions": True, "/v1/completions": False}.get(self.path.rstrip("/"))
+        try:
+            if chat is None:
+                raise ApiError(f"no route POST {self.path}; expected /v1/chat/completions or /v1/completions", 404)
+            request = self.service.parse(self._read_json(), chat)
+            if request.stream:
+                self._stream(request, chat)
+                return
+            text, reason, usage, stats = self.service.complete(request)
+            self._send_json(HTTPStatus.OK, response_body(chat, self.service.model_name, text, reason, usage, stats))
+        except ApiError as err:
+            self._send_json(err.status, err.body())
+        except Exception as err:  # a fault of the server's, not the request's: say so, keep serving
+            self.log_error("%s: %s", type(err).__name__, err)
+            self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, server_error(err).body())
+
+    def _read_json(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        if not 0 < length <= MAX_BODY_BYTES:
+            raise ApiError(f"Content-Length {length}: expected a JSON body of 1 to {MAX_BODY_BYTES} bytes")
+        try:
+            return json.loads(self.rfile.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(f"the request body is not valid JSON: {err}") from err
+
+    def _stream(self, request: ParsedRequest, chat: bool) -> None:
+        request_id, model = new_id(chat), self.service.model_name
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        first = [chat]  # a chat stream opens with the assistant's role
+
+        def send(piece: str | None, reason: str | None = None) -> None:
+            try:
+                self.wfile.write(sse(chunk_body(chat, request_id, model, piece, reason, first=first[0])))
+                self.wfile.flush()
+            except OSError as err:  # the client left: stop generating for it
+                raise ClientGone() from err
+            first[0] = False
+
+        try:
+            if chat:
+                send(None)
+            _, reason, usage, stats = self.service.complete(request, on_text=send)
+            send(None, reason)
+            if request.include_usage:
+                self.wfile.write(sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                                      "model": model, "choices": [], "usage": usage, "specheads": stats}))
+            self.wfile.write(sse("[DONE]"))
+        except ClientGone:
+            return
+        except Exception as err:  # headers already sent: the error travels as an event
+            if not isinstance(err, ApiError):
+                self.log_error("%s: %s", type(err).__name__, err)
+            self.wfile.write(sse((err if isinstance(err, ApiError) else server_error(err)).body()))
+            self.wfile.write(sse("[DONE]"))
+
+    def _send_json(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the standard library's name)
+        if not self.quiet:
+            super().log_message(format, *args)
+
+
+def make_server(service: CompletionService, host: str = "127.0.0.1", port: int = 8000,
+                quiet: bool = False) -> ThreadingHTTPServer:
+    """An HTTP server answering with `service` (call `serve_forever()`; port 0 picks a free port)."""
+    handler = type("Handler", (OpenAIHandler,), {"service": service, "quiet": quiet})
+    return ThreadingHTTPServer((host, port), handler)

@@ -1,0 +1,231 @@
+"""`specheads serve`: the OpenAI API over HTTP gives the target's own answers (greedy: `target.generate`'s), streamed
+or whole, cut before stop strings, with the target's cache kept between a conversation's turns; bad requests get an
+OpenAI error naming the field."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from specheads import SpeculativeLM
+from specheads.inference.openai_api import ApiError, parse_request
+from specheads.inference.prompt_cache import PromptCachePool
+from specheads.inference.server import CompletionService, make_server
+from specheads.inference.text_deltas import TextDeltas
+
+from .conftest import make_heads
+
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+MODEL = "stories"
+
+
+@pytest.fixture(scope="module")
+def server(stories260k):
+    """A live server on a free port: (base URL, the CompletionService, target, tokenizer)."""
+    target, tokenizer = stories260k
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"), tokenizer=tokenizer)
+    service = CompletionService(lm, MODEL, {"max_new_tokens": 20}, cache_slots=2, chat_template=TEMPLATE)
+    httpd = make_server(service, "127.0.0.1", 0, quiet=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", service, target, tokenizer
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def post(url: str, body: dict | bytes) -> tuple[int, dict | list]:
+    """(status, JSON body) of a POST; a streamed answer comes back as the list of its events."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            raw = response.read().decode()
+            status, kind = response.status, response.headers.get("Content-Type")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+    if kind == "text/event-stream":
+        events = [line[len("data: "):] for line in raw.split("\n\n") if line]
+        assert events[-1] == "[DONE]"
+        return status, [json.loads(e) for e in events[:-1]]
+    return status, json.loads(raw)
+
+
+def greedy_text(target, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> str:
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=TEMPLATE,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def test_chat_turns_are_the_targets_answers_and_reuse_its_cache(server):
+    url, _, target, tokenizer = server
+    messages = [{"role": "system", "content": "Tell stories."}, {"role": "user", "content": "Tom had a big red ball"}]
+    status, body = post(url + "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 24})
+    assert status == 200 and body["object"] == "chat.completion"
+    answer = body["choices"][0]["message"]["content"]
+    assert answer == greedy_text(target, tokenizer, chat_ids(tokenizer, messages), 24)
+    assert body["usage"]["prompt_tokens"] == chat_ids(tokenizer, messages).shape[1]
+    assert body["usage"]["completion_tokens"] == 24 and body["choices"][0]["finish_reason"] == "length"
+    assert body["specheads"]["mean_accepted"] >= 1
+
+    # the next turn re-sends the conversation: the first turn's cache is reused, the answer is still the target's
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Where did it go"}]
+    status, body = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 16, "temperature": 0})
+    assert status == 200
+    assert body["choices"][0]["message"]["content"] == greedy_text(target, tokenizer, chat_ids(tokenizer, messages), 16)
+    assert body["specheads"]["reused_prompt_tokens"] > 20
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == body["specheads"]["reused_prompt_tokens"]
+
+
+def test_streamed_answer_is_the_whole_answer_in_pieces(server):
+    url, _, target, tokenizer = server
+    request = {"messages": [{"role": "user", "content": "Lily saw a cat"}], "max_tokens": 20}
+    _, whole = post(url + "/v1/chat/completions", request)
+    status, events = post(url + "/v1/chat/completions", {**request, "stream": True,
+                                                           "stream_options": {"include_usage": True}})
+    assert status == 200
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
+    pieces = [e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]]
+    assert len([p for p in pieces if p]) > 1 and "".join(pieces) == whole["choices"][0]["message"]["content"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 20
+
+    status, events = post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "stream": True})
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    assert status == 200 and "".join(e["choices"][0]["text"] for e in events) == greedy_text(target, tokenizer, ids, 12)
+
+
+def test_completion_stops_before_a_stop_string_streamed_or_not(server):
+    url, _, target, tokenizer = server
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    full = greedy_text(target, tokenizer, ids, 30)
+    stop = full.split()[4]  # a word well inside the answer
+    expected = full[: full.index(stop)]
+    request = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "stop": [stop, "zzzz"]}
+    status, body = post(url + "/v1/completions", request)
+    assert status == 200 and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == expected and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < 30
+    _, events = post(url + "/v1/completions", {**request, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events) == expected
+
+
+def test_sampling_with_a_seed_repeats(server):
+    url, *_ = server
+    request = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7}
+    first, second = post(url + "/v1/completions", request)[1], post(url + "/v1/completions", request)[1]
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages=[]"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "'robot'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=2"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "'stories'"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens=0"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature=-1"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs=3"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt=''"),
+        ("/v1/completions", {"prompt": "hi " * 600, "max_tokens": 8}, 400, "512"),  # stories260K's context
+        ("/v1/embeddings", {"input": "hi"}, 404, "no route"),
+    ],
+)
+def test_bad_requests_get_an_openai_error_naming_the_field(server, path, body, status, needle):
+    url, *_ = server
+    got, answer = post(url + path, body)
+    assert got == status and needle in answer["error"]["message"], answer
+
+
+def test_a_failing_generation_is_a_server_error_and_the_server_keeps_serving(server, monkeypatch):
+    url, service, *_ = server
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(service.lm, "generate", broken)
+    status, body = post(url + "/v1/completions", {"prompt": "Once upon a time"})
+    assert status == 500 and "RuntimeError: out of memory" in body["error"]["message"]
+    _, events = post(url + "/v1/completions", {"prompt": "Once upon a time", "stream": True})
+    assert "out of memory" in events[-1]["error"]["message"]
+    monkeypatch.undo()
+    assert post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4})[0] == 200
+
+
+def test_models_and_health(server):
+    url, *_ = server
+    with urllib.request.urlopen(url + "/v1/models") as response:
+        assert json.loads(response.read())["data"][0]["id"] == MODEL
+    with urllib.request.urlopen(url + "/health") as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+
+
+def test_pool_keeps_interleaved_conversations_apart():
+    """Two conversations sharing a system prompt each keep their own slot; a third evicts the least recent."""
+    pool = PromptCachePool(2)
+    a, b = pool.take(torch.tensor([1, 2, 3, 10])), pool.take(torch.tensor([1, 2, 3, 20]))
+    assert a is not b
+    a.tokens, b.tokens = torch.tensor([1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]), torch.tensor([1, 2, 3, 20] * 4)
+    assert pool.take(torch.tensor([1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 5, 6])) is a  # a's next turn
+    assert pool.take(torch.tensor([1, 2, 3, 20] * 4 + [9])) is b
+    assert pool.take(torch.tensor([1, 2, 3, 10, 11, 12])) is a  # a's answer regenerated: the prompt lies within a
+    c = pool.take(torch.tensor([1, 2, 3, 30, 31]))  # shares only the system prompt: b, the least recent, is evicted
+    assert c is b and PromptCachePool(0).take(torch.tensor([1, 2])) is None
+    with pytest.raises(ValueError, match="slots=-1"):
+        PromptCachePool(-1)
+
+
+class LetterTokenizer:
+    """Decodes ids as letters, a few at once (what a streamer sees)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("abcdefghijklmnopqrstuvwxyz"[i] if i < 26 else "\ufffd" for i in ids)
+
+
+def feed(stop: list[str], rounds: list[list[int]]) -> tuple[list[str], TextDeltas]:
+    pieces: list[str] = []
+    deltas = TextDeltas(LetterTokenizer(), stop, pieces.append)
+    deltas.put(torch.tensor([[0, 0]]))  # the prompt: skipped
+    for ids in rounds:
+        deltas.put(torch.tensor(ids))
+    deltas.end()
+    return pieces, deltas
+
+
+def test_text_deltas_hold_back_what_may_become_a_stop_string():
+    pieces, deltas = feed(["cde"], [[0, 1], [2], [3], [4, 5]])  # "ab" "c" "d" "ef": "cde" found
+    assert pieces == ["ab"] and deltas.text == "ab" and deltas.stopped
+    pieces, deltas = feed(["cdx", "zz"], [[0, 1, 2], [3], [4]])  # "abc" "d" "e": "cd" looked like "cdx", was not
+    assert pieces == ["ab", "cde"] and not deltas.stopped
+    pieces, deltas = feed([], [[0], [30], [1]])  # an incomplete character is held until the end
+    assert pieces == ["a", "\ufffdb"]
+    pieces, deltas = feed(["b", "ab"], [[2, 0, 1]])  # the first stop string in the text wins
+    assert deltas.text == "c"
+
+
+def test_parse_request_maps_fields_onto_generate(stories260k):
+    _, tokenizer = stories260k
+    parsed = parse_request({"prompt": "Hi", "max_tokens": 5, "temperature": 0.7, "top_k": -1, "stop": "x",
+                            "user": "ignored"}, False, tokenizer, {"max_new_tokens": 9, "stop_strings": ["END"]})
+    assert parsed.options["max_new_tokens"] == 5 and parsed.options["do_sample"] is True
+    assert parsed.options["temperature"] == 0.7 and parsed.options["top_k"] == 0
+    assert parsed.stop == ["END", "x"] and not parsed.stream
+    greedy = parse_request({"prompt": [1, 2, 3], "temperature": 0}, False, tokenizer, {"max_new_tokens": 9})
+    assert greedy.options == {"max_new_tokens": 9, "do_sample": False, "temperature": None, "stop_strings": None}
+    assert greedy.input_ids.tolist() == [[1, 2, 3]]
+    with pytest.raises(ApiError, match="no chat template"):
+        parse_request({"messages": [{"role": "user", "content": "hi"}]}, True, tokenizer, {})
+    with pytest.raises(ApiError, match="response_format"):
+        parse_request({"prompt": "Hi", "response_format": {"type": "json_object"}}, False, tokenizer, {})
