@@ -120,6 +120,28 @@ def test_completion_stops_before_a_stop_string_streamed_or_not(server):
     assert "".join(e["choices"][0]["text"] for e in events) == expected
 
 
+def test_response_format_json_schema_gives_the_constrained_targets_json(server):
+    pytest.importorskip("outlines_core")
+    from specheads.inference.constraints import CHAT_JSON_WHITESPACE, json_schema_constraint
+
+    url, _, target, tokenizer = server
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "happy": {"type": "boolean"}},
+              "required": ["name", "happy"]}
+    status, body = post(url + "/v1/completions", {
+        "prompt": "Once upon a time", "max_tokens": 200,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "mood", "schema": schema}}})
+    assert status == 200
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    constraint = json_schema_constraint(tokenizer, schema, CHAT_JSON_WHITESPACE)
+    expected = target.generate(ids, max_new_tokens=200, do_sample=False, logits_processor=[constraint])
+    text = body["choices"][0]["text"]
+    assert text == tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
+    assert set(json.loads(text)) == {"name", "happy"} and body["choices"][0]["finish_reason"] == "stop"
+    status, body = post(url + "/v1/completions", {"prompt": "Hi", "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}})
+    assert status == 400 and "cannot compile the JSON schema" in body["error"]["message"]
+
+
 def test_sampling_with_a_seed_repeats(server):
     url, *_ = server
     request = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7}
