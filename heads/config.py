@@ -23,7 +23,7 @@ FIELD_HELP: dict[str, str] = {
     "hidden_size": "The target's hidden size; the heads read and predict features of this width.",
     "vocab_size": "The target's vocabulary size; drafts are token ids below it.",
     "feature_layers": "Indices into the target's `hidden_states` tuple that the heads read "
-    "(num_hidden_layers = the final, post-norm state).",
+    "(num_hidden_layers = the final, post-norm state); EAGLE-3 fuses 2 or more (default 3).",
     "num_heads": "Medusa: number of heads, i.e. tokens drafted ahead in one shot (t+2 .. t+K+1).",
     "num_layers": "Medusa: residual SiLU blocks per head.",
     "draft_layer_config": "EAGLE: the config (as a dict) of the one decoder layer the head owns; its `model_type` "
@@ -201,7 +201,8 @@ class HeadsConfig(PretrainedConfig):
                 f"HeadsConfig.eagle_draft_vocab_size={subset} is set for head_type={self.head_type!r}; it applies to "
                 "eagle heads only (eagle3 heads use draft_vocab_size)"
             )
-        if self.head_type == "eagle3" and len(self.feature_layers) != 3:
+        if self.head_type == "eagle3" and len(self.feature_layers) < 2:
             raise ValueError(
-                f"HeadsConfig.feature_layers={self.feature_layers!r}; EAGLE-3 heads read exactly 3 target layers"
+                f"HeadsConfig.feature_layers={self.feature_layers!r}; EAGLE-3 heads fuse at least 2 target layers "
+                "(default: 3, [2, L//2, L-3])"
             )

@@ -1,4 +1,5 @@
-"""EAGLE-3 head: fc(3 fused target layers) -> one decoder layer reading [embed(x_{t+1}); feature] -> norm -> draft lm_head."""
+"""EAGLE-3 head: fc(n fused target layers, 3 by default) -> one decoder layer reading [embed(x_{t+1}); feature] -> norm
+-> draft lm_head."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def widen_attention_inputs(attention: nn.Module, in_features: int) -> None:
 
 
 class Eagle3Heads(DraftHeads):
-    """EAGLE-3: fc(concat of 3 target layers: 3h -> h), one target-family decoder layer whose attention reads
+    """EAGLE-3: fc(concat of n target layers, `feature_layers`: n*h -> h; n = 3 in the paper, any n >= 2 here), one
+    target-family decoder layer whose attention reads
     concat(embed_norm(embed(x_{t+1})), hidden_norm(feature)) (2h wide), final norm, lm_head over a reduced draft vocab.
 
     Position t reads (g_t, x_{t+1}): the fused target feature at t (or the head's own previous output) and the
@@ -56,7 +58,7 @@ class Eagle3Heads(DraftHeads):
         h = config.hidden_size
         layer_config = build_layer_config(config)
         layer_class, rotary_class = decoder_classes(layer_config)
-        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.fc = nn.Linear(len(config.feature_layers) * h, h, bias=False)  # n >= 2, so n*h never equals h
         # The layer's input_layernorm normalises the token embedding; hidden_norm the feature (residual stream).
         self.layer = layer_class(layer_config, layer_idx=0)
         widen_attention_inputs(self.layer.self_attn, 2 * h)
@@ -72,7 +74,7 @@ class Eagle3Heads(DraftHeads):
         self.post_init()
 
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Concatenate the 3 tapped (pre-norm) target layers. Each (B, T, h) -> (B, T, 3h)."""
+        """Concatenate the n tapped (pre-norm) target layers. Each (B, T, h) -> (B, T, n*h)."""
         return torch.cat([hidden_states[i] for i in self.config.feature_layers], dim=-1)
 
     def init_from_target(self, target: PreTrainedModel) -> None:
@@ -98,7 +100,7 @@ class Eagle3Heads(DraftHeads):
         """One decoder step of the head.
 
         Args:
-            features: (B, T, 3h) target features from `select_features` (fused here by `fc`), or (B, T, h) the
+            features: (B, T, n*h) target features from `select_features` (fused here by `fc`), or (B, T, h) the
                 head's own previous outputs.
             input_ids: (B, T) the tokens x_{t+1} that followed each feature.
             position_ids: (B, T) positions t.
@@ -109,12 +111,12 @@ class Eagle3Heads(DraftHeads):
         Returns:
             (B, T, h) the pre-norm hidden state: `logits` reads it, and it is the next step's input feature.
         """
-        h = self.config.hidden_size
-        if features.shape[-1] == 3 * h:
+        h, fused = self.config.hidden_size, self.fc.in_features
+        if features.shape[-1] == fused:
             features = self.fc(features)  # (B, T, h)
         elif features.shape[-1] != h:
             raise ValueError(
-                f"Eagle3Heads.forward: features of width {features.shape[-1]}; expected 3*hidden_size={3 * h} "
+                f"Eagle3Heads.forward: features of width {features.shape[-1]}; expected {fused // h}*hidden_size={fused} "
                 f"(target features) or hidden_size={h} (the head's own outputs)"
             )
         layer = self.layer

@@ -115,6 +115,7 @@ def eagle3_config(config: HeadsConfig, format_name: str) -> dict[str, Any]:
 
 def foreign_config(config: HeadsConfig) -> dict[str, Any]:
     """EAGLE-3's config.json for these heads."""
+    check_three_layers(config, "eagle3")
     out = eagle3_config(config, "eagle3")
     out["eagle_aux_hidden_state_layer_ids"] = list(config.feature_layers)
     return out
@@ -180,12 +181,21 @@ def drop_zero_fc_bias(tensors: dict[str, torch.Tensor], name: str, source: Path)
 
 
 def layer_ids(value: Any, where: str, field: str) -> list[int]:
-    """A list of 3 non-negative ints from a config field; a ValueError naming it otherwise."""
+    """A list of 2 or more (EAGLE-3: 3) non-negative ints from a config field; a ValueError naming it otherwise."""
     if not (
-        isinstance(value, list) and len(value) == 3 and all(isinstance(i, int) and i >= 0 for i in value)
+        isinstance(value, list) and len(value) >= 2 and all(isinstance(i, int) and i >= 0 for i in value)
     ):
-        raise ValueError(f"{where}: {field}={value!r}; expected 3 non-negative layer indices")
+        raise ValueError(f"{where}: {field}={value!r}; expected 2 or more (EAGLE-3: 3) non-negative layer indices")
     return list(value)
+
+
+def check_three_layers(config: HeadsConfig, format_name: str) -> None:
+    """SafeAILab's and SGLang's EAGLE-3 code builds its fc for exactly 3 tapped layers: refuse other heads by name."""
+    if len(config.feature_layers) != 3:
+        raise ValueError(
+            f"format {format_name!r} fuses exactly 3 target layers, but these heads read feature_layers="
+            f"{config.feature_layers}; export to 'speculators' (vLLM reads any number) or keep the specheads format"
+        )
 
 
 def read(folder: Path, allow_pickle: bool) -> ForeignHeads:

@@ -42,6 +42,7 @@ def convert_for_export(tensors: dict[str, torch.Tensor], config: HeadsConfig) ->
 
 def foreign_config(config: HeadsConfig) -> dict[str, Any]:
     """The config.json SGLang reads for these heads."""
+    format_eagle3.check_three_layers(config, "eagle3-sglang")
     out = format_eagle3.eagle3_config(config, "eagle3-sglang")
     if min(config.feature_layers) >= 1:
         out["eagle_config"] = {

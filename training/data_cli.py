@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--head-type", default="eagle", choices=("medusa", "eagle", "eagle3"),
                       help="eagle3 also stores the 3 tapped layers its heads read (4x the disk of the others)")
     dump.add_argument("--feature-layers", default=None,
-                      help="eagle3: the 3 tapped hidden-state indices, comma-separated (default EAGLE-3's [2, L//2, L-3]; "
+                      help="eagle3: the tapped hidden-state indices (2 or more), comma-separated (default EAGLE-3's [2, L//2, L-3]; "
                       "must equal the heads' feature_layers)")
     dump.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     vocab = sub.add_parser("draft-vocab", help="EAGLE heads: draft over the N most frequent trained tokens of the data "
@@ -245,10 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def tapped_layers_for(head_type: str, feature_layers: str | None, num_hidden_layers: int) -> list[int]:
-    """The layers a dump stores in front of the final state: EAGLE-3's 3 tapped layers, none for the others.
+    """The layers a dump stores in front of the final state: EAGLE-3's tapped layers (3 by default), none for the
+    others.
 
     Raises:
-        SystemExit: --feature-layers given for another head type, or not 3 integers in [0, num_hidden_layers].
+        SystemExit: --feature-layers given for another head type, or not 2 or more integers in [0, num_hidden_layers].
     """
     from specheads.heads.eagle3 import default_eagle3_feature_layers
 
@@ -262,8 +263,8 @@ def tapped_layers_for(head_type: str, feature_layers: str | None, num_hidden_lay
         layers = [int(part) for part in feature_layers.split(",")]
     except ValueError:
         layers = []
-    if len(layers) != 3 or not all(0 <= i <= num_hidden_layers for i in layers):
-        raise SystemExit(f"--feature-layers {feature_layers!r}: expected 3 comma-separated hidden-state indices "
+    if len(layers) < 2 or not all(0 <= i <= num_hidden_layers for i in layers):
+        raise SystemExit(f"--feature-layers {feature_layers!r}: expected 2 or more (default 3) comma-separated hidden-state indices "
                          f"in [0, {num_hidden_layers}]")
     return layers
 

@@ -1,4 +1,4 @@
-"""EAGLE-3 heads: shapes, 3-layer fusion inside forward, the draft vocabulary (d2t / t2d) and its checkpoint."""
+"""EAGLE-3 heads: shapes, n-layer fusion inside forward (3 by default, any n >= 2), the draft vocabulary (d2t / t2d) and its checkpoint."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def test_config_validation(tiny_llama):
             feature_layers=[1, 1, 0],
             draft_layer_config=layer,
         )
-    with pytest.raises(ValueError, match="exactly 3 target layers"):
+    with pytest.raises(ValueError, match="at least 2 target layers"):
         HeadsConfig(head_type="eagle3", vocab_size=97, feature_layers=[2], draft_layer_config=layer)
     with pytest.raises(ValueError, match="draft_layer_config is empty"):
         HeadsConfig(head_type="eagle3", vocab_size=97, feature_layers=[1, 1, 0])
@@ -245,3 +245,36 @@ def test_drafts_only_hold_target_ids_of_the_draft_vocabulary(tiny_mistral, causa
             root = heads(f[None], t[None], torch.arange(n)[None], causal_mask(1, n))[0, -1]
             top = heads.logits(root).topk(3).indices
         assert set(tokens[tree.parents == 0].tolist()) == set(vocab[top].tolist())
+
+
+@pytest.mark.parametrize("feature_layers", [[1, 4], [0, 1, 3, 4]])
+def test_other_numbers_of_tapped_layers_decode_exactly_and_round_trip(stories260k, tmp_path, feature_layers):
+    """EAGLE-3 heads fusing 2 or 4 target layers: fc reads n*h, greedy output is the target's, the checkpoint and
+    the speculators format (vLLM reads any number) keep the taps, and the 3-layer formats refuse them by name."""
+    from specheads import SpeculativeLM
+    from specheads.heads.interop import export_heads, import_heads
+
+    target, tokenizer = stories260k
+    torch.manual_seed(0)
+    heads = _perturbed(create_heads(target, "eagle3", feature_layers=feature_layers, draft_vocab_size=256))
+    h, n = target.config.hidden_size, len(feature_layers)
+    assert heads.fc.in_features == n * h
+    hidden_states, _ = _target_features(target)
+    assert heads.select_features(hidden_states).shape[-1] == n * h
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    lm = SpeculativeLM(target, heads)
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False)
+    assert torch.equal(lm.generate(ids, max_new_tokens=40), expected)
+    assert torch.equal(lm.generate(ids, max_new_tokens=40, fast_path=True), expected)  # static-shape drafting too
+
+    heads.save_pretrained(tmp_path / "heads")
+    reloaded = load_heads(tmp_path / "heads", target=target)
+    assert reloaded.config.feature_layers == feature_layers
+    torch.testing.assert_close(reloaded.fc.weight, heads.fc.weight)
+    export_heads(tmp_path / "heads", "speculators", tmp_path / "vllm")
+    back = import_heads(tmp_path / "vllm", target=target, out_dir=tmp_path / "back")
+    assert back.config.feature_layers == feature_layers
+    torch.testing.assert_close(back.fc.weight, heads.fc.weight)
+    for fmt in ("eagle3", "eagle3-sglang"):
+        with pytest.raises(ValueError, match=f"format '{fmt}' fuses exactly 3 target layers"):
+            export_heads(tmp_path / "heads", fmt, tmp_path / fmt)

@@ -370,3 +370,28 @@ def test_simulated_chains_stop_at_untrained_tokens_and_padding():
     assert both.metrics["acc_depth1"] == 1.0
     short = eagle3_loss(heads, features[1:, :6], target_logits[1:, :6], ids[1:, :6], mask[1:, :6], loss_mask[1:, :6], config)
     assert short.metrics["sim_tau"] == pytest.approx(expected(lengths[1:]))  # the same row, unpadded
+
+
+def test_eagle3_heads_fusing_four_layers_train_online_and_offline(tmp_path, stories_file, target_and_tokenizer):
+    """`head.options.feature_layers` with 4 taps: the run learns (depth-1 agreement above fresh heads'), its
+    checkpoint keeps the taps, and a feature dump stores those 4 layers; one tap is refused, naming the flag."""
+    target, tok = target_and_tokenizer
+    out = tmp_path / "four"
+    extra = {"max_steps": 40, "save_steps": 40, "head.options.draft_vocab_size": 128,
+             "head.options.feature_layers": "[0,1,3,4]"}
+    assert main(["train", str(CONFIGS / "eagle3_stories260k.yaml"), *overrides(stories_file, out, **extra)]) == 0
+    trained = load_heads(out / "final", target=target)
+    assert trained.config.feature_layers == [0, 1, 3, 4] and trained.fc.in_features == 4 * target.config.hidden_size
+    torch.manual_seed(0)
+    fresh = create_heads(target, "eagle3", draft_vocab_size=128, feature_layers=[0, 1, 3, 4])
+    fresh.set_draft_vocab(trained.d2t.cpu(), init_lm_head_from_target=True)
+    acc_trained = depth1_accuracy(trained, target, tok, stories_file)
+    acc_fresh = depth1_accuracy(fresh, target, tok, stories_file)
+    assert acc_trained > acc_fresh + 0.05, (acc_trained, acc_fresh)
+
+    dump = ["data", "dump-features", "--target", "stories260K", "--data", str(stories_file), "--max-length", "32",
+            "--head-type", "eagle3"]
+    assert main([*dump, "--out", str(tmp_path / "f4"), "--feature-layers", "0,1,3,4"]) == 0
+    assert json.loads((tmp_path / "f4" / "index.json").read_text())["tapped_layers"] == [0, 1, 3, 4]
+    with pytest.raises(SystemExit, match="expected 2 or more"):
+        main([*dump, "--out", str(tmp_path / "f1"), "--feature-layers", "2"])
