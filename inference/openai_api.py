@@ -2,9 +2,10 @@
 
 `parse_request` checks a `/v1/chat/completions` or `/v1/completions` body and turns it into the prompt's token ids
 and `generate` keyword arguments; every refusal is an `ApiError` naming the field, its value and what was expected.
-The fields that would change the answer in a way this engine cannot (n > 1, log-probabilities, tools, presence /
-frequency penalties, logit biases) are refused rather than ignored; fields that do not change it (user, metadata)
-are ignored. Extensions, as vLLM takes them: top_k, min_p, repetition_penalty.
+The fields that would change the answer in a way this engine cannot (n > 1, tools, presence / frequency penalties,
+logit biases, streamed log-probabilities) are refused rather than ignored; fields that do not change it (user,
+metadata) are ignored. Extensions, as vLLM takes them: top_k, min_p, repetition_penalty. Log-probabilities are the
+target's own, from its raw logits (vLLM's default), for every generated token (a stop string's tokens included).
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 REFUSED = {  # field -> why, for fields whose non-default value changes the answer in a way this server cannot give
-    "logprobs": "log-probabilities are not returned",
-    "top_logprobs": "log-probabilities are not returned",
     "tools": "tool calls are not supported",
     "tool_choice": "tool calls are not supported",
     "functions": "function calls are not supported",
@@ -30,7 +29,7 @@ REFUSED = {  # field -> why, for fields whose non-default value changes the answ
     "echo": "echoing the prompt is not supported",
     "suffix": "suffixes are not supported",
 }
-DEFAULTS = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+DEFAULTS = {"tools": (None, []), "tool_choice": (None, "none"),
             "functions": (None, []), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
             "frequency_penalty": (None, 0, 0.0), "echo": (None, False), "suffix": (None, "")}
 ROLES = ("system", "user", "assistant")
@@ -59,6 +58,7 @@ class ParsedRequest:
     include_usage: bool = False
     seed: int | None = None
     json_schema: dict[str, Any] | None = None
+    logprobs: int | None = None  # None: none returned; k: each token's log-probability and its k likeliest rivals
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None,
@@ -176,11 +176,53 @@ def parse_request(
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise ApiError(f"stream_options={stream_options!r}: expected an object", param="stream_options")
+    logprobs = _logprobs(body, chat)
+    if logprobs is not None and stream:
+        raise ApiError("logprobs with stream=true is not supported: ask without streaming", param="logprobs")
     return ParsedRequest(
         input_ids=input_ids, options=options, stop=options["stop_strings"] or [], stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)), seed=_number(body, "seed", int),
-        json_schema=_json_schema(body.get("response_format")),
+        json_schema=_json_schema(body.get("response_format")), logprobs=logprobs,
     )
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many rival tokens to list per token, or None for no log-probabilities (chat: `logprobs` true and
+    `top_logprobs` 0-20; completions: `logprobs` 0-5)."""
+    if not chat:
+        return _number(body, "logprobs", int, 0, 5)
+    wanted = body.get("logprobs", False)
+    if wanted not in (None, True, False):
+        raise ApiError(f"logprobs={wanted!r}: expected true or false (chat; top_logprobs sets the count)",
+                       param="logprobs")
+    top = _number(body, "top_logprobs", int, 0, 20)
+    if top is not None and not wanted:
+        raise ApiError(f"top_logprobs={top} needs logprobs=true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, tokenizer: PreTrainedTokenizerBase,
+                   chat: bool) -> dict[str, Any]:
+    """OpenAI's `logprobs` object of the generated `tokens` from the target's (T, V) raw logits at each step."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # (T, V)
+    chosen = log_probs.gather(1, torch.tensor(tokens, device=log_probs.device)[:, None])[:, 0].tolist()
+    rivals_lp, rivals = log_probs.topk(top, dim=-1) if top else (log_probs[:, :0], log_probs[:, :0].long())
+    text = [tokenizer.decode([t]) for t in tokens]
+    if chat:
+        def entry(piece: str, value: float) -> dict[str, Any]:
+            return {"token": piece, "logprob": value, "bytes": list(piece.encode())}
+
+        return {"content": [
+            {**entry(text[i], chosen[i]),
+             "top_logprobs": [entry(tokenizer.decode([r]), v) for r, v in zip(rivals[i].tolist(), rivals_lp[i].tolist())]}
+            for i in range(len(tokens))]}
+    offsets, position = [], 0
+    for piece in text:
+        offsets.append(position)
+        position += len(piece)
+    return {"tokens": text, "token_logprobs": chosen, "text_offset": offsets,
+            "top_logprobs": [{tokenizer.decode([r]): v for r, v in zip(rivals[i].tolist(), rivals_lp[i].tolist())}
+                             for i in range(len(tokens))]}
 
 
 def _json_schema(response_format: Any) -> dict[str, Any] | None:
@@ -203,13 +245,13 @@ def finish_reason(stopped_by_string: bool, new_tokens: list[int], max_new_tokens
 
 
 def response_body(chat: bool, model: str, text: str, reason: str, usage: dict[str, Any],
-                  stats: dict[str, Any]) -> dict[str, Any]:
+                  stats: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole (non-streamed) answer; `specheads` carries the speculation statistics."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
-        choice.update(text=text, logprobs=None)
+        choice["text"] = text
     return {"id": new_id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": usage, "specheads": stats}
 

@@ -31,6 +31,7 @@ from .openai_api import (
     parse_request,
     response_body,
     sse,
+    token_logprobs,
 )
 from .prompt_cache import PromptCachePool
 from .text_deltas import TextDeltas
@@ -73,8 +74,12 @@ class CompletionService:
                            status=404, param="model", error_type="not_found_error")
         return parse_request(body, chat, self.tokenizer, self.defaults, self.chat_template)
 
-    def complete(self, request: ParsedRequest, on_text: Any = None) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
-        """Generate the answer: (text, finish_reason, usage, statistics); `on_text` gets each streamed piece."""
+    def complete(
+        self, request: ParsedRequest, chat: bool = True, on_text: Any = None
+    ) -> tuple[str, str, dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+        """Generate the answer: (text, finish_reason, usage, statistics, logprobs or None); `on_text` gets each
+        streamed piece."""
+        scores = {} if request.logprobs is None else {"return_dict_in_generate": True, "output_logits": True}
         deltas = TextDeltas(self.tokenizer, request.stop, on_text)
         processors = None if request.json_schema is None else [self._constraint(request.json_schema)]
         ids = request.input_ids.to(self.lm.target.device)
@@ -84,11 +89,14 @@ class CompletionService:
             cache = self.pool.take(ids[0])
             try:
                 out = self.lm.generate(ids, prompt_cache=cache, streamer=deltas, logits_processor=processors,
-                                       **request.options)
+                                       **request.options, **scores)
             except ValueError as err:  # the prompt does not fit, a setting the target refuses, ...
                 raise ApiError(str(err)) from err
             stats = dict(self.lm.last_stats)
-        new = out[0, ids.shape[1]:].tolist()
+        sequences = out if request.logprobs is None else out.sequences
+        new = sequences[0, ids.shape[1]:].tolist()
+        logprobs = None if request.logprobs is None else token_logprobs(
+            torch.cat(out.logits)[: len(new)], new, request.logprobs, self.tokenizer, chat)
         eos = self.lm.target.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         reason = finish_reason(deltas.stopped, new, request.options["max_new_tokens"], eos)
@@ -96,7 +104,7 @@ class CompletionService:
                  "prompt_tokens_details": {"cached_tokens": stats.get("reused_prompt_tokens", 0)}}
         summary = {key: stats[key] for key in ("mean_accepted", "target_forwards", "tokens_per_second",
                                                 "reused_prompt_tokens") if key in stats}
-        return deltas.text, reason, usage, summary
+        return deltas.text, reason, usage, summary, logprobs
 
     def _constraint(self, schema: dict[str, Any]) -> Any:
         from .constraints import CHAT_JSON_WHITESPACE, json_schema_constraint
@@ -139,8 +147,9 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             if request.stream:
                 self._stream(request, chat)
                 return
-            text, reason, usage, stats = self.service.complete(request)
-            self._send_json(HTTPStatus.OK, response_body(chat, self.service.model_name, text, reason, usage, stats))
+            text, reason, usage, stats, logprobs = self.service.complete(request, chat)
+            self._send_json(HTTPStatus.OK, response_body(chat, self.service.model_name, text, reason, usage, stats,
+                                                         logprobs))
         except ApiError as err:
             self._send_json(err.status, err.body())
         except Exception as err:  # a fault of the server's, not the request's: say so, keep serving
@@ -175,7 +184,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         try:
             if chat:
                 send(None)
-            _, reason, usage, stats = self.service.complete(request, on_text=send)
+            _, reason, usage, stats, _ = self.service.complete(request, chat, on_text=send)
             send(None, reason)
             if request.include_usage:
                 self.wfile.write(sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -142,6 +142,33 @@ def test_response_format_json_schema_gives_the_constrained_targets_json(server):
     assert status == 400 and "cannot compile the JSON schema" in body["error"]["message"]
 
 
+def test_logprobs_are_the_targets_own(server):
+    """Each generated token's log-probability and its rivals come from the target's raw logits at that step."""
+    url, _, target, tokenizer = server
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    reference = target.generate(ids, max_new_tokens=10, do_sample=False, return_dict_in_generate=True,
+                                output_logits=True)
+    expected = torch.log_softmax(torch.cat(reference.logits).float(), dim=-1)  # (10, V)
+    tokens = reference.sequences[0, ids.shape[1]:].tolist()
+    status, body = post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 10, "logprobs": 2})
+    assert status == 200
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [tokenizer.decode([t]) for t in tokens]
+    torch.testing.assert_close(torch.tensor(logprobs["token_logprobs"]), expected[range(10), tokens], atol=1e-4, rtol=0)
+    for step, rivals in enumerate(logprobs["top_logprobs"]):  # greedy: the chosen token is the likeliest
+        assert len(rivals) == 2 and max(rivals.values()) == pytest.approx(logprobs["token_logprobs"][step], abs=1e-5)
+    lengths = [len(token) for token in logprobs["tokens"]]
+    assert logprobs["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))]
+
+    messages = [{"role": "user", "content": "Lily saw a cat"}]
+    status, body = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "logprobs": True,
+                                                       "top_logprobs": 3})
+    content = body["choices"][0]["logprobs"]["content"]
+    assert status == 200 and len(content) == body["usage"]["completion_tokens"] == 6
+    assert all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in content)
+    assert post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 4})[1]["choices"][0]["logprobs"] is None
+
+
 def test_sampling_with_a_seed_repeats(server):
     url, *_ = server
     request = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7}
@@ -159,7 +186,11 @@ def test_sampling_with_a_seed_repeats(server):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "'stories'"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens=0"),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature=-1"),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs=3"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs=9"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 1, "stream": True}, 400, "stream=true"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+         "needs logprobs=true"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty=0.5"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt=''"),
         ("/v1/completions", {"prompt": "hi " * 600, "max_tokens": 8}, 400, "512"),  # stories260K's context
         ("/v1/embeddings", {"input": "hi"}, 404, "no route"),
