@@ -169,6 +169,19 @@ def test_logprobs_are_the_targets_own(server):
     assert post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 4})[1]["choices"][0]["logprobs"] is None
 
 
+def test_concurrent_requests_each_get_their_own_answer(server):
+    """Clients in parallel: requests wait their turn for the model, and each answer is its own prompt's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, _, target, tokenizer = server
+    prompts = ["Once upon a time", "Tom had a big red ball", "Lily saw a cat", "The sun was"]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: post(url + "/v1/completions", {"prompt": p, "max_tokens": 12}), prompts))
+    for prompt, (status, body) in zip(prompts, answers):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert status == 200 and body["choices"][0]["text"] == greedy_text(target, tokenizer, ids, 12)
+
+
 def test_sampling_with_a_seed_repeats(server):
     url, *_ = server
     request = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7}
