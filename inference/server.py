@@ -52,10 +52,12 @@ class CompletionService:
         defaults: `generate` options for the fields a request leaves out (max_new_tokens, do_sample, ...).
         cache_slots: conversations whose target cache is kept between requests (0: none).
         chat_template: a Jinja template used instead of the tokenizer's.
+        api_key: when set, every request must carry `Authorization: Bearer <api_key>` (else 401), as vLLM's
+            `--api-key`; /health stays open.
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, api_key: str | None = None) -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
@@ -63,7 +65,20 @@ class CompletionService:
         self.chat_template = chat_template
         self.pool = PromptCachePool(cache_slots)
         self.lock = threading.Lock()
+        self.api_key = api_key
         self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
+
+    def warm_up(self) -> None:
+        """One short generation, so the first client does not pay for first-call allocations and kernel setup."""
+        ids = self.tokenizer("Hello", return_tensors="pt").input_ids.to(self.lm.target.device)
+        with self.lock:
+            self.lm.generate(ids, max_new_tokens=4)
+
+    def check_key(self, authorization: str | None) -> None:
+        """Refuse (401) a request without the server's API key, when it has one."""
+        if self.api_key is not None and authorization != f"Bearer {self.api_key}":
+            raise ApiError("a valid API key is required: send 'Authorization: Bearer <key>'", 401,
+                           error_type="authentication_error")
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "specheads"}]}
@@ -131,16 +146,21 @@ class OpenAIHandler(BaseHTTPRequestHandler):
     quiet = False
 
     def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
-        if self.path.rstrip("/") == "/v1/models":
+        try:
+            if self.path.rstrip("/") == "/health":
+                self._send_json(HTTPStatus.OK, {"status": "ok"})
+                return
+            self.service.check_key(self.headers.get("Authorization"))
+            if self.path.rstrip("/") != "/v1/models":
+                raise ApiError(f"no route GET {self.path}", 404)
             self._send_json(HTTPStatus.OK, self.service.models())
-        elif self.path.rstrip("/") == "/health":
-            self._send_json(HTTPStatus.OK, {"status": "ok"})
-        else:
-            self._send_json(HTTPStatus.NOT_FOUND, ApiError(f"no route GET {self.path}", 404).body())
+        except ApiError as err:
+            self._send_json(err.status, err.body())
 
     def do_POST(self) -> None:  # noqa: N802
         chat = {"/v1/chat/completions": True, "/v1/completions": False}.get(self.path.rstrip("/"))
         try:
+            self.service.check_key(self.headers.get("Authorization"))
             if chat is None:
                 raise ApiError(f"no route POST {self.path}; expected /v1/chat/completions or /v1/completions", 404)
             request = self.service.parse(self._read_json(), chat)

@@ -85,6 +85,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="conversations whose target cache is kept between requests (default: 4; 0: none)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template instead of the tokenizer's")
+    p.add_argument("--api-key", default=os.environ.get("SPECHEADS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every request (default: $SPECHEADS_API_KEY; unset: open)")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
 
 
@@ -96,7 +98,9 @@ def build_server(args: argparse.Namespace):
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     lm, kernels = _load_lm(args)
     defaults = {k: v for k, v in _generate_options(args).items() if v is not None}
-    service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template)
+    service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template,
+                                args.api_key)
+    service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]
     print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; "

@@ -230,6 +230,21 @@ def test_a_failing_generation_is_a_server_error_and_the_server_keeps_serving(ser
     assert post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4})[0] == 200
 
 
+def test_an_api_key_is_required_when_set(server, monkeypatch):
+    url, service, *_ = server
+    monkeypatch.setattr(service, "api_key", "sekret")
+    status, body = post(url + "/v1/completions", {"prompt": "Once", "max_tokens": 2})
+    assert status == 401 and "API key" in body["error"]["message"]
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "Once", "max_tokens": 2}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer sekret"})
+    with urllib.request.urlopen(request) as response:
+        assert response.status == 200
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(url + "/v1/models")
+    with urllib.request.urlopen(url + "/health") as response:  # health checks stay open
+        assert response.status == 200
+
+
 def test_models_and_health(server):
     url, *_ = server
     with urllib.request.urlopen(url + "/v1/models") as response:
