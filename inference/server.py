@@ -14,6 +14,7 @@ previous turn did not leave in a slot runs through the target.
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 from http import HTTPStatus
@@ -76,7 +77,8 @@ class CompletionService:
 
     def check_key(self, authorization: str | None) -> None:
         """Refuse (401) a request without the server's API key, when it has one."""
-        if self.api_key is not None and authorization != f"Bearer {self.api_key}":
+        expected = f"Bearer {self.api_key}".encode()
+        if self.api_key is not None and not hmac.compare_digest((authorization or "").encode(), expected):
             raise ApiError("a valid API key is required: send 'Authorization: Bearer <key>'", 401,
                            error_type="authentication_error")
 
