@@ -182,6 +182,23 @@ def test_concurrent_requests_each_get_their_own_answer(server):
         assert status == 200 and body["choices"][0]["text"] == greedy_text(target, tokenizer, ids, 12)
 
 
+def test_a_client_leaving_a_stream_stops_it_and_the_next_answer_is_exact(server):
+    import http.client
+
+    url, _, target, tokenizer = server
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"messages": [{"role": "user", "content": "Tom had a big red ball"}], "max_tokens": 400, "stream": True}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.close()  # gone mid-answer
+    messages = [{"role": "user", "content": "Tom had a big red ball"}]
+    status, answer = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 16})
+    assert status == 200
+    assert answer["choices"][0]["message"]["content"] == greedy_text(target, tokenizer, chat_ids(tokenizer, messages), 16)
+
+
 def test_sampling_with_a_seed_repeats(server):
     url, *_ = server
     request = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7}
