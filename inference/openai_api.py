@@ -32,7 +32,7 @@ REFUSED = {  # field -> why, for fields whose non-default value changes the answ
 DEFAULTS = {"tools": (None, []), "tool_choice": (None, "none"),
             "functions": (None, []), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
             "frequency_penalty": (None, 0, 0.0), "echo": (None, False), "suffix": (None, "")}
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")  # "developer": OpenAI's newer name for system instructions
 
 
 class ApiError(Exception):
@@ -100,7 +100,7 @@ def _message_text(message: Any, index: int) -> dict[str, str]:
         content = "".join(str(part.get("text", "")) for part in content)
     if not isinstance(content, str):
         raise ApiError(f"messages[{index}].content={content!r}: expected a string", param="messages")
-    return {"role": message["role"], "content": content}
+    return {"role": "system" if message["role"] == "developer" else message["role"], "content": content}
 
 
 def chat_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> torch.Tensor:

@@ -323,6 +323,9 @@ def test_parse_request_maps_fields_onto_generate(stories260k):
     greedy = parse_request({"prompt": [1, 2, 3], "temperature": 0}, False, tokenizer, {"max_new_tokens": 9})
     assert greedy.options == {"max_new_tokens": 9, "do_sample": False, "temperature": None, "stop_strings": None}
     assert greedy.input_ids.tolist() == [[1, 2, 3]]
+    developer = parse_request({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]}, True, tokenizer, {}, TEMPLATE)
+    assert tokenizer.decode(developer.input_ids[0], skip_special_tokens=True).startswith("system: Be brief.\nuser: Hi there")
     with pytest.raises(ApiError, match="no chat template"):
         parse_request({"messages": [{"role": "user", "content": "hi"}]}, True, tokenizer, {})
     with pytest.raises(ApiError, match="response_format"):
