@@ -230,6 +230,7 @@ def test_chat_without_a_template_is_a_clear_error(stories260k_eagle_dir, capsys,
 def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_dir, stories260k, tmp_path):
     """`specheads serve` as a user starts it: a process listening on the port, the model under its served name, the
     command line's decoding options as the defaults of a request that leaves them out; Ctrl-C ends it cleanly."""
+    import os
     import signal
     import socket
     import time
@@ -244,7 +245,7 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
     process = subprocess.Popen(
         [sys.executable, "-m", "specheads", "serve", "--heads", str(stories260k_eagle_dir), "--chat-template",
          str(template), "--port", str(port), "--served-model-name", "tiny", "--max-new-tokens", "12", "--quiet"],
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "SPECHEADS_API_KEY"})
     try:
         base = f"http://127.0.0.1:{port}"
         for _ in range(600):  # up to a minute to import and load
