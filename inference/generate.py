@@ -264,34 +264,9 @@ class SpeculativeLM:
             {"cpu_linear": "onednn" or "default", "draft_linear": "int8" or "default", "cpu_attention": "gqa" or
             "default", "cpu_argmax": "bf16" or "default"}.
         """
-        from specheads.inference.certified_argmax import wants_certified_argmax
-        from specheads.inference.gqa_attention import wants_gqa_attention
-        from specheads.inference.int8_linear import wants_int8_drafting
-        from specheads.inference.onednn import wants_onednn
+        from specheads.inference.cpu_kernels import use_cpu_kernels
 
-        int8 = wants_int8_drafting(draft_linear, self.heads)
-        onednn = wants_onednn(cpu_linear, self.target)  # every choice is checked before anything is swapped
-        gqa = wants_gqa_attention(cpu_attention, self.target)
-        argmax = wants_certified_argmax(cpu_argmax, self.target)
-        if int8:
-            self.use_int8_draft_linears()  # first: oneDNN's prepacked weights could not be quantized afterwards
-        if argmax:  # before oneDNN, which hides the lm_head's weight
-            try:
-                self.use_certified_argmax()
-            except ValueError:
-                if cpu_argmax != "auto":
-                    raise
-                argmax = False  # 'auto' on a target whose logits are not lm_head(hidden): the full logits
-        if onednn:
-            self.use_onednn_linears()
-        if gqa:
-            self.use_gqa_attention()
-        return {
-            "cpu_linear": "onednn" if onednn else "default",
-            "draft_linear": "int8" if int8 else "default",
-            "cpu_attention": "gqa" if gqa else "default",
-            "cpu_argmax": "bf16" if argmax else "default",
-        }
+        return use_cpu_kernels(self, cpu_linear, draft_linear, cpu_attention, cpu_argmax)
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -496,10 +471,8 @@ class SpeculativeLM:
         if prompt_cache is None:
             last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         else:
-            static = verifier.cache if isinstance(verifier, FastPathRunner) else None
-            cache, held_features, reused = prompt_cache.take(prompt, self.target, self.heads, static)
-            held = None if cache is None else (cache, held_features)
-            last_logits, features = verifier.prefill(prompt, max_new_tokens, held)
+            last_logits, features, reused = prompt_cache.prefill(verifier, prompt, max_new_tokens, self.target,
+                                                                 self.heads)
             stats["reused_prompt_tokens"] += reused
             committed_features = [features]  # (n, h), then each round's path: the features of the cache's positions
         stats["target_forwards"] += 1
@@ -569,11 +542,8 @@ class SpeculativeLM:
         constrain_drafts(drafter, None, 0)
         stats["new_tokens"] += len(new_tokens)
         if prompt_cache is not None:
-            # the cache holds prompt + accepted tokens but the last (never run through the target); a stop inside
-            # the last round leaves accepted tokens past the emitted ones, which are not kept
-            held = min(prefix_length, prompt.shape[0] + len(new_tokens))
-            sequence = torch.cat([prompt, torch.tensor(new_tokens, dtype=prompt.dtype, device=prompt.device)])
-            prompt_cache.store(sequence[:held], verifier.cache, torch.cat(committed_features), self.target, self.heads)
+            prompt_cache.store_call(prompt, new_tokens, prefix_length, verifier.cache, torch.cat(committed_features),
+                                    self.target, self.heads)
         return new_tokens
 
     @staticmethod

@@ -19,19 +19,17 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-REFUSED = {  # field -> why, for fields whose non-default value changes the answer in a way this server cannot give
-    "tools": "tool calls are not supported",
-    "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported",
-    "logit_bias": "logit biases are not supported",
-    "presence_penalty": "use repetition_penalty (transformers' multiplicative penalty)",
-    "frequency_penalty": "use repetition_penalty (transformers' multiplicative penalty)",
-    "echo": "echoing the prompt is not supported",
-    "suffix": "suffixes are not supported",
+PENALTY = "use repetition_penalty (transformers' multiplicative penalty)"
+REFUSED = {  # field -> (the values that leave the answer as it is, why any other is refused)
+    "tools": ((None, []), "tool calls are not supported"),
+    "tool_choice": ((None, "none"), "tool calls are not supported"),
+    "functions": ((None, []), "function calls are not supported"),
+    "logit_bias": ((None, {}), "logit biases are not supported"),
+    "presence_penalty": ((None, 0), PENALTY),
+    "frequency_penalty": ((None, 0), PENALTY),
+    "echo": ((None, False), "echoing the prompt is not supported"),
+    "suffix": ((None, ""), "suffixes are not supported"),
 }
-DEFAULTS = {"tools": (None, []), "tool_choice": (None, "none"),
-            "functions": (None, []), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-            "frequency_penalty": (None, 0, 0.0), "echo": (None, False), "suffix": (None, "")}
 ROLES = ("system", "developer", "user", "assistant")  # "developer": OpenAI's newer name for system instructions
 
 
@@ -143,8 +141,8 @@ def parse_request(
     """
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
-    for name, why in REFUSED.items():
-        if body.get(name) not in DEFAULTS[name]:
+    for name, (harmless, why) in REFUSED.items():
+        if body.get(name) not in harmless:
             raise ApiError(f"{name}={body[name]!r} is not supported: {why}", param=name)
     n = body.get("n", 1)
     if n != 1 or body.get("best_of", 1) != 1:

@@ -22,12 +22,24 @@ shared entries are copied from the old static cache into the new one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from .kv_cache import cache_length, crop_cache
 from .static_cache import StaticTreeCache
+
+
+def shared_prefix_length(held: torch.Tensor, prompt: torch.Tensor) -> int:
+    """How many leading tokens of `prompt` (n,) equal those of `held` (S,), at most n - 1: the target must still run
+    the prompt's last token to give the first new token's logits."""
+    limit = min(held.shape[0], prompt.shape[0] - 1)
+    if limit <= 0:
+        return 0
+    differs = (prompt[:limit].to(held.device) != held[:limit]).nonzero()
+    return limit if differs.numel() == 0 else int(differs[0, 0])
 
 
 class PromptCache:
@@ -58,13 +70,19 @@ class PromptCache:
     def shared_length(self, prompt: torch.Tensor) -> int:
         """How many leading tokens of `prompt` (n,) the cache holds, at most n - 1 (the target must run the last
         prompt token to give the first new token's logits)."""
-        if self.tokens is None:
-            return 0
-        limit = min(len(self), prompt.shape[0] - 1)
-        if limit <= 0:
-            return 0
-        differs = (prompt[:limit].to(self.tokens.device) != self.tokens[:limit]).nonzero()
-        return limit if differs.numel() == 0 else int(differs[0, 0])
+        return 0 if self.tokens is None else shared_prefix_length(self.tokens, prompt)
+
+    def prefill(
+        self, verifier: Any, prompt: torch.Tensor, max_new_tokens: int, target: PreTrainedModel, heads: PreTrainedModel
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`verifier.prefill` of the (n,) prompt from the entries this cache holds (a `DynamicTreeVerifier` or the
+        fast path's `FastPathRunner`, whose static cache the entries must still be in). Returns the last logits
+        (1, V), the features (n, h) and how many prompt tokens were reused."""
+        static = verifier.cache if isinstance(verifier.cache, StaticTreeCache) else None
+        cache, held_features, reused = self.take(prompt, target, heads, static)
+        held = None if cache is None else (cache, held_features)
+        last_logits, features = verifier.prefill(prompt, max_new_tokens, held)
+        return last_logits, features, reused
 
     def take(
         self,
@@ -126,6 +144,17 @@ class PromptCache:
             crop_cache(cache, length)
         self.tokens, self.cache, self.features = tokens, cache, features[:length]
         self._models = (target, heads)
+
+    def store_call(
+        self, prompt: torch.Tensor, new_tokens: list[int], committed: int, cache: Cache, features: torch.Tensor,
+        target: PreTrainedModel, heads: PreTrainedModel,
+    ) -> None:
+        """`store` a completed `generate` call: the (n,) prompt, its emitted `new_tokens`, and the `committed`
+        positions `cache` and the (committed, h) `features` hold. The last emitted token was never run through the
+        target, and a stop inside the last round leaves accepted tokens past the emitted ones: neither is kept."""
+        held = min(committed, prompt.shape[0] + len(new_tokens))
+        sequence = torch.cat([prompt, torch.tensor(new_tokens, dtype=prompt.dtype, device=prompt.device)])
+        self.store(sequence[:held], cache, features, target, heads)
 
 
 def check_prompt_cache_call(prompt_cache: object, rows: int, batched: bool | None) -> None:

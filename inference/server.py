@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .generate_inputs import eos_ids
 from .openai_api import (
     ApiError,
     ParsedRequest,
@@ -114,8 +115,7 @@ class CompletionService:
         new = sequences[0, ids.shape[1]:].tolist()
         logprobs = None if request.logprobs is None else token_logprobs(
             torch.cat(out.logits)[: len(new)], new, request.logprobs, self.tokenizer, chat)
-        eos = self.lm.target.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        eos = set(eos_ids(None, self.lm.target.generation_config))
         reason = finish_reason(deltas.stopped, new, request.options["max_new_tokens"], eos)
         usage = {"prompt_tokens": ids.shape[1], "completion_tokens": len(new), "total_tokens": ids.shape[1] + len(new),
                  "prompt_tokens_details": {"cached_tokens": stats.get("reused_prompt_tokens", 0)}}

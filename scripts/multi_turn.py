@@ -25,6 +25,7 @@ from specheads.inference.bench import parse_eagle_tree
 from specheads.inference.chat import ChatSession
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.kv_cache import crop_cache
+from specheads.inference.prompt_cache import shared_prefix_length
 
 
 def read_questions(path: str, per_category: int | None) -> list[dict]:
@@ -70,9 +71,7 @@ def run_plain_conversation(lm: SpeculativeLM, turns: list[str], max_new_tokens: 
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"]
         start = time.perf_counter()
-        limit = min(held.shape[0], ids.shape[1] - 1)
-        differs = (held[:limit] != ids[0, :limit]).nonzero()
-        shared = limit if differs.numel() == 0 else int(differs[0, 0])
+        shared = shared_prefix_length(held, ids[0])
         crop_cache(cache, shared)
         out = target.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(target, cache),
                               max_new_tokens=max_new_tokens, do_sample=False)
