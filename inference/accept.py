@@ -65,7 +65,8 @@ def accept_greedy_reached(
 
 
 def accept_sampling(
-    tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor | Callable[[int], torch.Tensor]
+    tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor | Callable[[int], torch.Tensor],
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact recursive rejection sampling over sibling candidates (lossless).
 
@@ -83,6 +84,7 @@ def accept_sampling(
         tree: the tree's buffers.
         probs: (N, V) target probabilities at each node, or a function node -> (V,) probabilities (asked only
             at the nodes the walk reaches, parents first).
+        generator: the random numbers' source (None: torch's global one).
 
     Returns:
         (path, bonus).
@@ -96,14 +98,14 @@ def accept_sampling(
         p = probs_at(node)  # p: the target's distribution at this node
         kids = children.get(node)
         if not kids:
-            return torch.tensor(path, device=tokens.device), sample_token(p)
+            return torch.tensor(path, device=tokens.device), sample_token(p, generator)
         kid_tokens = tokens[kids]  # (m,) candidates in draft order
         m = kid_tokens.shape[0]
         # A repeated candidate has no mass left once its first occurrence was rejected.
         first = (kid_tokens[:, None] == kid_tokens[None, :]).long().argmax(dim=1) == torch.arange(m, device=p.device)
         q = p[kid_tokens] * first  # (m,) target mass of each distinct candidate
         mass_left = (1.0 - (torch.cumsum(q, 0) - q)).clamp_min(1e-12)  # residual mass before candidate i
-        hits = torch.nonzero(torch.rand(m, device=p.device) < q / mass_left)
+        hits = torch.nonzero(torch.rand(m, device=p.device, generator=generator) < q / mass_left)
         if hits.numel():
             node = kids[int(hits[0])]
             path.append(node)
@@ -111,7 +113,7 @@ def accept_sampling(
         residual = p.clone()
         residual[kid_tokens] = 0.0  # every candidate was rejected
         total = residual.sum()
-        return torch.tensor(path, device=tokens.device), sample_token(residual / total if total > 0 else p)
+        return torch.tensor(path, device=tokens.device), sample_token(residual / total if total > 0 else p, generator)
 
 
 def accept_typical(
@@ -120,6 +122,7 @@ def accept_typical(
     probs: torch.Tensor,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Medusa's typical acceptance. LOSSY: outputs do not follow the target's distribution exactly.
 
@@ -136,7 +139,7 @@ def accept_typical(
     accepted = ~(tree.ancestors & ~correct[None, :]).any(dim=-1)
     best = torch.argmax(torch.where(accepted, tree.depth, -1))
     path = torch.nonzero(tree.ancestors[best]).squeeze(-1)
-    return path, sample_token(probs[best])
+    return path, sample_token(probs[best], generator)
 
 
 def accept_tree(
@@ -161,12 +164,13 @@ def accept_tree(
             return accept_greedy_reached(tokens, tree, lambda nodes: context.nodes(logits, tokens, tree, nodes).argmax(-1))
         if acceptance == "exact":
             return accept_sampling(
-                tokens, tree, lambda node: target_probs(context.nodes(logits, tokens, tree, [node]), params)[0]
+                tokens, tree, lambda node: target_probs(context.nodes(logits, tokens, tree, [node]), params)[0],
+                params.generator,
             )
         logits = context.tree(logits, tokens, tree)  # typical acceptance reads every node's distribution
     if not params.do_sample:
         return accept_greedy(tokens, tree, logits.argmax(dim=-1))
     probs = target_probs(logits, params)
     if acceptance == "typical":
-        return accept_typical(tokens, tree, probs)
-    return accept_sampling(tokens, tree, probs)
+        return accept_typical(tokens, tree, probs, generator=params.generator)
+    return accept_sampling(tokens, tree, probs, params.generator)

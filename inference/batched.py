@@ -1,4 +1,5 @@
-"""Batched speculative decoding: one target forward verifies the trees of all rows at once.
+"""Batched speculative decoding: one target forward verifies the trees of all rows at once, and rows join and
+leave the batch between rounds (continuous batching).
 
 Rows accept different lengths, so each row b keeps its own count of committed cache entries
 `valid[b]` inside one rectangular target cache (B, kv_heads, S, head_dim): entries at or past valid[b]
@@ -8,28 +9,44 @@ are garbage that the attention mask hides. Each round:
     verify   ONE target forward over (B, N_max) tree tokens, padded; the 4-D mask gives every row its own
              prefix (its left padding and garbage hidden) and its own tree
     accept   per row (greedy / exact sampling / typical)
-    update   one gather per cache layer moves each row's accepted path to valid[b] and crops to
-             max(valid); finished rows leave the batch
+    update   per cache layer, one gather and one scatter move each row's accepted path to valid[b] in place,
+             then a crop to max(valid); finished rows leave the batch
+
+A row that joins (`BatchEngine.add`) runs its prompt in a prefill forward of its own (the newcomers of one call
+together, or alone from its `PromptCache`); its cache rows are then appended to the running batch's, the shorter
+side left-padded with hidden zeros (its rows' pad and valid move by that much). So `generate(batched=True)` and a
+server's concurrent requests are one mechanism.
 
 Exactness does not depend on batching: every row sees exactly its own prefix and tree, as when alone.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.drafting import Drafter, constrain_drafts
+from specheads.inference.kv_cache import (
+    cache_length,
+    compact_rows,
+    join_caches,
+    row_cache,
+    select_rows,
+    tree_cache,
+)
+from specheads.inference.prompt_cache import PromptCache
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder
 from specheads.inference.stopping import StopChecker
 from specheads.inference.tree import TreeBuffers
-from specheads.inference.verify import last_logits_only, no_logits
+from specheads.inference.verify import DynamicTreeVerifier, last_logits_only, no_logits, sliding_window_of
 
 
 def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -62,35 +79,303 @@ def verify_mask(
     return torch.zeros(allowed.shape, dtype=dtype, device=pad.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def gather_cache(cache: DynamicCache, index: torch.Tensor, rows: list[int] | None = None) -> None:
-    """Keep batch `rows` (all if None), then rebuild each as keys[row, :, index[row, j]] for the (R, S_new) index."""
-    for layer in cache.layers:
-        if layer.keys is None or layer.keys.numel() == 0:
-            continue
-        keys, values = (layer.keys, layer.values) if rows is None else (layer.keys[rows], layer.values[rows])
-        _, heads, _, dim = keys.shape
-        expanded = index[:, None, :, None].expand(index.shape[0], heads, index.shape[1], dim)
-        layer.keys = keys.gather(2, expanded)
-        layer.values = values.gather(2, expanded)
+def windowed(
+    mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, target: Any
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The (B, 1, T, K) mask as a sliding-window target takes it: also hiding keys at distance >= its window from each
+    query (positions (B, T) and (B, K), each row's own), per layer type where its layers differ (Qwen2-style); the
+    mask itself for targets without a window, or when no distance reaches it."""
+    window, per_layer_types = sliding_window_of(target)
+    if window is None:
+        return mask
+    too_far = (query_positions[:, :, None] - key_positions[:, None, :]) >= window  # (B, T, K)
+    if not bool(too_far.any()):
+        return mask
+    limited = mask.masked_fill(too_far[:, None], torch.finfo(mask.dtype).min)
+    return {"full_attention": mask, "sliding_attention": limited} if per_layer_types else limited
 
 
-def compaction_index(valid: torch.Tensor, paths: list[torch.Tensor], cache_length: int) -> torch.Tensor:
-    """(B, S_new) source positions: row b keeps 0..valid[b]-1, then its path's tree entries (at cache_length + node)."""
-    new_valid = valid + torch.tensor([p.shape[0] for p in paths], device=valid.device)
-    width = int(new_valid.max())
-    index = torch.arange(width, device=valid.device).repeat(valid.shape[0], 1)  # garbage beyond: any valid source
-    index = index.clamp(max=cache_length - 1)
-    for b, path in enumerate(paths):
-        start = int(valid[b])
-        index[b, start : start + path.shape[0]] = cache_length + path
-    return index
+@dataclass(eq=False)
+class BatchRequest:
+    """One sequence for a `BatchEngine`: what to generate, and (filled in by the engine) what was generated.
+
+    `SpeculativeLM.batch_request(input_ids, **generate_options)` builds one from `generate`'s options.
+
+    Args:
+        prompt: (n,) token ids on the target's device.
+        max_new_tokens: new tokens at most.
+        params: decoding options (greedy, sampling, processors); rows of one batch may differ.
+        eos: EOS ids; the row ends right after one.
+        acceptance: "exact" or "typical" (sampling only).
+        stop: the caller's stopping criteria on this row (inference/stopping.py).
+        streamer: gets `put(prompt)` when the row joins, `put(tokens)` after each emission and `end()` when it ends.
+        recorder: collects each emitted token's logits and scores (inference/step_scores.py).
+        prompt_cache: runs only the prompt's tokens after those it holds; holds this row's sequence at the end.
+        row: the caller's batch index, given to a `prefix_allowed_tokens_fn` as its batch_id.
+    """
+
+    prompt: torch.Tensor
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos: set[int] = field(default_factory=set)
+    acceptance: str = "exact"
+    stop: StopChecker | None = None
+    streamer: Any | None = None
+    recorder: StepRecorder | None = None
+    prompt_cache: PromptCache | None = None
+    row: int = 0
+    # filled in by the engine
+    new_tokens: list[int] = field(default_factory=list)
+    target_forwards: int = 0  # forwards this row took part in (its prefill counts one)
+    accepted_counts: list[int] = field(default_factory=list)  # drafted tokens accepted per round
+    reused_prompt_tokens: int = 0
+    finished: bool = False
+    cancelled: bool = False  # set by the caller (a client gone): the row leaves before the next round
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau of this row: new tokens per target forward it took part in."""
+        return len(self.new_tokens) / max(self.target_forwards, 1)
+
+
+@dataclass(eq=False)
+class _Row:
+    """An active row's decoding state between rounds."""
+
+    request: BatchRequest
+    drafter: Drafter
+    features: torch.Tensor  # (L, h) true target features of the newly committed positions
+    next_tokens: torch.Tensor  # (L,) the token that followed each of those features
+    context: SequenceContext | None  # the sequence so far, for processors that read it
+    committed_features: list[torch.Tensor] | None  # with a prompt cache: the features of every committed position
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the target's argmax per node is all acceptance needs (no logits)."""
+        params = self.request.params
+        return not params.do_sample and not params.reads_sequence and self.request.recorder is None
+
+
+class BatchEngine:
+    """Continuous batching: rows join (`add`) and leave between rounds; each `step` is one round for all.
+
+    Usage: `engine = BatchEngine(lm)`, `engine.add([lm.batch_request(ids, max_new_tokens=64)])`, then
+    `while engine.rows: engine.step()`; `add` may be called again between steps. Not thread-safe: one thread
+    drives it (`inference/serving_loop.py` does, for the server).
+
+    Args:
+        lm: the `SpeculativeLM` (its target, heads and drafter settings; each row drafts with its own fork).
+        stats: a dict the engine adds its counts to (target_forwards, batched_forwards, rounds, accepted_counts,
+            new_tokens, reused_prompt_tokens, prefill_seconds: joining rows' prompt forwards up to their first
+            token), as `generate`'s `last_stats` are made from.
+    """
+
+    def __init__(self, lm: Any, stats: dict[str, Any] | None = None) -> None:
+        if not hasattr(lm.drafter, "fork"):
+            raise ValueError(f"batched decoding needs a drafter with fork(); {type(lm.drafter).__name__} has none")
+        self.lm = lm
+        self.stats = stats if stats is not None else {
+            "new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "reused_prompt_tokens": 0}
+        self.stats.setdefault("batched_forwards", 0)
+        self.rows: list[_Row] = []
+        self.cache: Cache | None = None  # (B, kv_heads, S, head_dim) per layer, row b at batch index b
+        self.pad = self.valid = torch.zeros(0, dtype=torch.long, device=lm.target.device)  # (B,) each
+
+    # --- joining ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, requests: list[BatchRequest]) -> list[BatchRequest]:
+        """Prefill `requests` and emit their first tokens; the others join the next `step`. Returns the requests
+        that already ended (EOS or a stop on the first token, max_new_tokens 0)."""
+        start = time.perf_counter()
+        fresh = [r for r in requests if r.prompt_cache is None]
+        ended: list[BatchRequest] = []
+        if fresh:
+            ended += self._join(*self._prefill_together(fresh))
+        for request in requests:
+            if request.prompt_cache is not None:
+                ended += self._join(*self._prefill_from_cache(request))
+        self.stats["prefill_seconds"] = self.stats.get("prefill_seconds", 0.0) + time.perf_counter() - start
+        return ended
+
+    def _prefill_together(self, requests: list[BatchRequest]) -> tuple[Cache, torch.Tensor, list, torch.Tensor, list]:
+        """One forward over the left-padded prompts: (cache, pad, requests, last logits (k, V), features)."""
+        target, device = self.lm.target, self.lm.target.device
+        lengths = torch.tensor([r.prompt.shape[0] for r in requests], device=device)
+        width = int(lengths.max())
+        pad = width - lengths  # (k,) left padding of each row
+        ids = torch.zeros(len(requests), width, dtype=torch.long, device=device)
+        for b, request in enumerate(requests):
+            ids[b, pad[b]:] = request.prompt
+        cache = tree_cache()
+        positions = (torch.arange(width, device=device)[None, :] - pad[:, None]).clamp(min=0)
+        mask = windowed(prefill_mask(lengths, width, target.dtype), positions, positions, target)
+        out = target(
+            input_ids=ids, attention_mask=mask, position_ids=positions,
+            **cache_kwargs(target, cache), use_cache=True, output_hidden_states=True, **last_logits_only(target),
+        )  # left padding: every row's last prompt token is in the last column, the only one given logits
+        self.stats["target_forwards"] += len(requests)
+        self.stats["batched_forwards"] += 1
+        features = self.lm.heads.select_features(out.hidden_states)  # (k, width, h)
+        return cache, pad, requests, out.logits[:, -1:], [features[b, pad[b]:] for b in range(len(requests))]
+
+    def _prefill_from_cache(self, request: BatchRequest) -> tuple[Cache, torch.Tensor, list, torch.Tensor, list]:
+        """The prompt's tokens after those its `PromptCache` holds, alone; the same results as `_prefill_together`."""
+        lm = self.lm
+        verifier = DynamicTreeVerifier(lm.target, lm.heads.select_features)
+        last_logits, features, reused = request.prompt_cache.prefill(verifier, request.prompt, request.max_new_tokens,
+                                                                     lm.target, lm.heads)
+        request.reused_prompt_tokens += reused
+        self.stats["reused_prompt_tokens"] = self.stats.get("reused_prompt_tokens", 0) + reused
+        self.stats["target_forwards"] += 1
+        pad = torch.zeros(1, dtype=torch.long, device=lm.target.device)
+        return verifier.cache, pad, [request], last_logits[None], [features]
+
+    def _join(self, cache: Cache, pad: torch.Tensor, requests: list[BatchRequest], last_logits: torch.Tensor,
+              features: list[torch.Tensor]) -> list[BatchRequest]:
+        """Emit each prefilled row's first token, then append the rows that go on to the running batch."""
+        lm = self.lm
+        valid = torch.full_like(pad, cache_length(cache))
+        rows: list[_Row] = []
+        for b, request in enumerate(requests):
+            if request.streamer is not None:
+                request.streamer.put(request.prompt.cpu())
+            params, prompt = request.params, request.prompt
+            request.target_forwards += 1
+            context = SequenceContext(prompt, params, sorted(request.eos), request.row) if params.reads_sequence else None
+            processed = last_logits[b] if context is None else context.last(last_logits[b])  # (1, V)
+            root = lm._choose(processed, params)[0]
+            self._emit(request, [int(root)])
+            if request.recorder is not None:
+                request.recorder.add(last_logits[b], request.recorder.warped(processed.float()), len(request.new_tokens))
+            if context is not None:
+                context.commit(root)
+            drafter = lm.drafter.fork()
+            drafter.reset()
+            constrain_drafts(drafter, context, lm.heads.config.vocab_size)  # processors that ban: allowed drafts only
+            rows.append(_Row(request, drafter, features[b], torch.cat([prompt[1:], root[None]]), context,
+                             None if request.prompt_cache is None else [features[b]]))
+        ended = [row for row in rows if row.request.finished]
+        for row in ended:
+            b = rows.index(row)
+            self._finish(row, cache, b, torch.arange(int(pad[b]), int(valid[b]), device=pad.device))
+        keep = [b for b, row in enumerate(rows) if not row.request.finished]
+        if keep:
+            if len(keep) < len(rows):
+                select_rows(cache, keep)
+            rows, pad, valid = [rows[b] for b in keep], pad[keep], valid[keep]
+            if self.cache is None or not self.rows:
+                self.cache, self.pad, self.valid = cache, pad, valid
+            else:
+                shift_running, shift_new = join_caches(self.cache, cache)
+                self.pad = torch.cat([self.pad + shift_running, pad + shift_new])
+                self.valid = torch.cat([self.valid + shift_running, valid + shift_new])
+            self.rows += rows
+        return [row.request for row in ended]
+
+    # --- one round ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[BatchRequest]:
+        """One round for every row (draft, one verification forward, accept, compact); returns the requests that
+        ended in it, and those cancelled since the last step."""
+        ended = self._drop([b for b, row in enumerate(self.rows) if row.request.cancelled])
+        if not self.rows:
+            return ended
+        lm, target, device = self.lm, self.lm.target, self.lm.target.device
+        pad, valid, rows = self.pad, self.valid, self.rows
+        # draft
+        proposals = [row.drafter.propose(row.features, row.next_tokens) for row in rows]
+        trees = [tree for _, tree in proposals]
+        nodes = max(tree.num_nodes for tree in trees)
+        tokens = torch.zeros(len(rows), nodes, dtype=torch.long, device=device)
+        position_ids = torch.zeros(len(rows), nodes, dtype=torch.long, device=device)
+        for i, (tree_tokens, tree) in enumerate(proposals):
+            tokens[i, : tree.num_nodes] = tree_tokens
+            position_ids[i, : tree.num_nodes] = (valid[i] - pad[i]) + tree.depth
+        # verify: one forward for every row; greedy rows only with a certified argmax (CPU): no lm_head in the forward
+        argmax = lm.certified_argmax if all(row.argmax_only for row in rows) else None
+        cache_width = cache_length(self.cache)
+        mask = verify_mask(trees, pad, valid, cache_width, nodes, target.dtype)
+        cached_positions = torch.arange(cache_width, device=device)[None, :] - pad[:, None]  # (B, S); < 0: padding
+        mask = windowed(mask, position_ids, torch.cat([cached_positions, position_ids], dim=1), target)
+        out = target(
+            input_ids=tokens, attention_mask=mask,
+            position_ids=position_ids, **cache_kwargs(target, self.cache), use_cache=True, output_hidden_states=True,
+            **({} if argmax is None else no_logits(device)),
+        )
+        self.stats["target_forwards"] += len(rows)
+        self.stats["batched_forwards"] += 1
+        self.stats["rounds"] += 1
+        row_features = lm.heads.select_features(out.hidden_states)  # (B, N_max, h)
+        if argmax is not None:
+            last_hidden = out.hidden_states[-1]  # (B, N_max, h)
+            target_argmax = argmax(last_hidden.reshape(-1, last_hidden.shape[-1])).view(len(rows), nodes)
+        # accept, per row
+        paths = []
+        for i, ((tree_tokens, tree), row) in enumerate(zip(proposals, rows)):
+            request = row.request
+            if argmax is not None:
+                path, bonus = accept_greedy(tree_tokens, tree, target_argmax[i, : tree.num_nodes])
+            else:
+                logits = out.logits[i, : tree.num_nodes]  # (N, V)
+                path, bonus = accept_tree(tree_tokens, tree, logits, request.params, request.acceptance, row.context)
+            accepted = torch.cat([tree_tokens[path[1:]], bonus[None]])
+            request.target_forwards += 1
+            request.accepted_counts.append(path.shape[0] - 1)
+            self.stats["accepted_counts"].append(path.shape[0] - 1)
+            paths.append(path)
+            row.features, row.next_tokens = row_features[i, path], accepted
+            if row.committed_features is not None:
+                row.committed_features.append(row.features)
+            emitted = len(request.new_tokens)
+            self._emit(request, accepted.tolist())
+            if request.recorder is not None:  # before the commit: each path node's sequence ends at the committed one
+                request.recorder.add_path(logits, tree_tokens, tree, path, row.context, len(request.new_tokens) - emitted)
+            if row.context is not None:
+                row.context.commit(accepted)
+        # update: compact every row's cache to its path (in place), then drop finished rows
+        compact_rows(self.cache, valid, paths, cache_width)
+        self.valid = valid + torch.tensor([p.shape[0] for p in paths], device=device)
+        return ended + self._drop([b for b, row in enumerate(rows) if row.request.finished])
+
+    def _drop(self, leaving: list[int]) -> list[BatchRequest]:
+        """Finish the rows at batch indices `leaving` and take them out of the (compact) cache."""
+        if not leaving:
+            return []
+        for b in leaving:
+            self._finish(self.rows[b], self.cache, b, torch.arange(int(self.pad[b]), int(self.valid[b]),
+                                                                   device=self.pad.device))
+        keep = [b for b in range(len(self.rows)) if b not in leaving]
+        ended = [self.rows[b].request for b in leaving]
+        self.rows, self.pad, self.valid = [self.rows[b] for b in keep], self.pad[keep], self.valid[keep]
+        if keep:
+            select_rows(self.cache, keep)
+        else:
+            self.cache = None
+        return ended
+
+    def _finish(self, row: _Row, cache: Cache, b: int, source: torch.Tensor) -> None:
+        """A row ends: its prompt cache (if any) keeps its committed positions (the (S,) `source` entries of batch
+        row b), its streamer ends, and its tokens count."""
+        request = row.request
+        request.finished = True
+        constrain_drafts(row.drafter, None, 0)
+        self.stats["new_tokens"] += len(request.new_tokens)
+        if request.prompt_cache is not None and not request.cancelled:
+            request.prompt_cache.store_call(request.prompt, request.new_tokens, source.shape[0],
+                                            row_cache(cache, b, source), torch.cat(row.committed_features),
+                                            self.lm.target, self.lm.heads)
+        if request.streamer is not None:
+            request.streamer.end()
+
+    def _emit(self, request: BatchRequest, tokens: list[int]) -> None:
+        if self.lm._emit(tokens, request.new_tokens, request.max_new_tokens, request.eos, request.streamer, request.stop):
+            request.finished = True
 
 
 @torch.no_grad()
 def generate_batched(
     lm: Any,
     prompts: list[torch.Tensor],
-    drafters: list[Drafter],
     max_new_tokens: int,
     params: SamplingParams,
     eos: set[int],
@@ -103,106 +388,13 @@ def generate_batched(
 
     `stops`: per prompt, the stopping criteria to check on its emitted tokens (inference/stopping.py);
     `recorders`: per prompt, where each emitted token's logits and scores go (inference/step_scores.py)."""
-    target, heads, device, dtype = lm.target, lm.heads, lm.target.device, lm.target.dtype
-    rows = len(prompts)
-    lengths = torch.tensor([p.shape[0] for p in prompts], device=device)
-    width = int(lengths.max())
-    pad = width - lengths  # (B,) left padding of each row
-    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-    for b, prompt in enumerate(prompts):
-        ids[b, pad[b] :] = prompt
-    cache = DynamicCache()
-    positions = (torch.arange(width, device=device)[None, :] - pad[:, None]).clamp(min=0)
-    out = target(
-        input_ids=ids, attention_mask=prefill_mask(lengths, width, dtype), position_ids=positions,
-        **cache_kwargs(target, cache), use_cache=True, output_hidden_states=True, **last_logits_only(target),
-    )  # left padding: every row's last prompt token is in the last column, the only one given logits
-    stats["target_forwards"] += rows
-    stats["batched_forwards"] = stats.get("batched_forwards", 0) + 1
-    features_all = heads.select_features(out.hidden_states)  # (B, T, h)
-    new_tokens: list[list[int]] = [[] for _ in range(rows)]
-    active = list(range(rows))  # original row index of each batch row
-    features: list[torch.Tensor] = []  # per row: true target features of its newly committed positions
-    next_tokens: list[torch.Tensor] = []  # per row: the token that followed each of those features
-    done = []
-    # per row, for processors that read the sequence (repetition penalty, ...): its tokens so far
-    contexts = [SequenceContext(p, params, sorted(eos), b) if params.reads_sequence else None
-                for b, p in enumerate(prompts)]
-    stops = stops or [None] * rows
-    for b, prompt in enumerate(prompts):
-        last_logits = out.logits[b, -1:] if contexts[b] is None else contexts[b].last(out.logits[b, -1:])
-        root = lm._choose(last_logits, params)[0]
-        done.append(lm._emit([int(root)], new_tokens[b], max_new_tokens, eos, None, stops[b]))
-        if recorders is not None:
-            recorders[b].add(out.logits[b, -1:], recorders[b].warped(last_logits.float()), len(new_tokens[b]))
-        if contexts[b] is not None:
-            contexts[b].commit(root)
-        features.append(features_all[b, pad[b] :])
-        next_tokens.append(torch.cat([prompt[1:], root[None]]))
-        drafters[b].reset()
-        constrain_drafts(drafters[b], contexts[b], heads.config.vocab_size)  # processors that ban: allowed drafts only
-    valid = torch.full((rows,), width, device=device)  # committed cache entries per row (padding included)
-    keep = [i for i in range(rows) if not done[i]]
-    if len(keep) < rows:  # rows that ended on their first token leave the batch
-        gather_cache(cache, torch.arange(width, device=device).repeat(len(keep), 1), rows=keep)
-        active, pad, valid = [active[i] for i in keep], pad[keep], valid[keep]
-        features, next_tokens = [features[i] for i in keep], [next_tokens[i] for i in keep]
-        contexts = [contexts[i] for i in keep]
-    # greedy with a certified argmax (CPU): the forward skips the lm_head, the argmax comes from the hidden states
-    argmax = None if params.do_sample or params.reads_sequence or recorders is not None else lm.certified_argmax
-    while active:
-        # draft
-        proposals = [drafters[row].propose(features[i], next_tokens[i]) for i, row in enumerate(active)]
-        trees = [tree for _, tree in proposals]
-        nodes = max(tree.num_nodes for tree in trees)
-        tokens = torch.zeros(len(active), nodes, dtype=torch.long, device=device)
-        position_ids = torch.zeros(len(active), nodes, dtype=torch.long, device=device)
-        for i, (tree_tokens, tree) in enumerate(proposals):
-            tokens[i, : tree.num_nodes] = tree_tokens
-            position_ids[i, : tree.num_nodes] = (valid[i] - pad[i]) + tree.depth
-        # verify: one forward for every row
-        cache_length = cache.get_seq_length()
-        out = target(
-            input_ids=tokens, attention_mask=verify_mask(trees, pad, valid, cache_length, nodes, dtype),
-            position_ids=position_ids, **cache_kwargs(target, cache), use_cache=True, output_hidden_states=True,
-            **({} if argmax is None else no_logits(device)),
-        )
-        stats["target_forwards"] += len(active)
-        stats["batched_forwards"] += 1
-        row_features = heads.select_features(out.hidden_states)  # (A, N_max, h)
-        if argmax is not None:
-            last_hidden = out.hidden_states[-1]  # (A, N_max, h)
-            target_argmax = argmax(last_hidden.reshape(-1, last_hidden.shape[-1])).view(len(active), nodes)
-        # accept, per row
-        paths, finished = [], []
-        for i, (tree_tokens, tree) in enumerate(proposals):
-            if argmax is not None:
-                path, bonus = accept_greedy(tree_tokens, tree, target_argmax[i, : tree.num_nodes])
-            else:
-                logits = out.logits[i, : tree.num_nodes]  # (N, V)
-                path, bonus = accept_tree(tree_tokens, tree, logits, params, acceptance, contexts[i])
-            accepted = torch.cat([tree_tokens[path[1:]], bonus[None]])
-            stats["accepted_counts"].append(path.shape[0] - 1)
-            paths.append(path)
-            features[i] = row_features[i, path]
-            next_tokens[i] = accepted
-            row_tokens = new_tokens[active[i]]
-            emitted = len(row_tokens)
-            finished.append(lm._emit(accepted.tolist(), row_tokens, max_new_tokens, eos, None, stops[active[i]]))
-            if recorders is not None:  # before the commit: each path node's sequence ends at the committed one
-                recorders[active[i]].add_path(logits, tree_tokens, tree, path, contexts[i], len(row_tokens) - emitted)
-            if contexts[i] is not None:
-                contexts[i].commit(accepted)
-        stats["rounds"] += 1
-        # update: compact every row's cache to its path, then drop finished rows
-        index = compaction_index(valid, paths, cache_length)
-        valid = valid + torch.tensor([p.shape[0] for p in paths], device=device)
-        keep = [i for i in range(len(active)) if not finished[i]]
-        if not keep:
-            break
-        gather_cache(cache, index[keep], rows=keep)
-        active, pad, valid = [active[i] for i in keep], pad[keep], valid[keep]
-        features, next_tokens = [features[i] for i in keep], [next_tokens[i] for i in keep]
-        contexts = [contexts[i] for i in keep]
-    stats["new_tokens"] += sum(len(t) for t in new_tokens)
-    return new_tokens
+    requests = [
+        BatchRequest(prompt, max_new_tokens, params, eos, acceptance, None if stops is None else stops[b],
+                     recorder=None if recorders is None else recorders[b], row=b)
+        for b, prompt in enumerate(prompts)
+    ]
+    engine = BatchEngine(lm, stats)
+    engine.add(requests)
+    while engine.rows:
+        engine.step()
+    return [request.new_tokens for request in requests]

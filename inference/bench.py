@@ -25,6 +25,7 @@ from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
 from specheads.inference.constraints import IndexConstraint, constraint_from_options
 from specheads.inference.fast_path import StaticGreedyDecoder, aligned_length
 from specheads.inference.generate import SpeculativeLM
+from specheads.inference.generate_inputs import eos_ids
 from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES, GQA_ATTENTION
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
 from specheads.inference.lookup import check_lookup_settings
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let the guess double, up to N tokens, while whole guesses are accepted (copied passages take "
                    "fewer rounds); default: --lookup-tokens, a fixed length")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="prompts decoded together: consecutive prompts in left-padded batches of N, plain "
+                   "`target.generate` on each batch against batched speculative decoding (one target forward verifies "
+                   "every row's tree); greedy rows checked identical (default: 1, one prompt at a time)")
     constraint = p.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
                             help="constrain every run (baseline, speculative, peers) to JSON valid under this schema "
@@ -225,6 +230,70 @@ def run_prompt(
     return row
 
 
+def answer_lengths(new: torch.Tensor, eos: set[int]) -> list[int]:
+    """Per row of (B, T) new tokens, how many were generated: up to and including the first EOS (the rest pads)."""
+    lengths = []
+    for row in new.tolist():
+        ends = [i for i, token in enumerate(row) if token in eos]
+        lengths.append(ends[0] + 1 if ends else len(row))
+    return lengths
+
+
+def run_batch(lm: SpeculativeLM, prompts: list[Prompt], mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Plain `target.generate` and batched speculative decoding of one left-padded batch of prompts, alternating.
+
+    Greedy rows must be the target's own: each equal to its row of the plain batch or, where a padded batch's
+    rounding tipped a near-tie, to the target's answer to that prompt alone (else the run fails loudly)."""
+    target, device = lm.target, lm.target.device
+    width = max(p.input_ids.shape[-1] for p in prompts)
+    pad = target.generation_config.pad_token_id
+    if pad is None:
+        pad = target.generation_config.eos_token_id
+    pad = int(pad[0] if isinstance(pad, list) else (pad or 0))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for b, prompt in enumerate(prompts):
+        n = prompt.input_ids.shape[-1]
+        ids[b, width - n:], mask[b, width - n:] = prompt.input_ids[0].to(device), 1
+    sample = mode == "sample"
+    options: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, pad_token_id=pad)
+    if sample:
+        chosen = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        options.update({k: v for k, v in chosen.items() if v is not None})
+    baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=mask, **options))
+    spec, spec_s = _timed(lambda: lm.generate(ids, attention_mask=mask, batched=True, **options))
+    stats = lm.last_stats
+    eos = set(eos_ids(None, target.generation_config))
+    base_new = sum(answer_lengths(baseline[:, width:], eos))
+    spec_new = sum(answer_lengths(spec[:, width:], eos))
+    row = {
+        "prompt_id": "+".join(p.prompt_id for p in prompts), "mode": mode, "batch_size": len(prompts),
+        "category": prompts[0].category if len({p.category for p in prompts}) == 1 else "mixed",
+        "baseline_tokens": base_new, "baseline_seconds": base_s, "tokens": spec_new, "seconds": spec_s,
+        "target_forwards": stats["target_forwards"], "rounds": stats["rounds"], "tau": stats["mean_accepted"],
+        "accepted_per_depth": stats["accepted_per_depth"], "prefill_seconds": stats["prefill_seconds"],
+        "ms_per_round": stats["ms_per_round"], "tokens_per_second": spec_new / spec_s,
+        "baseline_tokens_per_second": base_new / base_s,
+    }
+    row["speedup"] = row["tokens_per_second"] / row["baseline_tokens_per_second"]
+    if not sample:
+        same = [torch.equal(spec[b].cpu(), baseline[b].cpu()) for b in range(len(prompts))]
+        for b, prompt in enumerate(prompts):
+            if same[b]:
+                continue
+            alone = target.generate(prompt.input_ids.to(device), max_new_tokens=args.max_new_tokens, do_sample=False,
+                                    pad_token_id=pad)[0, prompt.input_ids.shape[-1]:]
+            mine = spec[b, width:][: answer_lengths(spec[b:b + 1, width:], eos)[0]]
+            if not torch.equal(mine.cpu(), alone.cpu()) and target.dtype == torch.float32:
+                raise RuntimeError(
+                    f"greedy output of prompt {prompt.prompt_id} in a batch of {len(prompts)} differs from "
+                    "target.generate, in the batch and alone: speculative decoding must be lossless; please report this"
+                )
+        row["greedy_identical"] = True
+        row["identical_to_plain_batch"] = sum(same)
+    return row
+
+
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Totals over rows: tokens/s from summed tokens and seconds, tau from summed tokens and forwards."""
     tokens, seconds = sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows)
@@ -333,7 +402,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if static_decoder is not None:
                 static_decoder.generate(prompt.input_ids.to(lm.target.device), 2)
     rows = []
-    for mode in modes:
+    batch_size = getattr(args, "batch_size", 1)
+    if batch_size > 1:
+        if turns > 1 or constraint is not None:
+            raise ValueError(f"--batch-size {batch_size} runs first turns without constraints (got --turns {turns}"
+                             f"{' and a constraint' if constraint is not None else ''})")
+        batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+        for mode in modes:
+            for batch in tqdm(batches, desc=f"bench {mode} (batches of {batch_size})", unit="batch"):
+                rows.append({**run_batch(lm, batch, mode, args), "turn": 1})
+    elif batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size}: expected at least 1")
+    for mode in modes if batch_size == 1 else []:
         for prompt in tqdm(prompts, desc=f"bench {mode}", unit="prompt"):
             answers: list[str] = []
             for turn in range(1, min(turns, len(prompt.turns)) + 1):  # a record with fewer turns runs those it has
@@ -346,6 +426,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "target": args.target, "heads": str(args.heads), "head_type": lm.heads.config.head_type,
         "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens, "turns": turns,
+        "batch_size": batch_size,
         "tree": lm.tree_description(), "environment": environment(lm), "fast_path": getattr(args, "fast_path", "auto"),
         "command": "specheads bench " + " ".join(getattr(args, "argv", [])),
     }

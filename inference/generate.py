@@ -6,6 +6,7 @@ tree), accept (longest valid path + the target's bonus token), update (compact c
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.loading import load_heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.accept import accept_greedy, accept_tree
-from specheads.inference.batched import generate_batched
+from specheads.inference.batched import BatchRequest, generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, constrain_drafts
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
@@ -42,7 +43,7 @@ from specheads.inference.step_scores import StepRecorder, generate_output
 from specheads.inference.stopping import StopChecker, stopping_criteria_for
 from specheads.inference.target_support import check_tree_verification
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
-from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
+from specheads.inference.verify import DynamicTreeVerifier
 from specheads.targets import load_target
 
 ACCEPTANCE_RULES = ("exact", "typical")
@@ -347,8 +348,8 @@ class SpeculativeLM:
                 then holds this call's sequence (inference/prompt_cache.py). On the fast path, rounds run the per-phase
                 loop (the whole-round graph does not hand back each round's features).
             acceptance: "exact" (lossless) or "typical" (Medusa's, lossy, sampling only).
-            batched: for B > 1, verify all rows in one target forward (default when the target has no
-                sliding window) or, with False, run the rows one after another (the reference scheme).
+            batched: for B > 1, verify all rows in one target forward (the default) or, with False, run the rows
+                one after another (the reference scheme).
             fast_path: run rows on a static KV cache with fixed-shape tree verification, captured as a CUDA
                 graph on CUDA (inference/fast_path.py). None: on for a CUDA target and batch size 1 (not for
                 sliding-window targets whose window could be reached); True forces it (also on CPU); False: off.
@@ -356,26 +357,17 @@ class SpeculativeLM:
         After the call, `self.last_stats` holds new_tokens, target_forwards, mean_accepted (tau: new tokens
         per target forward, the bonus token counted, the prefill counted as one forward), rounds,
         accepted_per_depth (fraction of rounds accepting at least d drafted tokens), seconds, tokens_per_second,
-        prefill_seconds (prompt forwards up to the first token; rows decoded one at a time, 0 for batched
-        verification), ms_per_round (the rest of the time per round: drafting, verification, acceptance) and
+        prefill_seconds (prompt forwards up to the first token), ms_per_round (the rest of the time per round: drafting, verification, acceptance) and
         fast_path (whether the call ran on the static-cache fast path).
         """
-        config = self.target.generation_config if generation_config is None else generation_config
-        params = SamplingParams.resolve(
-            config, do_sample, temperature, top_p, top_k,
+        config, params, criteria = self._decoding_settings(
+            generation_config, do_sample, temperature, top_p, top_k, min_p=min_p, typical_p=typical_p,
             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-            min_new_tokens=min_new_tokens, min_p=min_p, typical_p=typical_p, bad_words_ids=bad_words_ids,
-            suppress_tokens=suppress_tokens, sequence_bias=sequence_bias,
-            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=logits_processor,
+            min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids, suppress_tokens=suppress_tokens,
+            sequence_bias=sequence_bias, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria, stop_strings=stop_strings,
+            max_time=max_time, tokenizer=tokenizer, acceptance=acceptance,
         )
-        params.validate()
-        check_generation_config(config, do_sample)
-        criteria = stopping_criteria_for(config, stopping_criteria, stop_strings, max_time,
-                                         tokenizer if tokenizer is not None else self.tokenizer)
-        if acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
-        if acceptance == "typical" and not do_sample:
-            raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
         max_new_tokens = new_token_budget(input_ids, max_new_tokens, max_length)
         if num_return_sequences is None:
             num_return_sequences = getattr(config, "num_return_sequences", None) or 1
@@ -395,7 +387,7 @@ class SpeculativeLM:
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0,
                  "reused_prompt_tokens": 0}
         start = time.perf_counter()
-        can_batch = sliding_window_of(self.target)[0] is None and hasattr(self.drafter, "fork")
+        can_batch = hasattr(self.drafter, "fork")
         if prompt_cache is not None:
             check_prompt_cache_call(prompt_cache, len(prompts), batched)
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
@@ -409,14 +401,11 @@ class SpeculativeLM:
         if batched is None:
             batched = len(prompts) > 1 and can_batch and runner is None
         if batched and not can_batch:
-            raise ValueError(
-                "batched=True needs a target without a sliding window and a drafter with fork(); use batched=False"
-            )
+            raise ValueError(f"batched=True needs a drafter with fork(); {type(self.drafter).__name__} has none: use "
+                             "batched=False")
         if batched:
-            drafters = [self.drafter.fork() for _ in prompts]
             stops = [None if criteria is None else StopChecker(criteria, p) for p in prompts]
-            rows = generate_batched(self, prompts, drafters, max_new_tokens, params, eos, acceptance, stats, stops,
-                                    recorders)
+            rows = generate_batched(self, prompts, max_new_tokens, params, eos, acceptance, stats, stops, recorders)
         else:
             verifier = runner if runner is not None else DynamicTreeVerifier(
                 self.target, self.heads.select_features, argmax=None if params.reads_sequence else self.certified_argmax
@@ -437,6 +426,90 @@ class SpeculativeLM:
         if not return_dict_in_generate:
             return sequences
         return generate_output(sequences, recorders or [], output_scores, output_logits)
+
+    def _decoding_settings(
+        self,
+        generation_config: GenerationConfig | None = None,
+        do_sample: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        *,
+        min_p: float | None = None,
+        typical_p: float | None = None,
+        repetition_penalty: float | None = None,
+        no_repeat_ngram_size: int | None = None,
+        min_new_tokens: int | None = None,
+        bad_words_ids: list[list[int]] | None = None,
+        suppress_tokens: list[int] | None = None,
+        sequence_bias: Any = None,
+        prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        stop_strings: str | list[str] | None = None,
+        max_time: float | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        acceptance: str = "exact",
+    ) -> tuple[GenerationConfig, SamplingParams, StoppingCriteriaList | None]:
+        """`generate`'s decoding options checked and resolved against the generation config: (config, sampling
+        parameters, stopping criteria or None)."""
+        config = self.target.generation_config if generation_config is None else generation_config
+        params = SamplingParams.resolve(
+            config, do_sample, temperature, top_p, top_k,
+            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+            min_new_tokens=min_new_tokens, min_p=min_p, typical_p=typical_p, bad_words_ids=bad_words_ids,
+            suppress_tokens=suppress_tokens, sequence_bias=sequence_bias,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=logits_processor,
+        )
+        params.validate()
+        check_generation_config(config, do_sample)
+        criteria = stopping_criteria_for(config, stopping_criteria, stop_strings, max_time,
+                                         tokenizer if tokenizer is not None else self.tokenizer)
+        if acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
+        if acceptance == "typical" and not do_sample:
+            raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
+        return config, params, criteria
+
+    def batch_request(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int | None = None,
+        *,
+        max_length: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        streamer: Any | None = None,
+        prompt_cache: PromptCache | None = None,
+        record_logits: bool = False,
+        seed: int | None = None,
+        **options: Any,
+    ) -> BatchRequest:
+        """One prompt as a request for a `BatchEngine` (continuous batching: inference/batched.py), checked as
+        `generate` checks it.
+
+        Args:
+            input_ids: the (n,) or (1, n) prompt, without padding.
+            max_new_tokens, max_length, eos_token_id, streamer, prompt_cache: as `generate` takes them.
+            record_logits: keep the target's logits of every emitted token (`request.recorder.logits`).
+            seed: sampling draws from a generator of its own seeded with this (reproducible whatever else runs in the
+                batch); None: torch's global generator.
+            **options: `generate`'s decoding options (do_sample, temperature, top_p, top_k, logits_processor,
+                stop_strings, generation_config, acceptance, ...).
+        """
+        config, params, criteria = self._decoding_settings(**options)
+        if seed is not None:
+            params = dataclasses.replace(params, generator=torch.Generator(self.target.device).manual_seed(seed))
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise ValueError(f"batch_request takes one prompt, got input_ids of shape {tuple(input_ids.shape)}")
+        budget = new_token_budget(input_ids, max_new_tokens, max_length)
+        (prompt,) = split_prompts(input_ids, None, budget, self.target, self.heads.config.vocab_size)
+        if prompt_cache is not None:
+            check_prompt_cache_call(prompt_cache, 1, None)
+        return BatchRequest(
+            prompt, budget, params, set(eos_ids(eos_token_id, config)), options.get("acceptance", "exact"),
+            None if criteria is None else StopChecker(criteria, prompt), streamer,
+            StepRecorder(params) if record_logits else None, prompt_cache,
+        )
 
     # --- the loop ---------------------------------------------------------------------------------------
     def _generate_row(
@@ -551,7 +624,7 @@ class SpeculativeLM:
         """The target's own next token from (1, V) logits: argmax, or a sample of the processed distribution."""
         if not params.do_sample:
             return logits.argmax(dim=-1)
-        return sample_token(target_probs(logits, params)[0])[None]
+        return sample_token(target_probs(logits, params)[0], params.generator)[None]
 
     @staticmethod
     def _emit(

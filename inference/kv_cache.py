@@ -121,3 +121,59 @@ def compact_cache(cache: Cache, prefix_length: int, keep: torch.Tensor) -> None:
         layer.values[:, :, prefix_length:total] = layer.values.index_select(2, source)
         layer.keys = layer.keys[:, :, :total]
         layer.values = layer.values[:, :, :total]
+
+
+# --- batches of rows in one rectangular cache (inference/batched.py) -------------------------------------------
+def layers_with_entries(cache: Cache) -> list:
+    """The layers that hold keys / values (transformers creates them lazily, at the first forward)."""
+    return [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel() > 0]
+
+
+def select_rows(cache: Cache, rows: list[int]) -> None:
+    """Keep the batch rows `rows` (in that order) of every layer."""
+    for layer in layers_with_entries(cache):
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+
+
+def compact_rows(cache: Cache, valid: torch.Tensor, paths: list[torch.Tensor], cache_width: int) -> None:
+    """`compact_cache` for a batch: row b's accepted tree entries (at cache_width + paths[b]) move to valid[b] on, in
+    place (the layers stay views of their buffers); the cache is then cropped to the longest row. Shorter paths are
+    padded with their last node: those copies land past the row's new length, where nothing is read."""
+    longest = max(p.shape[0] for p in paths)
+    source = torch.stack([torch.cat([p, p[-1:].expand(longest - p.shape[0])]) for p in paths]) + cache_width  # (B, L)
+    destination = valid[:, None] + torch.arange(longest, device=valid.device)  # (B, L)
+    width = int((valid + torch.tensor([p.shape[0] for p in paths], device=valid.device)).max())
+    for layer in layers_with_entries(cache):
+        batch, heads, _, dim = layer.keys.shape
+        expand = (batch, heads, longest, dim)
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            moved = tensor.gather(2, source[:, None, :, None].expand(expand))  # a copy: sources and targets may overlap
+            tensor.scatter_(2, destination[:, None, :, None].expand(expand), moved)
+            setattr(layer, name, tensor[:, :, :width])
+
+
+def join_caches(first: Cache, second: Cache) -> tuple[int, int]:
+    """Append `second`'s rows to `first`'s (batch dimension), the shorter of the two left-padded with zeros to the
+    other's length. Returns how many positions were prepended to (first, second): their rows' entries moved by that."""
+    width_first, width_second = cache_length(first), cache_length(second)
+    width = max(width_first, width_second)
+    for layer, other in zip(layers_with_entries(first), layers_with_entries(second), strict=True):
+        pairs = [(layer.keys, other.keys), (layer.values, other.values)]
+        keys, values = (
+            torch.cat([torch.nn.functional.pad(a, (0, 0, width - width_first, 0)),
+                       torch.nn.functional.pad(b, (0, 0, width - width_second, 0))])
+            for a, b in pairs
+        )
+        layer.keys, layer.values = keys, values
+    return width - width_first, width - width_second
+
+
+def row_cache(cache: Cache, row: int, positions: torch.Tensor) -> Cache:
+    """A new one-row `tree_cache()` holding batch row `row`'s entries at the (S,) `positions`, in that order."""
+    single = tree_cache()
+    for index, layer in enumerate(cache.layers):
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        single.update(layer.keys[row : row + 1, :, positions], layer.values[row : row + 1, :, positions], index)
+    return single

@@ -46,6 +46,8 @@ class SamplingParams:
     # inference/sequence_processors.py), so they also run once per tree depth with each node's own sequence
     prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None
     logits_processor: LogitsProcessorList | None = None
+    # where sampling's random numbers come from (a seeded request among others in a batch); None: torch's global
+    generator: torch.Generator | None = None
 
     @classmethod
     def resolve(
@@ -215,6 +217,6 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def sample_token(probs: torch.Tensor) -> torch.Tensor:
-    """One token id from (V,) probabilities (a 0-d long tensor)."""
-    return torch.multinomial(probs, 1)[0]
+def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id from (V,) probabilities (a 0-d long tensor); `generator`: None takes torch's global one."""
+    return torch.multinomial(probs, 1, generator=generator)[0]

@@ -7,23 +7,25 @@ Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both with `"stre
 target's own, as `generate` gives them: greedy (`temperature` 0) identical to `target.generate`, sampling from its
 distribution. Each answer carries `specheads` statistics (tau, reused prompt tokens, tokens/s).
 
-Requests run one at a time (one model, batch size 1; others wait their turn). The target's cache is kept between
-requests in a `PromptCachePool`: a chat client re-sends the whole conversation every turn, and only the part the
-previous turn did not leave in a slot runs through the target.
+Concurrent requests are batched continuously (`ServingLoop`, inference/serving_loop.py): a request that arrives
+while others are generating joins their batch at the next round, and one target forward verifies every row's tree
+(up to `max_batch` rows; the others wait for a row to end). Each answer is still exactly its own prompt's. The
+target's cache is kept between requests in a `PromptCachePool`: a chat client re-sends the whole conversation every
+turn, and only the part the previous turn did not leave in a slot runs through the target.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-import threading
+import queue
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
-from .generate_inputs import eos_ids
 from .openai_api import (
     ApiError,
     ParsedRequest,
@@ -36,6 +38,7 @@ from .openai_api import (
     token_logprobs,
 )
 from .prompt_cache import PromptCachePool
+from .serving_loop import ServingLoop
 from .text_deltas import TextDeltas
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -46,7 +49,7 @@ class ClientGone(Exception):
 
 
 class CompletionService:
-    """What the HTTP layer calls: checks a request, generates under a lock, and shapes the answer.
+    """What the HTTP layer calls: checks a request, has the serving loop generate it, and shapes the answer.
 
     Args:
         lm: the `SpeculativeLM` that answers (its tokenizer is used).
@@ -56,25 +59,28 @@ class CompletionService:
         chat_template: a Jinja template used instead of the tokenizer's.
         api_key: when set, every request must carry `Authorization: Bearer <api_key>` (else 401), as vLLM's
             `--api-key`; /health stays open.
+        max_batch: requests generated together at most (continuous batching); 1 answers one at a time.
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
-                 chat_template: str | None = None, api_key: str | None = None) -> None:
+                 chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8) -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
         self.defaults = {"max_new_tokens": 128, **(defaults or {})}
         self.chat_template = chat_template
-        self.pool = PromptCachePool(cache_slots)
-        self.lock = threading.Lock()
+        self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
         self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
 
     def warm_up(self) -> None:
         """One short generation, so the first client does not pay for first-call allocations and kernel setup."""
         ids = self.tokenizer("Hello", return_tensors="pt").input_ids.to(self.lm.target.device)
-        with self.lock:
-            self.lm.generate(ids, max_new_tokens=4)
+        self.loop.run(self.lm.batch_request(ids, max_new_tokens=4))
+
+    def close(self) -> None:
+        """Stop the serving loop (requests still running fail)."""
+        self.loop.close()
 
     def check_key(self, authorization: str | None) -> None:
         """Refuse (401) a request without the server's API key, when it has one."""
@@ -96,31 +102,39 @@ class CompletionService:
         self, request: ParsedRequest, chat: bool = True, on_text: Any = None
     ) -> tuple[str, str, dict[str, Any], dict[str, Any], dict[str, Any] | None]:
         """Generate the answer: (text, finish_reason, usage, statistics, logprobs or None); `on_text` gets each
-        streamed piece."""
-        scores = {} if request.logprobs is None else {"return_dict_in_generate": True, "output_logits": True}
-        deltas = TextDeltas(self.tokenizer, request.stop, on_text)
+        streamed piece (on this thread; if it raises, the generation is cancelled and the error passes on)."""
+        pieces: queue.SimpleQueue[str] = queue.SimpleQueue()
+        deltas = TextDeltas(self.tokenizer, request.stop, None if on_text is None else pieces.put)
         processors = None if request.json_schema is None else [self._constraint(request.json_schema)]
         ids = request.input_ids.to(self.lm.target.device)
-        with self.lock:
-            if request.seed is not None:
-                torch.manual_seed(request.seed)
-            cache = self.pool.take(ids[0])
+        try:
+            job = self.lm.batch_request(ids, streamer=deltas, logits_processor=processors, seed=request.seed,
+                                        record_logits=request.logprobs is not None, **request.options)
+        except ValueError as err:  # the prompt does not fit, a setting the target refuses, ...
+            raise ApiError(str(err)) from err
+        start = time.perf_counter()
+        ticket = self.loop.submit(job)
+        if on_text is not None:
             try:
-                out = self.lm.generate(ids, prompt_cache=cache, streamer=deltas, logits_processor=processors,
-                                       **request.options, **scores)
-            except ValueError as err:  # the prompt does not fit, a setting the target refuses, ...
-                raise ApiError(str(err)) from err
-            stats = dict(self.lm.last_stats)
-        sequences = out if request.logprobs is None else out.sequences
-        new = sequences[0, ids.shape[1]:].tolist()
+                while not ticket.done or not pieces.empty():  # the loop thread puts; this thread sends
+                    try:
+                        on_text(pieces.get(timeout=0.05))
+                    except queue.Empty:
+                        pass
+            except BaseException:
+                job.cancelled = True  # the row leaves the batch before the next round
+                raise
+        ticket.wait()
+        seconds = time.perf_counter() - start
+        new = job.new_tokens
         logprobs = None if request.logprobs is None else token_logprobs(
-            torch.cat(out.logits)[: len(new)], new, request.logprobs, self.tokenizer, chat)
-        eos = set(eos_ids(None, self.lm.target.generation_config))
-        reason = finish_reason(deltas.stopped, new, request.options["max_new_tokens"], eos)
+            torch.stack(job.recorder.logits)[: len(new)], new, request.logprobs, self.tokenizer, chat)
+        reason = finish_reason(deltas.stopped, new, job.max_new_tokens, job.eos)
         usage = {"prompt_tokens": ids.shape[1], "completion_tokens": len(new), "total_tokens": ids.shape[1] + len(new),
-                 "prompt_tokens_details": {"cached_tokens": stats.get("reused_prompt_tokens", 0)}}
-        summary = {key: stats[key] for key in ("mean_accepted", "target_forwards", "tokens_per_second",
-                                                "reused_prompt_tokens") if key in stats}
+                 "prompt_tokens_details": {"cached_tokens": job.reused_prompt_tokens}}
+        summary = {"mean_accepted": job.mean_accepted, "target_forwards": job.target_forwards,
+                   "tokens_per_second": len(new) / seconds if seconds > 0 else 0.0,
+                   "reused_prompt_tokens": job.reused_prompt_tokens}
         return deltas.text, reason, usage, summary, logprobs
 
     def _constraint(self, schema: dict[str, Any]) -> Any:

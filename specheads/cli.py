@@ -85,6 +85,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="conversations whose target cache is kept between requests (default: 4; 0: none)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template instead of the tokenizer's")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests generated together at most (continuous batching: one target forward verifies "
+                        "every row's tree; default: 8; 1: one at a time)")
     p.add_argument("--api-key", default=os.environ.get("SPECHEADS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every request (default: $SPECHEADS_API_KEY; unset: open)")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
@@ -99,7 +102,7 @@ def build_server(args: argparse.Namespace):
     lm, kernels = _load_lm(args)
     defaults = {k: v for k, v in _generate_options(args).items() if v is not None}
     service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template,
-                                args.api_key)
+                                args.api_key, args.max_batch)
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]
@@ -116,6 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         server.server_close()
+        server.RequestHandlerClass.service.close()  # the serving loop's thread
     return 0
 
 

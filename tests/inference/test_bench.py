@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from specheads import SpeculativeLM, create_heads, load_target
-from specheads.inference.bench import aggregate, bench_main, build_parser, run_prompt
+from specheads.inference.bench import (
+    aggregate,
+    answer_lengths,
+    bench_main,
+    build_parser,
+    run_batch,
+    run_prompt,
+)
 from specheads.inference.bench_report import markdown_table
 from specheads.inference.fast_path import StaticGreedyDecoder
 from specheads.inference.prompts import Prompt, calibration_prompts, read_prompts
@@ -97,6 +104,28 @@ class _CorruptingLM:
         self.last_stats = self.lm.last_stats
         out[0, ids.shape[1] + 2] = (out[0, ids.shape[1] + 2] + 1) % self.target.config.vocab_size
         return out
+
+
+def test_bench_batch_size_runs_batches_against_plain_batched_generate(tmp_path, eagle_heads_dir):
+    lines = "Once upon a time\nThe cat sat\nLily and Tom went to the park to play\nThe dog\nA big red ball\n"
+    results, _ = run_bench(tmp_path, eagle_heads_dir, lines, "--batch-size", "2", "--modes", "greedy,sample")
+    assert results["batch_size"] == 2 and results["greedy_identical"] is True
+    greedy = [r for r in results["per_prompt"] if r["mode"] == "greedy"]
+    assert [r["batch_size"] for r in greedy] == [2, 2, 1]  # five prompts: two batches of 2, then one
+    assert all(r["tokens"] == r["baseline_tokens"] for r in greedy)  # the same answers
+    assert sum(r["tokens"] for r in greedy) == results["greedy"]["overall"]["tokens"] > 0
+    assert results["sample"]["overall"]["tau"] >= 1.0
+
+
+def test_a_batched_greedy_difference_fails_the_bench(eagle_heads_dir):
+    lm = SpeculativeLM.from_pretrained("stories260K", eagle_heads_dir)
+    args = build_parser().parse_args(["--heads", "x", "--prompts", "x", "--max-new-tokens", "8"])
+    prompts = [Prompt(f"p{i}", "text", text, lm.tokenizer(text, return_tensors="pt").input_ids)
+               for i, text in enumerate(["Once upon a time", "The cat sat on the mat"])]
+    assert run_batch(lm, prompts, "greedy", args)["identical_to_plain_batch"] == 2
+    with pytest.raises(RuntimeError, match="prompt p0 in a batch of 2"):
+        run_batch(_CorruptingLM(lm), prompts, "greedy", args)
+    assert answer_lengths(torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8]]), {2}) == [2, 4]
 
 
 def test_bench_graphed_prefill_is_recorded_and_exact(tmp_path, eagle_heads_dir):

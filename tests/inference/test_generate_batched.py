@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from specheads import SpeculativeLM, create_heads
-from specheads.inference.batched import compaction_index, prefill_mask
+from specheads.inference.batched import prefill_mask
+from specheads.inference.kv_cache import compact_rows, tree_cache
 
 from ..conftest import build_tiny_target
 from .conftest import left_pad
@@ -78,26 +79,35 @@ def test_batched_sampling_runs_and_respects_lengths(stories260k):
     assert lm.last_stats["new_tokens"] == 50
 
 
-def test_sliding_window_targets_fall_back_to_rows():
-    """Mistral-style sliding windows run row by row automatically; forcing batched=True is a clear error."""
-    target = build_tiny_target("mistral", seed=1, sliding_window=8)
+@pytest.mark.parametrize(
+    ("family", "window_options"),
+    [("mistral", dict(sliding_window=8)), ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))],
+)
+def test_sliding_window_targets_batch_past_their_window(family, window_options):
+    """Rows far past a window of 8 (every layer windowed; a full layer, then a sliding one): each row's window is
+    applied from its own positions, and every row equals its plain greedy answer."""
+    target = build_tiny_target(family, seed=1, **window_options)
     lm = SpeculativeLM(target, create_heads(target, "medusa"))
-    ids, mask = left_pad(PROMPTS[:2])
-    out = lm.generate(ids, attention_mask=mask, max_new_tokens=12)
-    assert "batched_forwards" not in lm.last_stats
-    for i, prompt in enumerate(PROMPTS[:2]):
-        alone = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert torch.equal(out[i, ids.shape[1] :], alone[0, len(prompt) :])
-    with pytest.raises(ValueError, match="sliding window"):
-        lm.generate(ids, attention_mask=mask, max_new_tokens=4, batched=True)
+    ids, mask = left_pad(PROMPTS)
+    out = lm.generate(ids, attention_mask=mask, max_new_tokens=24)
+    assert lm.last_stats["batched_forwards"] < lm.last_stats["target_forwards"]
+    for i, prompt in enumerate(PROMPTS):
+        alone = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert torch.equal(out[i, ids.shape[1] :], alone[0, len(prompt) :]), f"row {i}"
 
 
-def test_prefill_mask_and_compaction_index():
+def test_prefill_mask_and_compact_rows():
     """Padding keys are hidden, padding queries see themselves; accepted paths land right after each row's prefix."""
     mask = prefill_mask(torch.tensor([3, 1]), 3, torch.float32)  # row 1 has two padding positions
     visible = mask[:, 0] == 0
     assert visible[0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     assert visible[1].tolist() == [[True, False, False], [False, True, False], [False, False, True]]
-    index = compaction_index(torch.tensor([5, 3]), [torch.tensor([0, 2]), torch.tensor([0, 1, 4])], cache_length=6)
-    assert index[0, :7].tolist() == [0, 1, 2, 3, 4, 6, 8]
-    assert index[1, :6].tolist() == [0, 1, 2, 6, 7, 10]
+    cache = tree_cache()  # 2 rows, 6 committed slots + a 5-node tree; each entry holds its own position
+    positions = torch.arange(11.0)[None, None, :, None].expand(2, 1, 11, 2).contiguous()
+    cache.update(positions, positions + 100, 0)
+    compact_rows(cache, torch.tensor([5, 3]), [torch.tensor([0, 2]), torch.tensor([0, 1, 4])], cache_width=6)
+    keys, values = cache.layers[0].keys[:, 0, :, 0], cache.layers[0].values[:, 0, :, 0]
+    assert keys.shape[1] == 7  # the longest row: 5 + 2
+    assert keys[0].tolist() == [0, 1, 2, 3, 4, 6, 8]  # row 0 keeps 5, then tree nodes 0 and 2
+    assert keys[1, :6].tolist() == [0, 1, 2, 6, 7, 10]  # row 1 keeps 3, then nodes 0, 1 and 4
+    assert torch.equal(values, keys + 100)

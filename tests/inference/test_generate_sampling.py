@@ -255,7 +255,7 @@ def test_exact_law_matches_the_engine_target_probs(six_token_target):
 
 
 # --- the test can fail ----------------------------------------------------------------------------------------
-def accept_first_children(tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor):
+def accept_first_children(tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor, generator=None):
     """WRONG on purpose: always accept the first child at every depth (the draft wins)."""
     node, path = 0, [0]
     while True:
@@ -266,7 +266,7 @@ def accept_first_children(tokens: torch.Tensor, tree: TreeBuffers, probs: torch.
         path.append(node)
 
 
-def accept_without_residual(tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor):
+def accept_without_residual(tokens: torch.Tensor, tree: TreeBuffers, probs: torch.Tensor, generator=None):
     """WRONG on purpose: rejection sampling that forgets to remove rejected candidates (no residual)."""
     node, path = 0, [0]
     while True:

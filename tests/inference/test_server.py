@@ -170,7 +170,7 @@ def test_logprobs_are_the_targets_own(server):
 
 
 def test_concurrent_requests_each_get_their_own_answer(server):
-    """Clients in parallel: requests wait their turn for the model, and each answer is its own prompt's."""
+    """Clients in parallel: their requests are generated in one batch, and each answer is its own prompt's."""
     from concurrent.futures import ThreadPoolExecutor
 
     url, _, target, tokenizer = server
@@ -180,6 +180,7 @@ def test_concurrent_requests_each_get_their_own_answer(server):
     for prompt, (status, body) in zip(prompts, answers):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         assert status == 200 and body["choices"][0]["text"] == greedy_text(target, tokenizer, ids, 12)
+        assert body["usage"]["completion_tokens"] == 12 and body["specheads"]["target_forwards"] >= 1
 
 
 def test_a_client_leaving_a_stream_stops_it_and_the_next_answer_is_exact(server):
@@ -233,12 +234,14 @@ def test_bad_requests_get_an_openai_error_naming_the_field(server, path, body, s
 
 
 def test_a_failing_generation_is_a_server_error_and_the_server_keeps_serving(server, monkeypatch):
+    from specheads.inference.batched import BatchEngine
+
     url, service, *_ = server
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(service.lm, "generate", broken)
+    monkeypatch.setattr(BatchEngine, "step", broken)
     status, body = post(url + "/v1/completions", {"prompt": "Once upon a time"})
     assert status == 500 and "RuntimeError: out of memory" in body["error"]["message"]
     _, events = post(url + "/v1/completions", {"prompt": "Once upon a time", "stream": True})

@@ -1,0 +1,126 @@
+"""A `BatchEngine` driven by one background thread, for callers on many threads (the server's clients).
+
+Callers `submit` requests from any thread and wait on the returned `Ticket`. The loop thread lets waiting requests
+join the running batch before each round (up to `max_batch` rows), runs the round, and wakes the callers whose
+requests ended. A request that arrives while others are generating does not wait for them: it starts at the next
+round, and the target verifies every row's tree in one forward.
+
+Streamed tokens reach a request's `streamer` on the loop thread; a streamer must not block (the server's puts text
+into a queue its own thread sends from). A caller that gives up sets `request.cancelled`: the row leaves the batch
+before the next round. If a round fails (an exception in the target, a processor, a streamer), every request in
+the batch fails with that exception and the loop goes on with a fresh engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .batched import BatchEngine, BatchRequest
+from .prompt_cache import PromptCachePool
+
+
+class Ticket:
+    """A submitted request's handle: `wait()` returns it once it ended, or raises the error that ended it."""
+
+    def __init__(self, request: BatchRequest) -> None:
+        self.request = request
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> BatchRequest:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the request did not end within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.request
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _end(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+
+class ServingLoop:
+    """Continuous batching on a background thread.
+
+    Args:
+        lm: the `SpeculativeLM` whose target and heads answer.
+        max_batch: rows generated together at most; further requests wait for a row to end.
+        pool: prompt caches kept between requests (multi-turn chat): a request without its own `prompt_cache` takes
+            the pool's slot for its prompt when it joins (on the loop thread, so the pool needs no lock).
+    """
+
+    def __init__(self, lm: Any, max_batch: int = 8, pool: PromptCachePool | None = None) -> None:
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch={max_batch!r}: expected an integer >= 1")
+        self.lm, self.max_batch, self.pool = lm, max_batch, pool
+        self.engine = BatchEngine(lm)
+        self._waiting: list[Ticket] = []
+        self._running: dict[int, Ticket] = {}  # id(request) -> ticket, for the rows in the engine
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="specheads-batch-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: BatchRequest) -> Ticket:
+        """Queue `request`; it joins the batch before the next round."""
+        ticket = Ticket(request)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the serving loop is closed")
+            self._waiting.append(ticket)
+            self._wake.notify()
+        return ticket
+
+    def run(self, request: BatchRequest) -> BatchRequest:
+        """`submit` and wait for the end."""
+        return self.submit(request).wait()
+
+    @property
+    def active(self) -> int:
+        """Requests generating now."""
+        return len(self._running)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop thread after the current round; requests still waiting or running fail."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self._waiting and not self.engine.rows:
+                    self._wake.wait()
+                if self._closed:
+                    stopped = RuntimeError("the serving loop was closed")
+                    for ticket in self._waiting + list(self._running.values()):
+                        ticket._end(stopped)
+                    self._waiting, self._running = [], {}
+                    return
+                room = max(self.max_batch - len(self.engine.rows), 0)
+                joining, self._waiting = self._waiting[:room], self._waiting[room:]
+            self._round(joining)
+
+    def _round(self, joining: list[Ticket]) -> None:
+        """Let `joining` in, run one round, wake the callers whose requests ended."""
+        for ticket in joining:
+            self._running[id(ticket.request)] = ticket
+            if self.pool is not None and ticket.request.prompt_cache is None:
+                ticket.request.prompt_cache = self.pool.take(ticket.request.prompt)
+        try:
+            ended = self.engine.add([t.request for t in joining]) if joining else []
+            ended += self.engine.step()
+        except Exception as err:  # the batch's state is unknown: fail its requests, start afresh
+            for ticket in self._running.values():
+                ticket._end(err)
+            self._running = {}
+            self.engine = BatchEngine(self.lm)
+            return
+        for request in ended:
+            self._running.pop(id(request))._end()

@@ -1,0 +1,136 @@
+"""Concurrent clients: continuous batching (`ServingLoop`) against answering one request at a time.
+
+    python scripts/serve_throughput.py --target smollm2-135m-instruct --heads checkpoints/smollm2-135m-instruct-eagle3 \
+        --clients 4 --prompts 16 --max-new-tokens 128 --threads 2 --out docs/bench/serve_throughput_smollm2.json
+
+`--clients` threads each send MT-bench first turns (chat template applied) one after another, as chat users of a
+server do; every side answers the same prompts in the same process, one after the other:
+- `one_at_a_time`: `lm.generate` per request under a lock (the server before continuous batching);
+- `loop_batch_1`: the serving loop with `max_batch=1` (the batching machinery, one row at a time);
+- `loop_batch_N`: the serving loop with `max_batch=clients`: requests join the running batch between rounds.
+Reported: total new tokens per second over the run, the mean and longest seconds per request (queueing included), and the tau of each side;
+greedy answers are checked identical across the sides (the run fails if not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from specheads import SpeculativeLM
+from specheads.inference.prompts import read_prompts, tokenize_prompts
+from specheads.inference.serving_loop import ServingLoop
+
+
+def run_clients(prompts: list[torch.Tensor], clients: int, answer) -> tuple[dict, list[list[int]]]:
+    """`clients` threads take the prompts in turn and call `answer(ids) -> (new tokens, tau)`."""
+    answers: list[list[int] | None] = [None] * len(prompts)
+    latencies, taus = [], []
+    next_index = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                index = next(next_index, None)
+            if index is None:
+                return
+            start = time.perf_counter()
+            tokens, tau = answer(prompts[index])
+            latencies.append(time.perf_counter() - start)
+            answers[index] = tokens
+            taus.append(tau)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - start
+    new_tokens = sum(len(a) for a in answers)
+    return {"seconds": seconds, "new_tokens": new_tokens, "tokens_per_second": new_tokens / seconds,
+            "mean_request_seconds": statistics.mean(latencies), "max_request_seconds": max(latencies), "mean_tau": statistics.mean(taus)}, answers
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-eagle3")
+    parser.add_argument("--prompt-file", default="configs/prompts/mt_bench_questions.jsonl")
+    parser.add_argument("--prompts", type=int, default=16, help="MT-bench first turns used (2 per category for 16)")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--tree", default="4,4,8,0.2,0.03",
+                        help="EAGLE tree: depth,top_k,nodes[,stop_prob,min_prob] (default: what `bench --tree auto` "
+                             "chose for SmolLM2 on 2 threads)")
+    parser.add_argument("--lookup-tokens", type=int, default=10)
+    parser.add_argument("--lookup-max-tokens", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
+                                      lookup_max_tokens=args.lookup_max_tokens or None)
+    depth, top_k, nodes, *pruning = args.tree.split(",")
+    lm.configure_tree(tree_depth=int(depth), tree_top_k=int(top_k), tree_num_nodes=int(nodes),
+                      tree_stop_prob=float(pruning[0]) if pruning else None,
+                      tree_min_prob=float(pruning[1]) if len(pruning) > 1 else None)
+    kernels = lm.use_cpu_kernels()
+    per_category = max(args.prompts // 8, 1)
+    rows = read_prompts(args.prompt_file, per_category=per_category, limit=args.prompts)
+    prompts = [p.input_ids[0].to(lm.target.device) for p in tokenize_prompts(rows, lm.tokenizer)]
+    for ids in prompts[:2]:  # warm-up: first-call allocations, kernel setup
+        lm.generate(ids[None], max_new_tokens=8)
+
+    generate_lock = threading.Lock()
+
+    def one_at_a_time(ids: torch.Tensor) -> tuple[list[int], float]:
+        with generate_lock:
+            out = lm.generate(ids[None], max_new_tokens=args.max_new_tokens)
+            return out[0, ids.shape[0]:].tolist(), lm.last_stats["mean_accepted"]
+
+    def through(loop: ServingLoop):
+        def answer(ids: torch.Tensor) -> tuple[list[int], float]:
+            request = loop.run(lm.batch_request(ids, max_new_tokens=args.max_new_tokens))
+            return request.new_tokens, request.mean_accepted
+        return answer
+
+    results, reference = {}, None
+    sides = [("one_at_a_time", None), ("loop_batch_1", 1), (f"loop_batch_{args.clients}", args.clients)]
+    for name, max_batch in sides:
+        loop = None if max_batch is None else ServingLoop(lm, max_batch)
+        results[name], answers = run_clients(prompts, args.clients, one_at_a_time if loop is None else through(loop))
+        if loop is not None:
+            results[name]["shared_forwards"] = 1 - loop.engine.stats["batched_forwards"] / max(
+                loop.engine.stats["target_forwards"], 1)
+            loop.close()
+        reference = reference or answers
+        identical = sum(a == b for a, b in zip(answers, reference))
+        results[name]["identical"] = f"{identical}/{len(prompts)}"
+        print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
+        if identical != len(prompts):
+            print(f"FAILED: {name} answers differ from one_at_a_time's", file=sys.stderr)
+            return 1
+    base = results["one_at_a_time"]["tokens_per_second"]
+    for values in results.values():
+        values["throughput_ratio"] = values["tokens_per_second"] / base
+    report = {"target": args.target, "heads": args.heads, "tree": args.tree, "clients": args.clients, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "threads": args.threads, "kernels": kernels,
+              "torch": torch.__version__, "results": results}
+    print(json.dumps(report, indent=2))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
