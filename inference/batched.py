@@ -131,6 +131,7 @@ class BatchRequest:
     reused_prompt_tokens: int = 0
     finished: bool = False
     cancelled: bool = False  # set by the caller (a client gone): the row leaves before the next round
+    error: Exception | None = None  # what ended the row, when an engine that isolates errors caught one
 
     @property
     def mean_accepted(self) -> float:
@@ -165,15 +166,18 @@ class BatchEngine:
 
     Args:
         lm: the `SpeculativeLM` (its target, heads and drafter settings; each row drafts with its own fork).
+        isolate_errors: an exception in one row's own work (its drafting, acceptance, processors, streamer, stopping
+            criteria) ends that row with `request.error` set and the others go on; False (default) raises it. An
+            exception in the shared forward always raises.
         stats: a dict the engine adds its counts to (target_forwards, batched_forwards, rounds, accepted_counts,
             new_tokens, reused_prompt_tokens, prefill_seconds: joining rows' prompt forwards up to their first
             token), as `generate`'s `last_stats` are made from.
     """
 
-    def __init__(self, lm: Any, stats: dict[str, Any] | None = None) -> None:
+    def __init__(self, lm: Any, stats: dict[str, Any] | None = None, isolate_errors: bool = False) -> None:
         if not hasattr(lm.drafter, "fork"):
             raise ValueError(f"batched decoding needs a drafter with fork(); {type(lm.drafter).__name__} has none")
-        self.lm = lm
+        self.lm, self.isolate_errors = lm, isolate_errors
         self.stats = stats if stats is not None else {
             "new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "reused_prompt_tokens": 0}
         self.stats.setdefault("batched_forwards", 0)
@@ -233,27 +237,14 @@ class BatchEngine:
     def _join(self, cache: Cache, pad: torch.Tensor, requests: list[BatchRequest], last_logits: torch.Tensor,
               features: list[torch.Tensor]) -> list[BatchRequest]:
         """Emit each prefilled row's first token, then append the rows that go on to the running batch."""
-        lm = self.lm
         valid = torch.full_like(pad, cache_length(cache))
         rows: list[_Row] = []
         for b, request in enumerate(requests):
-            if request.streamer is not None:
-                request.streamer.put(request.prompt.cpu())
-            params, prompt = request.params, request.prompt
-            request.target_forwards += 1
-            context = SequenceContext(prompt, params, sorted(request.eos), request.row) if params.reads_sequence else None
-            processed = last_logits[b] if context is None else context.last(last_logits[b])  # (1, V)
-            root = lm._choose(processed, params)[0]
-            self._emit(request, [int(root)])
-            if request.recorder is not None:
-                request.recorder.add(last_logits[b], request.recorder.warped(processed.float()), len(request.new_tokens))
-            if context is not None:
-                context.commit(root)
-            drafter = lm.drafter.fork()
-            drafter.reset()
-            constrain_drafts(drafter, context, lm.heads.config.vocab_size)  # processors that ban: allowed drafts only
-            rows.append(_Row(request, drafter, features[b], torch.cat([prompt[1:], root[None]]), context,
-                             None if request.prompt_cache is None else [features[b]]))
+            try:
+                rows.append(self._start(request, last_logits[b], features[b]))
+            except Exception as err:
+                self._fail(request, err)
+                rows.append(_Row(request, None, features[b], request.prompt, None, None))  # keeps row b's place
         ended = [row for row in rows if row.request.finished]
         for row in ended:
             b = rows.index(row)
@@ -272,6 +263,32 @@ class BatchEngine:
             self.rows += rows
         return [row.request for row in ended]
 
+    def _start(self, request: BatchRequest, last_logits: torch.Tensor, features: torch.Tensor) -> _Row:
+        """A prefilled row's first token (from its (1, V) last logits) and its decoding state ((n, h) features)."""
+        lm, params, prompt = self.lm, request.params, request.prompt
+        if request.streamer is not None:
+            request.streamer.put(prompt.cpu())
+        request.target_forwards += 1
+        context = SequenceContext(prompt, params, sorted(request.eos), request.row) if params.reads_sequence else None
+        processed = last_logits if context is None else context.last(last_logits)  # (1, V)
+        root = lm._choose(processed, params)[0]
+        self._emit(request, [int(root)])
+        if request.recorder is not None:
+            request.recorder.add(last_logits, request.recorder.warped(processed.float()), len(request.new_tokens))
+        if context is not None:
+            context.commit(root)
+        drafter = lm.drafter.fork()
+        drafter.reset()
+        constrain_drafts(drafter, context, lm.heads.config.vocab_size)  # processors that ban: allowed drafts only
+        return _Row(request, drafter, features, torch.cat([prompt[1:], root[None]]), context,
+                    None if request.prompt_cache is None else [features])
+
+    def _fail(self, request: BatchRequest, err: Exception) -> None:
+        """A row's own work raised: re-raise it, or (isolating errors) end that row with it."""
+        if not self.isolate_errors:
+            raise err
+        request.error, request.finished = err, True
+
     # --- one round ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[BatchRequest]:
@@ -281,9 +298,18 @@ class BatchEngine:
         if not self.rows:
             return ended
         lm, target, device = self.lm, self.lm.target, self.lm.target.device
-        pad, valid, rows = self.pad, self.valid, self.rows
         # draft
-        proposals = [row.drafter.propose(row.features, row.next_tokens) for row in rows]
+        proposals, failed = [], []
+        for b, row in enumerate(self.rows):
+            try:
+                proposals.append(row.drafter.propose(row.features, row.next_tokens))
+            except Exception as err:
+                self._fail(row.request, err)
+                failed.append(b)
+        ended += self._drop(failed)
+        if not self.rows:
+            return ended
+        pad, valid, rows = self.pad, self.valid, self.rows
         trees = [tree for _, tree in proposals]
         nodes = max(tree.num_nodes for tree in trees)
         tokens = torch.zeros(len(rows), nodes, dtype=torch.long, device=device)
@@ -312,30 +338,41 @@ class BatchEngine:
         # accept, per row
         paths = []
         for i, ((tree_tokens, tree), row) in enumerate(zip(proposals, rows)):
-            request = row.request
-            if argmax is not None:
-                path, bonus = accept_greedy(tree_tokens, tree, target_argmax[i, : tree.num_nodes])
-            else:
-                logits = out.logits[i, : tree.num_nodes]  # (N, V)
-                path, bonus = accept_tree(tree_tokens, tree, logits, request.params, request.acceptance, row.context)
-            accepted = torch.cat([tree_tokens[path[1:]], bonus[None]])
-            request.target_forwards += 1
-            request.accepted_counts.append(path.shape[0] - 1)
-            self.stats["accepted_counts"].append(path.shape[0] - 1)
-            paths.append(path)
-            row.features, row.next_tokens = row_features[i, path], accepted
-            if row.committed_features is not None:
-                row.committed_features.append(row.features)
-            emitted = len(request.new_tokens)
-            self._emit(request, accepted.tolist())
-            if request.recorder is not None:  # before the commit: each path node's sequence ends at the committed one
-                request.recorder.add_path(logits, tree_tokens, tree, path, row.context, len(request.new_tokens) - emitted)
-            if row.context is not None:
-                row.context.commit(accepted)
+            try:
+                logits = None if argmax is not None else out.logits[i, : tree.num_nodes]  # (N, V)
+                paths.append(self._accept(row, tree_tokens, tree, logits,
+                                          None if argmax is None else target_argmax[i, : tree.num_nodes], row_features[i]))
+            except Exception as err:
+                self._fail(row.request, err)
+                paths.append(torch.zeros(1, dtype=torch.long, device=device))  # the root: the row leaves anyway
         # update: compact every row's cache to its path (in place), then drop finished rows
         compact_rows(self.cache, valid, paths, cache_width)
         self.valid = valid + torch.tensor([p.shape[0] for p in paths], device=device)
         return ended + self._drop([b for b, row in enumerate(rows) if row.request.finished])
+
+    def _accept(self, row: _Row, tokens: torch.Tensor, tree: TreeBuffers, logits: torch.Tensor | None,
+                target_argmax: torch.Tensor | None, node_features: torch.Tensor) -> torch.Tensor:
+        """One row's acceptance from its (N, V) tree logits or (N,) target argmax, then its emission and new state
+        ((N_max, h) node features); returns its accepted path of tree nodes."""
+        request = row.request
+        if target_argmax is not None:
+            path, bonus = accept_greedy(tokens, tree, target_argmax)
+        else:
+            path, bonus = accept_tree(tokens, tree, logits, request.params, request.acceptance, row.context)
+        accepted = torch.cat([tokens[path[1:]], bonus[None]])
+        request.target_forwards += 1
+        request.accepted_counts.append(path.shape[0] - 1)
+        self.stats["accepted_counts"].append(path.shape[0] - 1)
+        row.features, row.next_tokens = node_features[path], accepted
+        if row.committed_features is not None:
+            row.committed_features.append(row.features)
+        emitted = len(request.new_tokens)
+        self._emit(request, accepted.tolist())
+        if request.recorder is not None:  # before the commit: each path node's sequence ends at the committed one
+            request.recorder.add_path(logits, tokens, tree, path, row.context, len(request.new_tokens) - emitted)
+        if row.context is not None:
+            row.context.commit(accepted)
+        return path
 
     def _drop(self, leaving: list[int]) -> list[BatchRequest]:
         """Finish the rows at batch indices `leaving` and take them out of the (compact) cache."""
@@ -358,13 +395,14 @@ class BatchEngine:
         row b), its streamer ends, and its tokens count."""
         request = row.request
         request.finished = True
-        constrain_drafts(row.drafter, None, 0)
+        if row.drafter is not None:
+            constrain_drafts(row.drafter, None, 0)
         self.stats["new_tokens"] += len(request.new_tokens)
-        if request.prompt_cache is not None and not request.cancelled:
+        if request.prompt_cache is not None and not request.cancelled and request.error is None:
             request.prompt_cache.store_call(request.prompt, request.new_tokens, source.shape[0],
                                             row_cache(cache, b, source), torch.cat(row.committed_features),
                                             self.lm.target, self.lm.heads)
-        if request.streamer is not None:
+        if request.streamer is not None and request.error is None:
             request.streamer.end()
 
     def _emit(self, request: BatchRequest, tokens: list[int]) -> None:

@@ -2,8 +2,8 @@
 
 `parse_request` checks a `/v1/chat/completions` or `/v1/completions` body and turns it into the prompt's token ids
 and `generate` keyword arguments; every refusal is an `ApiError` naming the field, its value and what was expected.
-The fields that would change the answer in a way this engine cannot (n > 1, tools, presence / frequency penalties,
-logit biases, streamed log-probabilities) are refused rather than ignored; fields that do not change it (user,
+The fields that would change the answer in a way this engine cannot (best_of > n, tools, presence / frequency
+penalties, logit biases, streamed log-probabilities) are refused rather than ignored; fields that do not change it (user,
 metadata) are ignored. Extensions, as vLLM takes them: top_k, min_p, repetition_penalty. Log-probabilities are the
 target's own, from its raw logits (vLLM's default), for every generated token (a stop string's tokens included).
 """
@@ -30,6 +30,7 @@ REFUSED = {  # field -> (the values that leave the answer as it is, why any othe
     "echo": ((None, False), "echoing the prompt is not supported"),
     "suffix": ((None, ""), "suffixes are not supported"),
 }
+MAX_CHOICES = 16  # n at most: the choices of one request are rows of the running batch
 ROLES = ("system", "developer", "user", "assistant")  # "developer": OpenAI's newer name for system instructions
 
 
@@ -57,6 +58,16 @@ class ParsedRequest:
     seed: int | None = None
     json_schema: dict[str, Any] | None = None
     logprobs: int | None = None  # None: none returned; k: each token's log-probability and its k likeliest rivals
+    n: int = 1  # choices to return (sampled independently; greedy ones are all the same answer)
+
+
+@dataclass
+class Choice:
+    """One generated choice of an answer."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None,
@@ -144,10 +155,11 @@ def parse_request(
     for name, (harmless, why) in REFUSED.items():
         if body.get(name) not in harmless:
             raise ApiError(f"{name}={body[name]!r} is not supported: {why}", param=name)
-    n = body.get("n", 1)
-    if n != 1 or body.get("best_of", 1) != 1:
-        raise ApiError(f"n={n!r}, best_of={body.get('best_of', 1)!r}: one completion per request (send several "
-                       "requests)", param="n")
+    n = _number(body, "n", int, 1, MAX_CHOICES) or 1
+    best_of = body.get("best_of")
+    if best_of not in (None, n):
+        raise ApiError(f"best_of={best_of!r} is not supported: choices are not ranked (ask for n={best_of} and pick)",
+                       param="best_of")
     input_ids = chat_prompt(body, tokenizer, chat_template) if chat else completion_prompt(body, tokenizer)
 
     options = dict(defaults)
@@ -180,7 +192,7 @@ def parse_request(
     return ParsedRequest(
         input_ids=input_ids, options=options, stop=options["stop_strings"] or [], stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)), seed=_number(body, "seed", int),
-        json_schema=_json_schema(body.get("response_format")), logprobs=logprobs,
+        json_schema=_json_schema(body.get("response_format")), logprobs=logprobs, n=n,
     )
 
 
@@ -242,22 +254,25 @@ def finish_reason(stopped_by_string: bool, new_tokens: list[int], max_new_tokens
     return "length"
 
 
-def response_body(chat: bool, model: str, text: str, reason: str, usage: dict[str, Any],
-                  stats: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def response_body(chat: bool, model: str, choices: list[Choice], usage: dict[str, Any],
+                  stats: dict[str, Any]) -> dict[str, Any]:
     """The whole (non-streamed) answer; `specheads` carries the speculation statistics."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    body_choices = []
+    for index, choice in enumerate(choices):
+        entry: dict[str, Any] = {"index": index, "finish_reason": choice.finish_reason, "logprobs": choice.logprobs}
+        if chat:
+            entry["message"] = {"role": "assistant", "content": choice.text}
+        else:
+            entry["text"] = choice.text
+        body_choices.append(entry)
     return {"id": new_id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage, "specheads": stats}
+            "model": model, "choices": body_choices, "usage": usage, "specheads": stats}
 
 
 def chunk_body(chat: bool, request_id: str, model: str, text: str | None = None, reason: str | None = None,
-               first: bool = False) -> dict[str, Any]:
-    """One streamed piece of the answer (the first of a chat carries the role; the last the finish_reason)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+               first: bool = False, index: int = 0) -> dict[str, Any]:
+    """One streamed piece of choice `index` (the first of a chat carries the role; the last the finish_reason)."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": reason}
     if chat:
         delta: dict[str, str] = {"role": "assistant"} if first else {}
         if text:

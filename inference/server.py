@@ -28,6 +28,7 @@ import torch
 
 from .openai_api import (
     ApiError,
+    Choice,
     ParsedRequest,
     chunk_body,
     finish_reason,
@@ -100,42 +101,60 @@ class CompletionService:
 
     def complete(
         self, request: ParsedRequest, chat: bool = True, on_text: Any = None
-    ) -> tuple[str, str, dict[str, Any], dict[str, Any], dict[str, Any] | None]:
-        """Generate the answer: (text, finish_reason, usage, statistics, logprobs or None); `on_text` gets each
-        streamed piece (on this thread; if it raises, the generation is cancelled and the error passes on)."""
-        pieces: queue.SimpleQueue[str] = queue.SimpleQueue()
-        deltas = TextDeltas(self.tokenizer, request.stop, None if on_text is None else pieces.put)
-        processors = None if request.json_schema is None else [self._constraint(request.json_schema)]
+    ) -> tuple[list[Choice], dict[str, Any], dict[str, Any]]:
+        """Generate the answer's `request.n` choices: (choices, usage, statistics). Sampled choices are rows of the
+        running batch, each with its own generator (seed + index when seeded); greedy ones are one answer, copied.
+        `on_text(index, piece)` gets each streamed piece (on this thread; if it raises, the generation is cancelled
+        and the error passes on)."""
+        sampled = bool(request.options.get("do_sample"))
+        runs = request.n if sampled else 1
+        pieces: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
         ids = request.input_ids.to(self.lm.target.device)
-        try:
-            job = self.lm.batch_request(ids, streamer=deltas, logits_processor=processors, seed=request.seed,
-                                        record_logits=request.logprobs is not None, **request.options)
-        except ValueError as err:  # the prompt does not fit, a setting the target refuses, ...
-            raise ApiError(str(err)) from err
-        start = time.perf_counter()
-        ticket = self.loop.submit(job)
-        if on_text is not None:
+        jobs, deltas = [], []
+        for run in range(runs):
+            send = None if on_text is None else (lambda piece, run=run: pieces.put((run, piece)))
+            deltas.append(TextDeltas(self.tokenizer, request.stop, send))
+            processors = None if request.json_schema is None else [self._constraint(request.json_schema)]
+            seed = None if request.seed is None else request.seed + run
             try:
-                while not ticket.done or not pieces.empty():  # the loop thread puts; this thread sends
-                    try:
-                        on_text(pieces.get(timeout=0.05))
-                    except queue.Empty:
-                        pass
-            except BaseException:
-                job.cancelled = True  # the row leaves the batch before the next round
-                raise
-        ticket.wait()
+                jobs.append(self.lm.batch_request(ids, streamer=deltas[-1], logits_processor=processors, seed=seed,
+                                                  record_logits=request.logprobs is not None, **request.options))
+            except ValueError as err:  # the prompt does not fit, a setting the target refuses, ...
+                raise ApiError(str(err)) from err
+        start = time.perf_counter()
+        # only the first run uses the pool: the others would evict other conversations' slots for the same prompt
+        tickets = [self.loop.submit(job, pooled=run == 0) for run, job in enumerate(jobs)]
+        try:
+            while on_text is not None and (not all(t.done for t in tickets) or not pieces.empty()):
+                try:  # the loop thread puts; this thread sends
+                    run, piece = pieces.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                for index in range(run, request.n, runs):  # a greedy answer goes to every choice
+                    on_text(index, piece)
+            for ticket in tickets:
+                ticket.wait()
+        except BaseException:
+            for job in jobs:
+                job.cancelled = True  # the rows leave the batch before the next round
+            raise
         seconds = time.perf_counter() - start
-        new = job.new_tokens
-        logprobs = None if request.logprobs is None else token_logprobs(
-            torch.stack(job.recorder.logits)[: len(new)], new, request.logprobs, self.tokenizer, chat)
-        reason = finish_reason(deltas.stopped, new, job.max_new_tokens, job.eos)
-        usage = {"prompt_tokens": ids.shape[1], "completion_tokens": len(new), "total_tokens": ids.shape[1] + len(new),
-                 "prompt_tokens_details": {"cached_tokens": job.reused_prompt_tokens}}
-        summary = {"mean_accepted": job.mean_accepted, "target_forwards": job.target_forwards,
-                   "tokens_per_second": len(new) / seconds if seconds > 0 else 0.0,
-                   "reused_prompt_tokens": job.reused_prompt_tokens}
-        return deltas.text, reason, usage, summary, logprobs
+        choices = []
+        for job, delta in zip(jobs, deltas):
+            new = job.new_tokens
+            logprobs = None if request.logprobs is None else token_logprobs(
+                torch.stack(job.recorder.logits)[: len(new)], new, request.logprobs, self.tokenizer, chat)
+            choices.append(Choice(delta.text, finish_reason(delta.stopped, new, job.max_new_tokens, job.eos), logprobs))
+        choices = [choices[index % runs] for index in range(request.n)]
+        generated = sum(len(job.new_tokens) for job in jobs)
+        completion = sum(len(jobs[index % runs].new_tokens) for index in range(request.n))
+        usage = {"prompt_tokens": ids.shape[1], "completion_tokens": completion, "total_tokens": ids.shape[1] + completion,
+                 "prompt_tokens_details": {"cached_tokens": jobs[0].reused_prompt_tokens}}
+        forwards = sum(job.target_forwards for job in jobs)
+        summary = {"mean_accepted": generated / max(forwards, 1), "target_forwards": forwards,
+                   "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
+                   "reused_prompt_tokens": jobs[0].reused_prompt_tokens}
+        return choices, usage, summary
 
     def _constraint(self, schema: dict[str, Any]) -> Any:
         from .constraints import CHAT_JSON_WHITESPACE, json_schema_constraint
@@ -183,9 +202,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             if request.stream:
                 self._stream(request, chat)
                 return
-            text, reason, usage, stats, logprobs = self.service.complete(request, chat)
-            self._send_json(HTTPStatus.OK, response_body(chat, self.service.model_name, text, reason, usage, stats,
-                                                         logprobs))
+            choices, usage, stats = self.service.complete(request, chat)
+            self._send_json(HTTPStatus.OK, response_body(chat, self.service.model_name, choices, usage, stats))
         except ApiError as err:
             self._send_json(err.status, err.body())
         except Exception as err:  # a fault of the server's, not the request's: say so, keep serving
@@ -207,21 +225,20 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
-        first = [chat]  # a chat stream opens with the assistant's role
 
-        def send(piece: str | None, reason: str | None = None) -> None:
+        def send(index: int, piece: str | None, reason: str | None = None, first: bool = False) -> None:
             try:
-                self.wfile.write(sse(chunk_body(chat, request_id, model, piece, reason, first=first[0])))
+                self.wfile.write(sse(chunk_body(chat, request_id, model, piece, reason, first=first, index=index)))
                 self.wfile.flush()
             except OSError as err:  # the client left: stop generating for it
                 raise ClientGone() from err
-            first[0] = False
 
         try:
-            if chat:
-                send(None)
-            _, reason, usage, stats, _ = self.service.complete(request, chat, on_text=send)
-            send(None, reason)
+            for index in range(request.n) if chat else []:  # a chat stream opens each choice with the role
+                send(index, None, first=True)
+            choices, usage, stats = self.service.complete(request, chat, on_text=send)
+            for index, choice in enumerate(choices):
+                send(index, None, choice.finish_reason)
             if request.include_usage:
                 self.wfile.write(sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                                       "model": model, "choices": [], "usage": usage, "specheads": stats}))

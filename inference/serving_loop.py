@@ -7,8 +7,9 @@ round, and the target verifies every row's tree in one forward.
 
 Streamed tokens reach a request's `streamer` on the loop thread; a streamer must not block (the server's puts text
 into a queue its own thread sends from). A caller that gives up sets `request.cancelled`: the row leaves the batch
-before the next round. If a round fails (an exception in the target, a processor, a streamer), every request in
-the batch fails with that exception and the loop goes on with a fresh engine.
+before the next round. An exception in one request's own work (its drafting, a processor, its streamer, a stopping
+criterion) fails that request alone; one in the shared forward fails every request in the batch, and the loop goes
+on with a fresh engine.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from .prompt_cache import PromptCachePool
 class Ticket:
     """A submitted request's handle: `wait()` returns it once it ended, or raises the error that ended it."""
 
-    def __init__(self, request: BatchRequest) -> None:
-        self.request = request
+    def __init__(self, request: BatchRequest, pooled: bool = True) -> None:
+        self.request, self.pooled = request, pooled
         self.error: BaseException | None = None
         self._done = threading.Event()
 
@@ -58,7 +59,7 @@ class ServingLoop:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: expected an integer >= 1")
         self.lm, self.max_batch, self.pool = lm, max_batch, pool
-        self.engine = BatchEngine(lm)
+        self.engine = BatchEngine(lm, isolate_errors=True)
         self._waiting: list[Ticket] = []
         self._running: dict[int, Ticket] = {}  # id(request) -> ticket, for the rows in the engine
         self._wake = threading.Condition()
@@ -66,9 +67,10 @@ class ServingLoop:
         self._thread = threading.Thread(target=self._loop, name="specheads-batch-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, request: BatchRequest) -> Ticket:
-        """Queue `request`; it joins the batch before the next round."""
-        ticket = Ticket(request)
+    def submit(self, request: BatchRequest, pooled: bool = True) -> Ticket:
+        """Queue `request`; it joins the batch before the next round. `pooled=False`: it takes no slot of the pool
+        (a request without a `prompt_cache` then runs its whole prompt)."""
+        ticket = Ticket(request, pooled)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the serving loop is closed")
@@ -111,7 +113,7 @@ class ServingLoop:
         """Let `joining` in, run one round, wake the callers whose requests ended."""
         for ticket in joining:
             self._running[id(ticket.request)] = ticket
-            if self.pool is not None and ticket.request.prompt_cache is None:
+            if self.pool is not None and ticket.pooled and ticket.request.prompt_cache is None:
                 ticket.request.prompt_cache = self.pool.take(ticket.request.prompt)
         try:
             ended = self.engine.add([t.request for t in joining]) if joining else []
@@ -120,7 +122,7 @@ class ServingLoop:
             for ticket in self._running.values():
                 ticket._end(err)
             self._running = {}
-            self.engine = BatchEngine(self.lm)
+            self.engine = BatchEngine(self.lm, isolate_errors=True)
             return
         for request in ended:
-            self._running.pop(id(request))._end()
+            self._running.pop(id(request))._end(request.error)

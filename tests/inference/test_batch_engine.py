@@ -189,3 +189,48 @@ def test_batch_request_checks_its_input(tiny_target_factory):
         lm.batch_request(torch.tensor([PROMPTS[0]]), acceptance="typical")
     with pytest.raises(ValueError, match="max_batch=0"):
         ServingLoop(lm, max_batch=0)
+
+
+class FailsAfter:
+    """A caller's logits processor that raises on its `calls`-th call (a grammar in a state it cannot leave)."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+
+    def __call__(self, input_ids, scores):
+        self.calls -= 1
+        if self.calls <= 0:
+            raise RuntimeError("constraint in a dead state")
+        return scores
+
+
+def test_a_row_whose_own_work_fails_ends_alone_when_errors_are_isolated(tiny_target_factory):
+    target = tiny_target_factory("llama")
+    lm = SpeculativeLM(target, batched_test_heads(target, "eagle"))
+
+    def requests():
+        healthy = [lm.batch_request(torch.tensor([p]), max_new_tokens=20) for p in PROMPTS[:2]]
+        failing = lm.batch_request(torch.tensor([PROMPTS[2]]), max_new_tokens=20, logits_processor=[FailsAfter(4)])
+        first_token = lm.batch_request(torch.tensor([PROMPTS[3]]), max_new_tokens=20, logits_processor=[FailsAfter(1)])
+        return healthy, failing, first_token
+
+    healthy, failing, first_token = requests()
+    with pytest.raises(RuntimeError, match="dead state"):  # by default an error is the caller's
+        drive(BatchEngine(lm), {0: [healthy[0], failing], 1: [healthy[1]]})
+    healthy, failing, first_token = requests()
+    engine = BatchEngine(lm, isolate_errors=True)
+    drive(engine, {0: [healthy[0], failing], 1: [healthy[1], first_token]})
+    for request in (failing, first_token):
+        assert request.finished and isinstance(request.error, RuntimeError)
+    assert first_token.new_tokens == []  # it failed on its first token, in the prefill
+    for request, prompt in zip(healthy, PROMPTS):
+        assert request.error is None
+        assert request.new_tokens == hf_greedy(target, torch.tensor([prompt]), 20)[0, len(prompt):].tolist()
+    loop = ServingLoop(lm)
+    doomed = lm.batch_request(torch.tensor([PROMPTS[2]]), max_new_tokens=20, logits_processor=[FailsAfter(3)])
+    fine = lm.batch_request(torch.tensor([PROMPTS[0]]), max_new_tokens=20)
+    tickets = [loop.submit(doomed), loop.submit(fine)]
+    with pytest.raises(RuntimeError, match="dead state"):
+        tickets[0].wait(60)
+    assert tickets[1].wait(60).new_tokens == healthy[0].new_tokens
+    loop.close()

@@ -200,6 +200,37 @@ def test_a_client_leaving_a_stream_stops_it_and_the_next_answer_is_exact(server)
     assert answer["choices"][0]["message"]["content"] == greedy_text(target, tokenizer, chat_ids(tokenizer, messages), 16)
 
 
+def test_n_choices_sampled_in_one_batch_and_greedy_ones_alike(server):
+    """n sampled choices are rows of one batch, each with its own generator (seed + index): they differ, and the
+    same request gives the same choices; greedy choices are all the target's answer; usage counts every choice."""
+    url, _, target, tokenizer = server
+    sampled = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "n": 3, "seed": 5}
+    status, first = post(url + "/v1/completions", sampled)
+    assert status == 200 and [c["index"] for c in first["choices"]] == [0, 1, 2]
+    texts = [c["text"] for c in first["choices"]]
+    assert len(set(texts)) > 1 and [c["text"] for c in post(url + "/v1/completions", sampled)[1]["choices"]] == texts
+    alone = post(url + "/v1/completions", {**sampled, "n": 1, "seed": 6})[1]["choices"][0]["text"]
+    assert alone == texts[1]  # choice 1 is the request seeded 5 + 1, alone or among the others
+    assert first["usage"]["completion_tokens"] == 48
+    messages = [{"role": "user", "content": "Lily saw a cat"}]
+    status, greedy = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "n": 2})
+    expected = greedy_text(target, tokenizer, chat_ids(tokenizer, messages), 12)
+    assert [c["message"]["content"] for c in greedy["choices"]] == [expected, expected]
+
+
+def test_n_streamed_choices_each_join_to_their_answer(server):
+    url, *_ = server
+    request = {"messages": [{"role": "user", "content": "Tom had a big red ball"}], "max_tokens": 14,
+               "temperature": 0.9, "n": 2, "seed": 3}
+    _, events = post(url + "/v1/chat/completions", {**request, "stream": True})
+    _, whole = post(url + "/v1/chat/completions", request)
+    for index in (0, 1):
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"][0]["index"] == index]
+        assert deltas[0] == {"role": "assistant"}
+        assert "".join(d.get("content", "") for d in deltas) == whole["choices"][index]["message"]["content"]
+    assert {e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]} <= {"length", "stop"}
+
+
 def test_sampling_with_a_seed_repeats(server):
     url, *_ = server
     request = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7}
@@ -213,7 +244,8 @@ def test_sampling_with_a_seed_repeats(server):
         ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages=[]"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "'robot'"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=2"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n=17"),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 4}, 400, "best_of=4"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "'stories'"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens=0"),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature=-1"),
