@@ -3,7 +3,7 @@
     specheads serve --target smollm2-135m-instruct --heads checkpoints/smollm2-135m-instruct-eagle3 --port 8000
 
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both with `"stream": true` as server-sent events),
-`GET /v1/models`, `GET /health`. Any OpenAI client works (`base_url="http://127.0.0.1:8000/v1"`). Answers are the
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text: requests, tokens, forwards, accepted drafts). Any OpenAI client works (`base_url="http://127.0.0.1:8000/v1"`). Answers are the
 target's own, as `generate` gives them: greedy (`temperature` 0) identical to `target.generate`, sampling from its
 distribution. Each answer carries `specheads` statistics (tau, reused prompt tokens, tokens/s).
 
@@ -39,7 +39,7 @@ from .openai_api import (
     token_logprobs,
 )
 from .prompt_cache import PromptCachePool
-from .serving_loop import ServingLoop
+from .serving_loop import COUNTERS, ServingLoop
 from .text_deltas import TextDeltas
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -170,6 +170,18 @@ class CompletionService:
         return self._constraints[key].fresh()
 
 
+def prometheus_text(metrics: dict[str, int]) -> str:
+    """`ServingLoop.metrics` in Prometheus' text format: counters `specheads_<name>_total`, gauges as they are."""
+    lines = []
+    for name, value in metrics.items():
+        if name in COUNTERS:
+            lines += [f"# HELP specheads_{name}_total {COUNTERS[name]}", f"# TYPE specheads_{name}_total counter",
+                      f"specheads_{name}_total {value}"]
+        else:
+            lines += [f"# TYPE specheads_{name} gauge", f"specheads_{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
 def server_error(err: Exception) -> ApiError:
     return ApiError(f"generation failed: {type(err).__name__}: {err}", 500, error_type="server_error")
 
@@ -184,6 +196,9 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         try:
             if self.path.rstrip("/") == "/health":
                 self._send_json(HTTPStatus.OK, {"status": "ok"})
+                return
+            if self.path.rstrip("/") == "/metrics":  # open like /health, as vLLM's (the API key guards /v1)
+                self._send_text(prometheus_text(self.service.loop.metrics()))
                 return
             self.service.check_key(self.headers.get("Authorization"))
             if self.path.rstrip("/") != "/v1/models":
@@ -250,6 +265,14 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                 self.log_error("%s: %s", type(err).__name__, err)
             self.wfile.write(sse((err if isinstance(err, ApiError) else server_error(err)).body()))
             self.wfile.write(sse("[DONE]"))
+
+    def _send_text(self, text: str) -> None:
+        data = text.encode()
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()

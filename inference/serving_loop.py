@@ -20,6 +20,18 @@ from typing import Any
 from .batched import BatchEngine, BatchRequest
 from .prompt_cache import PromptCachePool
 
+COUNTERS = {  # name -> what `ServingLoop.metrics` counts under it, over the loop's lifetime
+    "requests_finished": "requests that ended normally (EOS, max_new_tokens, a stop)",
+    "requests_cancelled": "requests their caller gave up (a client gone)",
+    "requests_failed": "requests that ended with an error",
+    "prompt_tokens": "prompt tokens of the requests that ended",
+    "reused_prompt_tokens": "prompt tokens taken from a kept cache instead of run again",
+    "generated_tokens": "tokens generated",
+    "row_forwards": "target forwards, counted per request (a request's tau: generated / its forwards)",
+    "accepted_draft_tokens": "drafted tokens the target accepted",
+    "batched_forwards": "target forwards run (each verifies every row of the batch)",
+}
+
 
 class Ticket:
     """A submitted request's handle: `wait()` returns it once it ended, or raises the error that ended it."""
@@ -60,6 +72,8 @@ class ServingLoop:
             raise ValueError(f"max_batch={max_batch!r}: expected an integer >= 1")
         self.lm, self.max_batch, self.pool = lm, max_batch, pool
         self.engine = BatchEngine(lm, isolate_errors=True)
+        # lifetime totals for monitoring (`metrics`); written by the loop thread only
+        self.totals = dict.fromkeys(COUNTERS, 0)
         self._waiting: list[Ticket] = []
         self._running: dict[int, Ticket] = {}  # id(request) -> ticket, for the rows in the engine
         self._wake = threading.Condition()
@@ -86,6 +100,11 @@ class ServingLoop:
     def active(self) -> int:
         """Requests generating now."""
         return len(self._running)
+
+    def metrics(self) -> dict[str, int]:
+        """The lifetime `COUNTERS`, and now: running and waiting requests, the batch limit."""
+        return {**self.totals, "running_requests": len(self._running), "waiting_requests": len(self._waiting),
+                "max_batch": self.max_batch}
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the loop thread after the current round; requests still waiting or running fail."""
@@ -115,14 +134,28 @@ class ServingLoop:
             self._running[id(ticket.request)] = ticket
             if self.pool is not None and ticket.pooled and ticket.request.prompt_cache is None:
                 ticket.request.prompt_cache = self.pool.take(ticket.request.prompt)
+        forwards_before = self.engine.stats["batched_forwards"]
         try:
             ended = self.engine.add([t.request for t in joining]) if joining else []
             ended += self.engine.step()
         except Exception as err:  # the batch's state is unknown: fail its requests, start afresh
+            self.totals["requests_failed"] += len(self._running)
             for ticket in self._running.values():
                 ticket._end(err)
             self._running = {}
             self.engine = BatchEngine(self.lm, isolate_errors=True)
             return
+        self.totals["batched_forwards"] += self.engine.stats["batched_forwards"] - forwards_before
+        self.engine.stats["accepted_counts"].clear()  # per round, for generate's statistics: unbounded in a server
         for request in ended:
+            self._count(request)
             self._running.pop(id(request))._end(request.error)
+
+    def _count(self, request: BatchRequest) -> None:
+        outcome = "failed" if request.error is not None else "cancelled" if request.cancelled else "finished"
+        self.totals[f"requests_{outcome}"] += 1
+        self.totals["prompt_tokens"] += request.prompt.shape[0]
+        self.totals["reused_prompt_tokens"] += request.reused_prompt_tokens
+        self.totals["generated_tokens"] += len(request.new_tokens)
+        self.totals["row_forwards"] += request.target_forwards
+        self.totals["accepted_draft_tokens"] += sum(request.accepted_counts)

@@ -305,6 +305,33 @@ def test_models_and_health(server):
         assert json.loads(response.read()) == {"status": "ok"}
 
 
+def test_metrics_count_requests_tokens_and_forwards(server):
+    """/metrics (Prometheus text) moves by what a request did: one more finished request, its tokens, its forwards."""
+    url, service, *_ = server
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(url + "/metrics") as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            lines = response.read().decode().splitlines()
+        return {line.split()[0]: float(line.split()[1]) for line in lines if not line.startswith("#")}
+
+    before = scrape()
+    status, body = post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12})
+    after = scrape()
+    assert status == 200
+    delta = {name: after[name] - before[name] for name in after if name.endswith("_total")}
+    assert delta["specheads_requests_finished_total"] == 1 and delta["specheads_requests_failed_total"] == 0
+    assert delta["specheads_generated_tokens_total"] == body["usage"]["completion_tokens"] == 12
+    assert delta["specheads_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
+    assert delta["specheads_row_forwards_total"] == body["specheads"]["target_forwards"]
+    assert delta["specheads_batched_forwards_total"] >= 1
+    accepted = delta["specheads_accepted_draft_tokens_total"]
+    # every forward gives one token of its own, the rest are accepted drafts (the last round's may pass max_tokens)
+    assert accepted >= 12 - delta["specheads_row_forwards_total"] >= 0
+    assert after["specheads_running_requests"] == 0 and after["specheads_max_batch"] == service.loop.max_batch
+    assert service.loop.engine.stats["accepted_counts"] == []  # no per-round list grows in a long-running server
+
+
 def test_pool_keeps_interleaved_conversations_apart():
     """Two conversations sharing a system prompt each keep their own slot; a third evicts the least recent."""
     pool = PromptCachePool(2)
