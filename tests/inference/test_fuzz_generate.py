@@ -1,6 +1,7 @@
 """Fuzzing generate: random left-padded batches, EOS positions and lengths against a slow reference.
 
-The reference is each prompt decoded alone by `target.generate` (greedy), cut right after the first EOS.
+The reference is each prompt decoded alone by `target.generate` (greedy), cut right after the first EOS. A third
+test joins rows to a running `BatchEngine` at random rounds (continuous batching) and cancels one.
 Both batch schemes (one batched verification per round, and rows one after another) must equal it, with the
 target's argmax from its full logits or from the certified bf16 argmax (`--cpu-argmax`). A second test adds a
 caller's logits processor, a repetition penalty and a stopping criterion, drawn at random, on both sides.
@@ -130,3 +131,36 @@ def test_processors_and_stopping_match_the_reference(
         row = out[i, width:].tolist()
         assert row[: len(expected)] == expected, f"row {i}"
         assert all(t == 0 for t in row[len(expected):]), f"row {i} is not padded after it stopped"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    arrivals=st.lists(
+        st.tuples(st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=10), st.integers(0, 6), st.integers(1, 14)),
+        min_size=1, max_size=5,
+    ),
+    cancel=st.one_of(st.none(), st.tuples(st.integers(0, 4), st.integers(0, 6))),
+    head_type=st.sampled_from(["eagle", "medusa"]),
+)
+def test_continuous_batching_matches_the_reference(models, arrivals, cancel, head_type):
+    """Rows joining a `BatchEngine` at random rounds (prompts of any length, any budget), one maybe cancelled at a
+    random round: every row that was not cancelled equals its own greedy decode alone."""
+    from specheads.inference.batched import BatchEngine
+
+    target, lms, _ = models
+    lm = lms[head_type]
+    lm.certified_argmax = None
+    requests = [lm.batch_request(torch.tensor([prompt]), max_new_tokens=budget) for prompt, _, budget in arrivals]
+    engine, step, last_arrival = BatchEngine(lm), 0, max(at for _, at, _ in arrivals)
+    while engine.rows or step <= last_arrival:
+        engine.add([r for r, (_, at, _) in zip(requests, arrivals) if at == step])
+        if cancel is not None and cancel[1] == step and cancel[0] < len(requests):
+            requests[cancel[0]].cancelled = True
+        if engine.rows:
+            engine.step()
+        step += 1
+    assert engine.cache is None and all(r.finished for r in requests)
+    for index, (request, (prompt, _, budget)) in enumerate(zip(requests, arrivals)):
+        if cancel is not None and cancel[0] == index:
+            continue
+        assert request.finished and request.new_tokens == reference(target, prompt, budget, None), index
