@@ -51,9 +51,18 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="speculative generation: streams text, prints tau and tokens/s")
+    p = sub.add_parser("generate", help="speculative generation: streams text, prints tau and tokens/s; or answers "
+                       "a whole prompt file into JSONL, batched continuously")
     _add_decoding_options(p)
-    p.add_argument("--prompt", required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt: its answer is streamed")
+    source.add_argument("--prompts", metavar="FILE",
+                        help="every prompt of FILE (MT-bench style JSONL, first turns, or one prompt a line), answered "
+                        "into --out as JSON lines, --max-batch at a time (rows join the batch as others end); a run "
+                        "started again skips the ids already in --out")
+    p.add_argument("--out", default=None, help="with --prompts: the answers' JSONL file (required)")
+    p.add_argument("--max-batch", type=int, default=8, help="with --prompts: prompts decoded together (default: 8)")
+    p.add_argument("--limit", type=int, default=None, help="with --prompts: the first N prompts only")
     constraint = p.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
                             help="write JSON valid under this schema (a file or inline JSON; needs specheads[constraints])")
@@ -162,6 +171,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from specheads.inference.constraints import constraint_from_options
     from specheads.inference.prompts import tokenize_prompts
 
+    if args.prompts is not None:
+        return run_generate_file(args)
     lm, kernels = _load_lm(args)
     tokenizer = lm.tokenizer
     # the same rule as `specheads bench`: a chat model answers its chat template, not raw text
@@ -172,6 +183,25 @@ def run_generate(args: argparse.Namespace) -> int:
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
     lm.generate(input_ids, logits_processor=processors, streamer=streamer, **_generate_options(args))
     print("\n" + _stats_line(lm.last_stats, kernels), file=sys.stderr)
+    return 0
+
+
+def run_generate_file(args: argparse.Namespace) -> int:
+    """`generate --prompts FILE --out F`: every prompt's answer, batched continuously (inference/batch_file.py)."""
+    from specheads.inference.batch_file import generate_file
+    from specheads.inference.constraints import constraint_from_options
+    from specheads.inference.prompts import read_prompts, tokenize_prompts
+
+    if args.out is None:
+        raise ValueError("generate --prompts needs --out FILE (the answers' JSONL)")
+    rows = read_prompts(args.prompts, limit=args.limit)  # before loading the model: a bad path fails fast
+    lm, kernels = _load_lm(args)
+    prompts = tokenize_prompts(rows, lm.tokenizer, chat=args.chat)
+    constraint = constraint_from_options(lm.tokenizer, args.json_schema, args.regex)
+    totals = generate_file(lm, prompts, args.out, args.max_batch, args.seed, constraint, **_generate_options(args))
+    print(f"[specheads] {totals['answered']} answers ({totals['skipped']} already in {args.out}), "
+          f"{totals['new_tokens']} tokens, tau={totals['mean_accepted']:.2f}, {totals['tokens_per_second']:.1f} "
+          f"tokens/s ({', '.join(f'{k}={v}' for k, v in kernels.items())})", file=sys.stderr)
     return 0
 
 

@@ -115,6 +115,48 @@ def test_generate_stop_strings_end_the_text_where_transformers_does(stories260k_
     assert f"{stopped.shape[1] - ids.shape[1]} tokens" in err
 
 
+STORY_STARTS = ["Once upon a time", "The dog ran", "Lily and Tom", "A big red ball", "The sun", "Tim had a cat"]
+
+
+def test_generate_prompts_file_answers_every_prompt_batched_and_resumes(stories260k_eagle_dir, stories260k, tmp_path,
+                                                                        capfd):
+    """`--prompts FILE --out F`: each answer is the target's greedy one (3 rows at a time, joining as others end, a
+    stop string ending some early); a second run with more prompts answers only the new ones."""
+    target, tokenizer = stories260k
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "answers" / "out.jsonl"
+    prompts.write_text("\n".join(STORY_STARTS[:4]) + "\n")
+    base = ["generate", "--heads", str(stories260k_eagle_dir), "--prompts", str(prompts), "--out", str(out),
+            "--max-new-tokens", "30", "--max-batch", "3", "--stop", " Lily"]
+    assert main(base) == 0
+    assert "4 answers (0 already" in capfd.readouterr().err
+    prompts.write_text("\n".join(STORY_STARTS) + "\n")
+    assert main(base) == 0
+    assert "2 answers (4 already" in capfd.readouterr().err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["prompt"] for r in records) == sorted(STORY_STARTS)
+    for record in records:
+        ids = tokenizer(record["prompt"], return_tensors="pt").input_ids
+        expected = target.generate(ids, max_new_tokens=30, do_sample=False, stop_strings=[" Lily"], tokenizer=tokenizer)
+        assert record["answer"] == tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True), record
+        assert record["new_tokens"] == expected.shape[1] - ids.shape[1] and record["tau"] >= 1
+        assert record["finish_reason"] == ("length" if record["new_tokens"] == 30 else "stop")
+
+
+def test_generate_prompts_file_samples_the_same_answers_whatever_the_batch(stories260k_eagle_dir, tmp_path, capfd):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(STORY_STARTS) + "\n")
+    answers = {}
+    for batch in ("1", "4"):
+        out = tmp_path / f"out{batch}.jsonl"
+        assert main(["generate", "--heads", str(stories260k_eagle_dir), "--prompts", str(prompts), "--out", str(out),
+                     "--max-new-tokens", "20", "--max-batch", batch, "--do-sample", "--temperature", "1.0",
+                     "--seed", "3"]) == 0
+        answers[batch] = {r["id"]: r["answer"] for r in map(json.loads, out.read_text().splitlines())}
+    assert answers["1"] == answers["4"] and len(set(answers["1"].values())) == len(STORY_STARTS)
+    assert main(["generate", "--heads", str(stories260k_eagle_dir), "--prompts", str(prompts)]) == 2
+    assert "needs --out" in capfd.readouterr().err
+
+
 def test_generate_json_schema_writes_valid_json(stories260k_eagle_dir, capfd, tmp_path):
     """`--json-schema FILE`: the streamed text is JSON valid under the schema; a bad schema is one clear error."""
     pytest.importorskip("outlines_core")
