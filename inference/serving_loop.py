@@ -130,12 +130,12 @@ class ServingLoop:
 
     def _round(self, joining: list[Ticket]) -> None:
         """Let `joining` in, run one round, wake the callers whose requests ended."""
-        for ticket in joining:
-            self._running[id(ticket.request)] = ticket
-            if self.pool is not None and ticket.pooled and ticket.request.prompt_cache is None:
-                ticket.request.prompt_cache = self.pool.take(ticket.request.prompt)
         forwards_before = self.engine.stats["batched_forwards"]
         try:
+            for ticket in joining:
+                self._running[id(ticket.request)] = ticket
+                if self.pool is not None and ticket.pooled and ticket.request.prompt_cache is None:
+                    ticket.request.prompt_cache = self.pool.take(ticket.request.prompt)
             ended = self.engine.add([t.request for t in joining]) if joining else []
             ended += self.engine.step()
         except Exception as err:  # the batch's state is unknown: fail its requests, start afresh
