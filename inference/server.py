@@ -40,9 +40,11 @@ from .openai_api import (
 )
 from .prompt_cache import PromptCachePool
 from .serving_loop import COUNTERS, ServingLoop
+from .target_support import context_limit
 from .text_deltas import TextDeltas
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+FALLBACK_MAX_TOKENS = 4096  # a request without max_tokens, on a target whose config states no context length
 
 
 class ClientGone(Exception):
@@ -55,7 +57,9 @@ class CompletionService:
     Args:
         lm: the `SpeculativeLM` that answers (its tokenizer is used).
         model_name: the id clients address (`model`); requests naming another are refused (404).
-        defaults: `generate` options for the fields a request leaves out (max_new_tokens, do_sample, ...).
+        defaults: `generate` options for the fields a request leaves out (max_new_tokens, do_sample, ...). Without
+            a max_new_tokens there, a request without `max_tokens` may run to the end of the target's context (as
+            OpenAI's and vLLM's; `FALLBACK_MAX_TOKENS` for a target that states no context).
         cache_slots: conversations whose target cache is kept between requests (0: none).
         chat_template: a Jinja template used instead of the tokenizer's.
         api_key: when set, every request must carry `Authorization: Bearer <api_key>` (else 401), as vLLM's
@@ -68,7 +72,7 @@ class CompletionService:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
-        self.defaults = {"max_new_tokens": 128, **(defaults or {})}
+        self.defaults = dict(defaults or {})
         self.chat_template = chat_template
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
@@ -110,6 +114,9 @@ class CompletionService:
         runs = request.n if sampled else 1
         pieces: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
         ids = request.input_ids.to(self.lm.target.device)
+        options = dict(request.options)
+        if options.get("max_new_tokens") is None:
+            options["max_new_tokens"] = self._room(ids.shape[1])
         jobs, deltas = [], []
         for run in range(runs):
             send = None if on_text is None else (lambda piece, run=run: pieces.put((run, piece)))
@@ -118,7 +125,7 @@ class CompletionService:
             seed = None if request.seed is None else request.seed + run
             try:
                 jobs.append(self.lm.batch_request(ids, streamer=deltas[-1], logits_processor=processors, seed=seed,
-                                                  record_logits=request.logprobs is not None, **request.options))
+                                                  record_logits=request.logprobs is not None, **options))
             except ValueError as err:  # the prompt does not fit, a setting the target refuses, ...
                 raise ApiError(str(err)) from err
         start = time.perf_counter()
@@ -155,6 +162,16 @@ class CompletionService:
                    "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
                    "reused_prompt_tokens": jobs[0].reused_prompt_tokens}
         return choices, usage, summary
+
+    def _room(self, prompt_tokens: int) -> int:
+        """New tokens a request without `max_tokens` may take: the rest of the target's context."""
+        context, name = context_limit(self.lm.target)
+        if context is None:
+            return FALLBACK_MAX_TOKENS
+        if prompt_tokens >= context:
+            raise ApiError(f"the prompt's {prompt_tokens} tokens fill {name} of {context} positions: no room to answer",
+                           param="messages")
+        return context - prompt_tokens
 
     def _constraint(self, schema: dict[str, Any]) -> Any:
         from .constraints import CHAT_JSON_WHITESPACE, json_schema_constraint

@@ -100,6 +100,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPECHEADS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every request (default: $SPECHEADS_API_KEY; unset: open)")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
+    # a request without max_tokens runs to the end of the context (OpenAI's default) unless the server sets one
+    p.set_defaults(max_new_tokens=None)
 
 
 def build_server(args: argparse.Namespace):

@@ -305,6 +305,25 @@ def test_models_and_health(server):
         assert json.loads(response.read()) == {"status": "ok"}
 
 
+def test_without_max_tokens_an_answer_may_run_to_the_end_of_the_context(stories260k):
+    """No max_tokens in the request or the server's options: the answer runs until EOS or the context (512)."""
+    target, tokenizer = stories260k
+    lm = SpeculativeLM(target, make_heads(target, "eagle"), tokenizer=tokenizer)
+    service = CompletionService(lm, MODEL, {}, cache_slots=0)
+    try:
+        request = service.parse({"prompt": "Once upon a time"}, chat=False)
+        (choice,), usage, _ = service.complete(request, chat=False)
+        ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+        room = target.config.max_position_embeddings - ids.shape[1]
+        assert usage["completion_tokens"] > 128  # not the old default's cut
+        assert choice.text == greedy_text(target, tokenizer, ids, room)
+        full = service.parse({"prompt": "hi " * 600}, chat=False)
+        with pytest.raises(ApiError, match="no room to answer"):
+            service.complete(full, chat=False)
+    finally:
+        service.close()
+
+
 def test_metrics_count_requests_tokens_and_forwards(server):
     """/metrics (Prometheus text) moves by what a request did: one more finished request, its tokens, its forwards."""
     url, service, *_ = server
