@@ -9,8 +9,8 @@ from specheads.heads import HEAD_TYPES, HeadsConfig, create_heads, load_heads  #
 from specheads.targets import load_target  # noqa: E402
 
 __all__ = [
-    "HEAD_TYPES", "ChatSession", "HeadsConfig", "PromptCache", "SpeculativeLM", "__version__", "create_heads",
-    "load_heads", "load_target",
+    "HEAD_TYPES", "BatchEngine", "ChatSession", "HeadsConfig", "PromptCache", "ServingLoop", "SpeculativeLM",
+    "__version__", "create_heads", "load_heads", "load_target",
 ]
 
 
@@ -28,4 +28,12 @@ def __getattr__(name: str):
         from specheads.inference.chat import ChatSession
 
         return ChatSession
+    if name == "BatchEngine":
+        from specheads.inference.batched import BatchEngine
+
+        return BatchEngine
+    if name == "ServingLoop":
+        from specheads.inference.serving_loop import ServingLoop
+
+        return ServingLoop
     raise AttributeError(f"module 'specheads' has no attribute {name!r}")

@@ -56,6 +56,8 @@ def test_public_api():
         "SpeculativeLM",
         "PromptCache",
         "ChatSession",
+        "BatchEngine",
+        "ServingLoop",
     ):
         assert hasattr(specheads, name), name
         assert name in specheads.__all__
