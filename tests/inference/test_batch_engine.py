@@ -56,6 +56,19 @@ def test_rows_joining_a_running_batch_get_the_targets_tokens(family, head_type):
     assert stats["new_tokens"] == sum(len(r.new_tokens) for r in requests)
 
 
+def test_rows_with_prompt_lookup_join_and_match(tiny_target_factory):
+    """Prompt lookup grafted onto every row's tree (repetitive prompts: long guesses, trees of different sizes)."""
+    target = tiny_target_factory("llama")
+    lm = SpeculativeLM(target, batched_test_heads(target, "eagle3"), lookup_tokens=4, lookup_max_tokens=16)
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 5], [1, 7, 3, 8, 7, 3, 8, 7, 3], [1, 40], [2, 11, 12, 11, 12, 11]]
+    requests = [lm.batch_request(torch.tensor([p]), max_new_tokens=40) for p in prompts]
+    engine = BatchEngine(lm)
+    drive(engine, {0: requests[:2], 3: requests[2:]})
+    for request, prompt in zip(requests, prompts):
+        assert request.new_tokens == hf_greedy(target, torch.tensor([prompt]), 40)[0, len(prompt):].tolist(), prompt
+    assert max(request.accepted_counts and max(request.accepted_counts) for request in requests) >= 3
+
+
 def test_greedy_and_sampling_rows_share_a_batch(tiny_target_factory):
     """Per-row options: a greedy row next to sampling rows (logits needed) and a row with a repetition penalty."""
     target = tiny_target_factory("llama")
