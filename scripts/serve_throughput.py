@@ -7,7 +7,9 @@
 server do; every side answers the same prompts in the same process, one after the other:
 - `one_at_a_time`: `lm.generate` per request under a lock (the server before continuous batching);
 - `loop_batch_1`: the serving loop with `max_batch=1` (the batching machinery, one row at a time);
-- `loop_batch_N`: the serving loop with `max_batch=clients`: requests join the running batch between rounds.
+- `loop_batch_N`: the serving loop with `max_batch=clients`: requests join the running batch between rounds;
+- `plain_loop_batch_N`: the same loop drafting nothing (each round one plain step of every row): plain continuous
+  batching on the same machinery, the honest baseline for concurrent clients.
 Reported: total new tokens per second over the run, the mean and longest seconds per request (queueing included), and the tau of each side;
 greedy answers are checked identical across the sides (the run fails if not).
 """
@@ -27,6 +29,24 @@ import torch
 from specheads import SpeculativeLM
 from specheads.inference.prompts import read_prompts, tokenize_prompts
 from specheads.inference.serving_loop import ServingLoop
+from specheads.inference.tree import TreeBuffers, build_tree_buffers
+
+
+class PlainDrafter:
+    """Drafts nothing: each tree is its root alone, so every round is one plain decoding step of every row. The
+    serving loop with it is plain continuous batching on the same machinery: the honest baseline for concurrency."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.tree = build_tree_buffers(torch.tensor([-1], device=device))
+
+    def reset(self) -> None:
+        pass
+
+    def fork(self) -> PlainDrafter:
+        return self
+
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        return next_tokens[-1:], self.tree
 
 
 def run_clients(prompts: list[torch.Tensor], clients: int, answer) -> tuple[dict, list[list[int]]]:
@@ -99,14 +119,17 @@ def main() -> int:
 
     def through(loop: ServingLoop):
         def answer(ids: torch.Tensor) -> tuple[list[int], float]:
-            request = loop.run(lm.batch_request(ids, max_new_tokens=args.max_new_tokens))
+            request = loop.run(loop.lm.batch_request(ids, max_new_tokens=args.max_new_tokens))
             return request.new_tokens, request.mean_accepted
         return answer
 
+    plain = SpeculativeLM(lm.target, lm.heads)  # the same target, its CPU kernels included; no drafting
+    plain.drafter, plain.certified_argmax = PlainDrafter(lm.target.device), lm.certified_argmax
     results, reference = {}, None
-    sides = [("one_at_a_time", None), ("loop_batch_1", 1), (f"loop_batch_{args.clients}", args.clients)]
-    for name, max_batch in sides:
-        loop = None if max_batch is None else ServingLoop(lm, max_batch)
+    sides = [("one_at_a_time", None, lm), ("loop_batch_1", 1, lm), (f"loop_batch_{args.clients}", args.clients, lm),
+             (f"plain_loop_batch_{args.clients}", args.clients, plain)]
+    for name, max_batch, model in sides:
+        loop = None if max_batch is None else ServingLoop(model, max_batch)
         results[name], answers = run_clients(prompts, args.clients, one_at_a_time if loop is None else through(loop))
         if loop is not None:
             results[name]["shared_forwards"] = 1 - loop.engine.stats["batched_forwards"] / max(
