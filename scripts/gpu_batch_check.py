@@ -20,12 +20,12 @@ import json
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import transformers
+from gpu_fast_path_check import run_section  # the sibling script: python puts this folder first on sys.path
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from specheads import SpeculativeLM, create_heads, load_target
@@ -112,18 +112,6 @@ def plain_step_ms(target: torch.nn.Module, prompts: torch.Tensor) -> float:
         crop_cache(cache, prompts.shape[1])  # the same length every repeat
 
     return median_ms(step, prompts.device)
-
-
-def run_section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
-    start = time.perf_counter()
-    try:
-        report[name] = fn()
-        print(f"[ok]    {name} ({time.perf_counter() - start:.1f} s)")
-    except Exception as error:  # noqa: BLE001  (one failing section must not stop the others)
-        report[name] = {"error": repr(error), "traceback": traceback.format_exc()}
-        report["failures"].append(name)
-        print(f"[ERROR] {name}: {error!r}\n{traceback.format_exc()}")
-    return report[name]
 
 
 def main(argv: list[str] | None = None) -> int:
