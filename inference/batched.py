@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
-from specheads.inference.drafting import Drafter, constrain_drafts
+from specheads.inference.drafting import Drafter, EagleDrafter, constrain_drafts
 from specheads.inference.kv_cache import (
     cache_length,
     compact_rows,
@@ -45,7 +45,7 @@ from specheads.inference.sampling import SamplingParams
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder
 from specheads.inference.stopping import StopChecker
-from specheads.inference.tree import TreeBuffers
+from specheads.inference.tree import TreeBuffers, build_tree_buffers, truncate_tree
 from specheads.inference.verify import DynamicTreeVerifier, last_logits_only, no_logits, sliding_window_of
 
 
@@ -149,6 +149,7 @@ class _Row:
     next_tokens: torch.Tensor  # (L,) the token that followed each of those features
     context: SequenceContext | None  # the sequence so far, for processors that read it
     committed_features: list[torch.Tensor] | None  # with a prompt cache: the features of every committed position
+    drafted: bool = True  # False after a round without drafting (node budget 1): `features` then accumulate
 
     @property
     def argmax_only(self) -> bool:
@@ -169,15 +170,27 @@ class BatchEngine:
         isolate_errors: an exception in one row's own work (its drafting, acceptance, processors, streamer, stopping
             criteria) ends that row with `request.error` set and the others go on; False (default) raises it. An
             exception in the shared forward always raises.
+        max_round_nodes: (default: the `SpeculativeLM`'s `max_round_nodes`) tree nodes one round verifies at most, all
+            rows together: each row's tree is cut to
+            max(1, max_round_nodes // rows) nodes (EAGLE drafters select that many best nodes; other trees keep
+            their first ones), and at 1 a row does not draft at all (a plain decoding step). Where a forward's cost
+            grows with its tokens (CPUs), speculation stops paying as the batch grows (`bench --batch-size`); this
+            shrinks the trees as it does. None there too: every row drafts its full tree.
         stats: a dict the engine adds its counts to (target_forwards, batched_forwards, rounds, accepted_counts,
             new_tokens, reused_prompt_tokens, prefill_seconds: joining rows' prompt forwards up to their first
             token), as `generate`'s `last_stats` are made from.
     """
 
-    def __init__(self, lm: Any, stats: dict[str, Any] | None = None, isolate_errors: bool = False) -> None:
+    def __init__(self, lm: Any, stats: dict[str, Any] | None = None, isolate_errors: bool = False,
+                 max_round_nodes: int | None = None) -> None:
         if not hasattr(lm.drafter, "fork"):
             raise ValueError(f"batched decoding needs a drafter with fork(); {type(lm.drafter).__name__} has none")
-        self.lm, self.isolate_errors = lm, isolate_errors
+        if max_round_nodes is None:
+            max_round_nodes = getattr(lm, "max_round_nodes", None)
+        if max_round_nodes is not None and (not isinstance(max_round_nodes, int) or max_round_nodes < 1):
+            raise ValueError(f"max_round_nodes={max_round_nodes!r}: expected None or an integer >= 1")
+        self.lm, self.isolate_errors, self.max_round_nodes = lm, isolate_errors, max_round_nodes
+        self.root_only = build_tree_buffers(torch.tensor([-1], device=lm.target.device), dtype=lm.target.dtype)
         self.stats = stats if stats is not None else {
             "new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "reused_prompt_tokens": 0}
         self.stats.setdefault("batched_forwards", 0)
@@ -299,10 +312,11 @@ class BatchEngine:
             return ended
         lm, target, device = self.lm, self.lm.target, self.lm.target.device
         # draft
+        budget = None if self.max_round_nodes is None else max(1, self.max_round_nodes // len(self.rows))
         proposals, failed = [], []
         for b, row in enumerate(self.rows):
             try:
-                proposals.append(row.drafter.propose(row.features, row.next_tokens))
+                proposals.append(self._draft(row, budget))
             except Exception as err:
                 self._fail(row.request, err)
                 failed.append(b)
@@ -350,6 +364,25 @@ class BatchEngine:
         self.valid = valid + torch.tensor([p.shape[0] for p in paths], device=device)
         return ended + self._drop([b for b, row in enumerate(rows) if row.request.finished])
 
+    def _draft(self, row: _Row, budget: int | None) -> tuple[torch.Tensor, TreeBuffers]:
+        """The row's tree of at most `budget` nodes (None: its drafter's own); at 1, its root alone, undrafted."""
+        if budget == 1:
+            row.drafted = False
+            return row.next_tokens[-1:], self.root_only
+        row.drafted = True
+        inner = getattr(row.drafter, "drafter", row.drafter)  # an EAGLE drafter, or the one prompt lookup wraps
+        if budget is None or not isinstance(inner, EagleDrafter):
+            tokens, tree = row.drafter.propose(row.features, row.next_tokens)
+        else:  # its best `budget - 1` nodes under the root, not merely the first ones
+            wanted, inner.num_nodes = inner.num_nodes, min(inner.num_nodes, budget - 1)
+            try:
+                tokens, tree = row.drafter.propose(row.features, row.next_tokens)
+            finally:
+                inner.num_nodes = wanted
+        if budget is not None and tree.num_nodes > budget:  # a static tree, a prompt-lookup branch past the budget
+            tokens, tree = tokens[:budget], truncate_tree(tree, budget)
+        return tokens, tree
+
     def _accept(self, row: _Row, tokens: torch.Tensor, tree: TreeBuffers, logits: torch.Tensor | None,
                 target_argmax: torch.Tensor | None, node_features: torch.Tensor) -> torch.Tensor:
         """One row's acceptance from its (N, V) tree logits or (N,) target argmax, then its emission and new state
@@ -363,9 +396,13 @@ class BatchEngine:
         request.target_forwards += 1
         request.accepted_counts.append(path.shape[0] - 1)
         self.stats["accepted_counts"].append(path.shape[0] - 1)
-        row.features, row.next_tokens = node_features[path], accepted
         if row.committed_features is not None:
-            row.committed_features.append(row.features)
+            row.committed_features.append(node_features[path])
+        if row.drafted:
+            row.features, row.next_tokens = node_features[path], accepted
+        else:  # the drafter has not seen the last round's features yet: it gets them with these
+            row.features = torch.cat([row.features, node_features[path]])
+            row.next_tokens = torch.cat([row.next_tokens, accepted])
         emitted = len(request.new_tokens)
         self._emit(request, accepted.tolist())
         if request.recorder is not None:  # before the commit: each path node's sequence ends at the committed one

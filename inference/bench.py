@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts decoded together: consecutive prompts in left-padded batches of N, plain "
                    "`target.generate` on each batch against batched speculative decoding (one target forward verifies "
                    "every row's tree); greedy rows checked identical (default: 1, one prompt at a time)")
+    p.add_argument("--max-round-nodes", type=int, default=None,
+                   help="with --batch-size: tree nodes one round verifies at most, all rows together (each row's tree "
+                   "shrinks to this // rows nodes, at 1 a plain step; default: full trees)")
     constraint = p.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
                             help="constrain every run (baseline, speculative, peers) to JSON valid under this schema "
@@ -358,7 +361,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
                                        graphed_rounds=SWITCH[getattr(args, "graphed_rounds", "auto")],
-                                       graphed_prefill=getattr(args, "graphed_prefill", "off") == "on")
+                                       graphed_prefill=getattr(args, "graphed_prefill", "off") == "on",
+                                       max_round_nodes=getattr(args, "max_round_nodes", None))
     lm.use_cpu_kernels(getattr(args, "cpu_linear", "default"), getattr(args, "draft_linear", "default"),
                        getattr(args, "cpu_attention", "default"), getattr(args, "cpu_argmax", "default"))
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
@@ -426,7 +430,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "target": args.target, "heads": str(args.heads), "head_type": lm.heads.config.head_type,
         "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens, "turns": turns,
-        "batch_size": batch_size,
+        "batch_size": batch_size, "max_round_nodes": lm.max_round_nodes,
         "tree": lm.tree_description(), "environment": environment(lm), "fast_path": getattr(args, "fast_path", "auto"),
         "command": "specheads bench " + " ".join(getattr(args, "argv", [])),
     }

@@ -77,6 +77,9 @@ class SpeculativeLM:
             latest earlier occurrence of the context's last `lookup_max_ngram` (down to 2) tokens, at most this
             many, are grafted onto the heads' tree as one more branch (0 = off). Any heads; exact either way.
         lookup_max_ngram: the longest context suffix prompt lookup matches.
+        max_round_nodes: batched decoding (`generate(batched=True)`, `BatchEngine`, the server): tree nodes one round
+            verifies at most, all rows together; each row's tree shrinks to max(1, this // rows) nodes and at 1 a
+            row decodes plainly (inference/batched.py). None (default): full trees whatever the batch.
         lookup_max_tokens: let the guess grow while whole guesses are accepted (doubling from `lookup_tokens` up to
             this; back to `lookup_tokens` after any other round): fewer rounds over copied passages. Default
             (None): `lookup_tokens`, a fixed length.
@@ -98,6 +101,7 @@ class SpeculativeLM:
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
         lookup_max_tokens: int | None = None,
+        max_round_nodes: int | None = None,
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
@@ -110,6 +114,7 @@ class SpeculativeLM:
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
         self.graphed_rounds = graphed_rounds
         self.graphed_prefill = graphed_prefill
+        self.max_round_nodes = max_round_nodes
         self.certified_argmax: CertifiedArgmax | None = None  # greedy verification's scorer (use_certified_argmax)
 
     def configure_tree(

@@ -91,6 +91,15 @@ def build_tree_buffers(
     return TreeBuffers(parents, depth, ancestors, attention_bias)
 
 
+def truncate_tree(tree: TreeBuffers, count: int) -> TreeBuffers:
+    """The first `count` nodes of `tree` (topologically ordered, so they form a tree: every kept node's ancestors come
+    before it), as buffers sliced from the tree's own."""
+    if count >= tree.num_nodes:
+        return tree
+    return TreeBuffers(tree.parents[:count], tree.depth[:count], tree.ancestors[:count, :count],
+                       tree.attention_bias[:count, :count])
+
+
 def append_chain(tree: TreeBuffers, parent: int, length: int) -> TreeBuffers:
     """The buffers of `tree` with a chain of `length` new nodes hung under node `parent` (appended in order:
     node N is the parent's child, N + 1 its child, ...). Derived from the tree's own buffers: no passes, no host sync.

@@ -94,11 +94,14 @@ def main() -> int:
                              "chose for SmolLM2 on 2 threads)")
     parser.add_argument("--lookup-tokens", type=int, default=10)
     parser.add_argument("--lookup-max-tokens", type=int, default=40)
+    parser.add_argument("--max-round-nodes", type=int, default=None,
+                        help="the speculative loops' node budget per round, all rows together (default: full trees)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
-                                      lookup_max_tokens=args.lookup_max_tokens or None)
+                                      lookup_max_tokens=args.lookup_max_tokens or None,
+                                      max_round_nodes=args.max_round_nodes)
     depth, top_k, nodes, *pruning = args.tree.split(",")
     lm.configure_tree(tree_depth=int(depth), tree_top_k=int(top_k), tree_num_nodes=int(nodes),
                       tree_stop_prob=float(pruning[0]) if pruning else None,
@@ -145,7 +148,8 @@ def main() -> int:
     base = results["one_at_a_time"]["tokens_per_second"]
     for values in results.values():
         values["throughput_ratio"] = values["tokens_per_second"] / base
-    report = {"target": args.target, "heads": args.heads, "tree": args.tree, "clients": args.clients, "prompts": len(prompts),
+    report = {"target": args.target, "heads": args.heads, "tree": args.tree, "max_round_nodes": args.max_round_nodes,
+              "clients": args.clients, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "kernels": kernels,
               "torch": torch.__version__, "results": results}
     print(json.dumps(report, indent=2))

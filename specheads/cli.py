@@ -47,6 +47,9 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
                    help="graft a prompt-lookup guess of up to N tokens onto each draft tree (0: off)")
     p.add_argument("--lookup-max-tokens", type=int, default=None,
                    help="let the guess double, up to N tokens, while whole guesses are accepted (default: fixed length)")
+    p.add_argument("--max-round-nodes", type=int, default=None,
+                   help="batched decoding (serve, generate --prompts): tree nodes one round verifies at most, all rows "
+                   "together; each row's tree shrinks to this // rows nodes, at 1 a plain step (default: full trees)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -144,7 +147,7 @@ def _load_lm(args: argparse.Namespace):
     check_lookup_settings(args.lookup_tokens, lookup_max_tokens=args.lookup_max_tokens)  # before loading any model
     torch.manual_seed(args.seed)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
-                                      lookup_max_tokens=args.lookup_max_tokens)
+                                      lookup_max_tokens=args.lookup_max_tokens, max_round_nodes=args.max_round_nodes)
     kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention, args.cpu_argmax)
     return lm, kernels
 

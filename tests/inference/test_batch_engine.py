@@ -69,6 +69,81 @@ def test_rows_with_prompt_lookup_join_and_match(tiny_target_factory):
     assert max(request.accepted_counts and max(request.accepted_counts) for request in requests) >= 3
 
 
+@pytest.mark.parametrize("head_type", ["medusa", "eagle", "eagle3"])
+def test_a_round_node_budget_shrinks_trees_as_rows_join_and_stays_exact(tiny_target_factory, head_type):
+    """max_round_nodes 8: one row drafts 8-node trees, two 4, four 2, five 1 (plain steps, no drafting): every
+    verified tree fits the budget, rows that skipped drafting draft again later, and every row stays exact."""
+    target = tiny_target_factory("qwen2")
+    lm = SpeculativeLM(target, batched_test_heads(target, head_type), lookup_tokens=3, max_round_nodes=8)
+    requests = [lm.batch_request(torch.tensor([p]), max_new_tokens=30) for p in PROMPTS]
+    engine = BatchEngine(lm)
+    widths: list[tuple[int, int]] = []  # (rows, largest tree) per round
+    step = engine.step
+
+    def recording_step():
+        original = engine._draft
+        sizes = []
+
+        def draft(row, budget):
+            tokens, tree = original(row, budget)
+            sizes.append(tree.num_nodes)
+            return tokens, tree
+
+        engine._draft = draft
+        try:
+            return step()
+        finally:
+            engine._draft = original
+            widths.append((len(sizes), max(sizes, default=0)))
+
+    engine.step = recording_step
+    drive(engine, {0: requests[:1], 2: requests[1:2], 4: requests[2:]})
+    for request, prompt in zip(requests, PROMPTS):
+        assert request.new_tokens == hf_greedy(target, torch.tensor([prompt]), 30)[0, len(prompt):].tolist(), prompt
+    assert all(largest <= max(1, 8 // rows) for rows, largest in widths if rows)
+    assert {rows for rows, _ in widths} >= {1, 2, 5}  # alone, two rows, five rows (plain steps)
+    assert any(largest > 4 for rows, largest in widths if rows == 1)  # alone, the full budget is used
+    assert all(largest == 1 for rows, largest in widths if rows == 5)
+    with pytest.raises(ValueError, match="max_round_nodes=0"):
+        BatchEngine(lm, max_round_nodes=0)
+
+
+class SeenTokens:
+    """Wraps a drafter (and its forks) and keeps every `next_tokens` it is handed, per fork."""
+
+    def __init__(self, drafter, log: list) -> None:
+        self.inner, self.log, self.seen = drafter, log, []
+        log.append(self.seen)
+
+    def fork(self):
+        return SeenTokens(self.inner.fork(), self.log)
+
+    def reset(self):
+        self.inner.reset()
+
+    def propose(self, features, next_tokens):
+        assert features.shape[0] == next_tokens.shape[0]
+        self.seen += next_tokens.tolist()
+        return self.inner.propose(features, next_tokens)
+
+
+def test_rows_that_skip_drafting_hand_their_drafter_every_position_later(tiny_target_factory):
+    """Under a budget of 2 nodes, three rows decode plainly (no drafting); when two have ended the last drafts again
+    and its drafter gets every position it missed: all it was handed is the row's sequence, in order, none lost."""
+    target = tiny_target_factory("llama")
+    lm = SpeculativeLM(target, batched_test_heads(target, "eagle"), max_round_nodes=2)
+    log: list[list[int]] = []
+    lm.drafter = SeenTokens(lm.drafter, log)
+    lengths = [6, 8, 40]
+    requests = [lm.batch_request(torch.tensor([p]), max_new_tokens=n) for p, n in zip(PROMPTS, lengths)]
+    drive(BatchEngine(lm), {0: requests})
+    last = requests[2]
+    sequence = last.prompt[1:].tolist() + last.new_tokens
+    seen = next(s for s in log if s and s[0] == sequence[0] and len(s) > len(last.prompt))
+    assert seen == sequence[: len(seen)] and len(seen) > len(last.prompt) + 8  # it drafted after the others ended
+    assert last.new_tokens == hf_greedy(target, torch.tensor([PROMPTS[2]]), 40)[0, len(PROMPTS[2]):].tolist()
+
+
 def test_greedy_and_sampling_rows_share_a_batch(tiny_target_factory):
     """Per-row options: a greedy row next to sampling rows (logits needed) and a row with a repetition penalty."""
     target = tiny_target_factory("llama")

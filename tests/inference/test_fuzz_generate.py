@@ -141,17 +141,19 @@ def test_processors_and_stopping_match_the_reference(
     ),
     cancel=st.one_of(st.none(), st.tuples(st.integers(0, 4), st.integers(0, 6))),
     head_type=st.sampled_from(["eagle", "medusa"]),
+    round_nodes=st.sampled_from([None, 1, 2, 5, 12]),
 )
-def test_continuous_batching_matches_the_reference(models, arrivals, cancel, head_type):
+def test_continuous_batching_matches_the_reference(models, arrivals, cancel, head_type, round_nodes):
     """Rows joining a `BatchEngine` at random rounds (prompts of any length, any budget), one maybe cancelled at a
-    random round: every row that was not cancelled equals its own greedy decode alone."""
+    random round, under a random node budget per round: every row that was not cancelled equals its own greedy
+    decode alone."""
     from specheads.inference.batched import BatchEngine
 
     target, lms, _ = models
     lm = lms[head_type]
     lm.certified_argmax = None
     requests = [lm.batch_request(torch.tensor([prompt]), max_new_tokens=budget) for prompt, _, budget in arrivals]
-    engine, step, last_arrival = BatchEngine(lm), 0, max(at for _, at, _ in arrivals)
+    engine, step, last_arrival = BatchEngine(lm, max_round_nodes=round_nodes), 0, max(at for _, at, _ in arrivals)
     while engine.rows or step <= last_arrival:
         engine.add([r for r, (_, at, _) in zip(requests, arrivals) if at == step])
         if cancel is not None and cancel[1] == step and cancel[0] < len(requests):
