@@ -5,9 +5,10 @@ Rows accept different lengths, so each row b keeps its own count of committed ca
 `valid[b]` inside one rectangular target cache (B, kv_heads, S, head_dim): entries at or past valid[b]
 are garbage that the attention mask hides. Each round:
 
-    draft    each row's drafter proposes its tree (per row: drafting is cheap)
+    draft    each row's drafter proposes its tree (per row: drafting is cheap), within the round's node budget
+             (`max_round_nodes`: trees shrink as rows join; at 1 node a row takes a plain step, undrafted)
     verify   ONE target forward over (B, N_max) tree tokens, padded; the 4-D mask gives every row its own
-             prefix (its left padding and garbage hidden) and its own tree
+             prefix (its left padding and garbage hidden), its own tree and, on sliding-window targets, its window
     accept   per row (greedy / exact sampling / typical)
     update   per cache layer, one gather and one scatter move each row's accepted path to valid[b] in place,
              then a crop to max(valid); finished rows leave the batch
