@@ -5,7 +5,7 @@ and `generate` keyword arguments; every refusal is an `ApiError` naming the fiel
 The fields that would change the answer in a way this engine cannot (best_of > n, tools, presence / frequency
 penalties, logit biases, streamed log-probabilities) are refused rather than ignored; fields that do not change it (user,
 metadata) are ignored. Extensions, as vLLM takes them: top_k, min_p, repetition_penalty. Log-probabilities are the
-target's own, from its raw logits (vLLM's default), for every generated token (a stop string's tokens included).
+target's own, from its raw logits (vLLM's default), for the answer's tokens (not a stop string's, nor a final EOS).
 """
 
 from __future__ import annotations
@@ -233,6 +233,21 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, tokenizer:
     return {"tokens": text, "token_logprobs": chosen, "text_offset": offsets,
             "top_logprobs": [{tokenizer.decode([r]): v for r, v in zip(rivals[i].tolist(), rivals_lp[i].tolist())}
                              for i in range(len(tokens))]}
+
+
+def answer_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[int], text: str) -> int:
+    """How many of the generated `tokens` make up the answer `text`: the fewest whose decoded text covers it. A stop
+    string's tokens (the text ends before it) and a final EOS (decoded to nothing) fall outside, as in OpenAI's
+    log-probabilities, which list the answer's own tokens."""
+    if len(tokenizer.decode(tokens, skip_special_tokens=True)) <= len(text):  # nothing cut: all but a trailing EOS
+        count = len(tokens)
+        while count and not tokenizer.decode(tokens[count - 1:count], skip_special_tokens=True):
+            count -= 1
+        return count
+    for count in range(len(tokens) + 1):
+        if len(tokenizer.decode(tokens[:count], skip_special_tokens=True)) >= len(text):
+            return count
+    return len(tokens)
 
 
 def _json_schema(response_format: Any) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ from .openai_api import (
     ApiError,
     Choice,
     ParsedRequest,
+    answer_tokens,
     chunk_body,
     finish_reason,
     new_id,
@@ -149,8 +150,11 @@ class CompletionService:
         choices = []
         for job, delta in zip(jobs, deltas):
             new = job.new_tokens
-            logprobs = None if request.logprobs is None else token_logprobs(
-                torch.stack(job.recorder.logits)[: len(new)], new, request.logprobs, self.tokenizer, chat)
+            logprobs = None
+            if request.logprobs is not None:
+                kept = answer_tokens(self.tokenizer, new, delta.text)  # the answer's own tokens
+                logprobs = token_logprobs(torch.stack(job.recorder.logits)[:kept], new[:kept], request.logprobs,
+                                          self.tokenizer, chat)
             choices.append(Choice(delta.text, finish_reason(delta.stopped, new, job.max_new_tokens, job.eos), logprobs))
         choices = [choices[index % runs] for index in range(request.n)]
         generated = sum(len(job.new_tokens) for job in jobs)

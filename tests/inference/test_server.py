@@ -167,6 +167,30 @@ def test_logprobs_are_the_targets_own(server):
     assert status == 200 and len(content) == body["usage"]["completion_tokens"] == 6
     assert all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in content)
     assert post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 4})[1]["choices"][0]["logprobs"] is None
+    # a stop string: the log-probabilities list the answer's tokens, not the stop string's
+    answer = tokenizer.decode(tokens[:3])
+    stop = tokenizer.decode(tokens[:5])[len(answer):]  # what tokens 3 and 4 add, in context
+    status, body = post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 10, "logprobs": 0,
+                                                  "stop": stop})
+    choice = body["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "stop" and choice["text"] == answer
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in tokens[:3]]
+    torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"]), expected[range(3), tokens[:3]],
+                               atol=1e-4, rtol=0)
+
+
+def test_answer_tokens_cover_the_text_and_leave_out_stops_and_a_final_eos():
+    from specheads.inference.openai_api import answer_tokens
+
+    class Letters:  # ids 0-25 decode as letters, 99 (EOS) as nothing
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("" if i == 99 else "abcdefghijklmnopqrstuvwxyz"[i] for i in ids)
+
+    assert answer_tokens(Letters(), [0, 1, 2], "abc") == 3
+    assert answer_tokens(Letters(), [0, 1, 2, 99], "abc") == 3  # the final EOS is no part of the answer
+    assert answer_tokens(Letters(), [0, 1, 2, 3, 4], "ab") == 2  # "cde" was the stop string
+    assert answer_tokens(Letters(), [0, 1, 2, 3], "abc") == 3
+    assert answer_tokens(Letters(), [], "") == 0
 
 
 def test_concurrent_requests_each_get_their_own_answer(server):
