@@ -42,10 +42,10 @@ from specheads.inference.kv_cache import (
     tree_cache,
 )
 from specheads.inference.prompt_cache import PromptCache
-from specheads.inference.sampling import SamplingParams
+from specheads.inference.sampling import SamplingParams, choose_token
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder
-from specheads.inference.stopping import StopChecker
+from specheads.inference.stopping import StopChecker, emit_tokens
 from specheads.inference.tree import TreeBuffers, build_tree_buffers, truncate_tree
 from specheads.inference.verify import DynamicTreeVerifier, last_logits_only, no_logits, sliding_window_of
 
@@ -81,14 +81,11 @@ def verify_mask(
 
 
 def windowed(
-    mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, target: Any
+    mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, window: int, per_layer_types: bool
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The (B, 1, T, K) mask as a sliding-window target takes it: also hiding keys at distance >= its window from each
-    query (positions (B, T) and (B, K), each row's own), per layer type where its layers differ (Qwen2-style); the
-    mask itself for targets without a window, or when no distance reaches it."""
-    window, per_layer_types = sliding_window_of(target)
-    if window is None:
-        return mask
+    """The (B, 1, T, K) mask as a sliding-window target takes it (`verify.sliding_window_of`): also hiding keys at
+    distance >= `window` from each query (positions (B, T) and (B, K), each row's own), per layer type where its
+    layers differ (Qwen2-style); the mask itself when no distance reaches the window."""
     too_far = (query_positions[:, :, None] - key_positions[:, None, :]) >= window  # (B, T, K)
     if not bool(too_far.any()):
         return mask
@@ -177,9 +174,10 @@ class BatchEngine:
             their first ones), and at 1 a row does not draft at all (a plain decoding step). Where a forward's cost
             grows with its tokens (CPUs), speculation stops paying as the batch grows (`bench --batch-size`); this
             shrinks the trees as it does. None there too: every row drafts its full tree.
-        stats: a dict the engine adds its counts to (target_forwards, batched_forwards, rounds, accepted_counts,
-            new_tokens, reused_prompt_tokens, prefill_seconds: joining rows' prompt forwards up to their first
-            token), as `generate`'s `last_stats` are made from.
+        stats: a dict the engine adds its counts to (target_forwards, batched_forwards, rounds, new_tokens,
+            reused_prompt_tokens, prefill_seconds: joining rows' prompt forwards up to their first token), as
+            `generate`'s `last_stats` are made from; each round's accepted drafts are kept per request
+            (`BatchRequest.accepted_counts`).
     """
 
     def __init__(self, lm: Any, stats: dict[str, Any] | None = None, isolate_errors: bool = False,
@@ -192,8 +190,9 @@ class BatchEngine:
             raise ValueError(f"max_round_nodes={max_round_nodes!r}: expected None or an integer >= 1")
         self.lm, self.isolate_errors, self.max_round_nodes = lm, isolate_errors, max_round_nodes
         self.root_only = build_tree_buffers(torch.tensor([-1], device=lm.target.device), dtype=lm.target.dtype)
+        self.window, self.per_layer_types = sliding_window_of(lm.target)  # (None, False) for most targets
         self.stats = stats if stats is not None else {
-            "new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "reused_prompt_tokens": 0}
+            "new_tokens": 0, "target_forwards": 0, "rounds": 0, "reused_prompt_tokens": 0}
         self.stats.setdefault("batched_forwards", 0)
         self.rows: list[_Row] = []
         self.cache: Cache | None = None  # (B, kv_heads, S, head_dim) per layer, row b at batch index b
@@ -226,7 +225,9 @@ class BatchEngine:
             ids[b, pad[b]:] = request.prompt
         cache = tree_cache()
         positions = (torch.arange(width, device=device)[None, :] - pad[:, None]).clamp(min=0)
-        mask = windowed(prefill_mask(lengths, width, target.dtype), positions, positions, target)
+        mask = prefill_mask(lengths, width, target.dtype)
+        if self.window is not None:
+            mask = windowed(mask, positions, positions, self.window, self.per_layer_types)
         out = target(
             input_ids=ids, attention_mask=mask, position_ids=positions,
             **cache_kwargs(target, cache), use_cache=True, output_hidden_states=True, **last_logits_only(target),
@@ -259,11 +260,13 @@ class BatchEngine:
             except Exception as err:
                 self._fail(request, err)
                 rows.append(_Row(request, None, features[b], request.prompt, None, None))  # keeps row b's place
-        ended = [row for row in rows if row.request.finished]
-        for row in ended:
-            b = rows.index(row)
-            self._finish(row, cache, b, torch.arange(int(pad[b]), int(valid[b]), device=pad.device))
-        keep = [b for b, row in enumerate(rows) if not row.request.finished]
+        keep = []
+        for b, row in enumerate(rows):
+            if row.request.finished:
+                self._finish(row, cache, b, torch.arange(int(pad[b]), int(valid[b]), device=pad.device))
+            else:
+                keep.append(b)
+        ended = [row.request for row in rows if row.request.finished]
         if keep:
             if len(keep) < len(rows):
                 select_rows(cache, keep)
@@ -275,7 +278,7 @@ class BatchEngine:
                 self.pad = torch.cat([self.pad + shift_running, pad + shift_new])
                 self.valid = torch.cat([self.valid + shift_running, valid + shift_new])
             self.rows += rows
-        return [row.request for row in ended]
+        return ended
 
     def _start(self, request: BatchRequest, last_logits: torch.Tensor, features: torch.Tensor) -> _Row:
         """A prefilled row's first token (from its (1, V) last logits) and its decoding state ((n, h) features)."""
@@ -285,7 +288,7 @@ class BatchEngine:
         request.target_forwards += 1
         context = SequenceContext(prompt, params, sorted(request.eos), request.row) if params.reads_sequence else None
         processed = last_logits if context is None else context.last(last_logits)  # (1, V)
-        root = lm._choose(processed, params)[0]
+        root = choose_token(processed, params)[0]
         self._emit(request, [int(root)])
         if request.recorder is not None:
             request.recorder.add(last_logits, request.recorder.warped(processed.float()), len(request.new_tokens))
@@ -336,8 +339,10 @@ class BatchEngine:
         argmax = lm.certified_argmax if all(row.argmax_only for row in rows) else None
         cache_width = cache_length(self.cache)
         mask = verify_mask(trees, pad, valid, cache_width, nodes, target.dtype)
-        cached_positions = torch.arange(cache_width, device=device)[None, :] - pad[:, None]  # (B, S); < 0: padding
-        mask = windowed(mask, position_ids, torch.cat([cached_positions, position_ids], dim=1), target)
+        if self.window is not None:
+            cached_positions = torch.arange(cache_width, device=device)[None, :] - pad[:, None]  # (B, S); < 0: padding
+            mask = windowed(mask, position_ids, torch.cat([cached_positions, position_ids], dim=1), self.window,
+                            self.per_layer_types)
         out = target(
             input_ids=tokens, attention_mask=mask,
             position_ids=position_ids, **cache_kwargs(target, self.cache), use_cache=True, output_hidden_states=True,
@@ -361,8 +366,7 @@ class BatchEngine:
                 self._fail(row.request, err)
                 paths.append(torch.zeros(1, dtype=torch.long, device=device))  # the root: the row leaves anyway
         # update: compact every row's cache to its path (in place), then drop finished rows
-        compact_rows(self.cache, valid, paths, cache_width)
-        self.valid = valid + torch.tensor([p.shape[0] for p in paths], device=device)
+        self.valid = compact_rows(self.cache, valid, paths, cache_width)
         return ended + self._drop([b for b, row in enumerate(rows) if row.request.finished])
 
     def _draft(self, row: _Row, budget: int | None) -> tuple[torch.Tensor, TreeBuffers]:
@@ -396,7 +400,6 @@ class BatchEngine:
         accepted = torch.cat([tokens[path[1:]], bonus[None]])
         request.target_forwards += 1
         request.accepted_counts.append(path.shape[0] - 1)
-        self.stats["accepted_counts"].append(path.shape[0] - 1)
         if row.committed_features is not None:
             row.committed_features.append(node_features[path])
         if row.drafted:
@@ -444,7 +447,7 @@ class BatchEngine:
             request.streamer.end()
 
     def _emit(self, request: BatchRequest, tokens: list[int]) -> None:
-        if self.lm._emit(tokens, request.new_tokens, request.max_new_tokens, request.eos, request.streamer, request.stop):
+        if emit_tokens(tokens, request.new_tokens, request.max_new_tokens, request.eos, request.streamer, request.stop):
             request.finished = True
 
 
@@ -473,4 +476,5 @@ def generate_batched(
     engine.add(requests)
     while engine.rows:
         engine.step()
+    stats["accepted_counts"] += [count for request in requests for count in request.accepted_counts]
     return [request.new_tokens for request in requests]

@@ -30,6 +30,7 @@ from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, c
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.generate_inputs import (
     assemble,
+    decoding_settings,
     eos_ids,
     expand_for_return_sequences,
     new_token_budget,
@@ -37,16 +38,14 @@ from specheads.inference.generate_inputs import (
 )
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
 from specheads.inference.prompt_cache import PromptCache, check_prompt_cache_call
-from specheads.inference.sampling import SamplingParams, check_generation_config, sample_token, target_probs
+from specheads.inference.sampling import SamplingParams, choose_token
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder, generate_output
-from specheads.inference.stopping import StopChecker, stopping_criteria_for
+from specheads.inference.stopping import StopChecker, emit_tokens
 from specheads.inference.target_support import check_tree_verification
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.verify import DynamicTreeVerifier
 from specheads.targets import load_target
-
-ACCEPTANCE_RULES = ("exact", "typical")
 
 
 class SpeculativeLM:
@@ -365,8 +364,9 @@ class SpeculativeLM:
         prefill_seconds (prompt forwards up to the first token), ms_per_round (the rest of the time per round: drafting, verification, acceptance) and
         fast_path (whether the call ran on the static-cache fast path).
         """
-        config, params, criteria = self._decoding_settings(
-            generation_config, do_sample, temperature, top_p, top_k, min_p=min_p, typical_p=typical_p,
+        config = self.target.generation_config if generation_config is None else generation_config
+        params, criteria = decoding_settings(
+            config, self.tokenizer, do_sample, temperature, top_p, top_k, min_p=min_p, typical_p=typical_p,
             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
             min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids, suppress_tokens=suppress_tokens,
             sequence_bias=sequence_bias, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
@@ -432,50 +432,6 @@ class SpeculativeLM:
             return sequences
         return generate_output(sequences, recorders or [], output_scores, output_logits)
 
-    def _decoding_settings(
-        self,
-        generation_config: GenerationConfig | None = None,
-        do_sample: bool = False,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        *,
-        min_p: float | None = None,
-        typical_p: float | None = None,
-        repetition_penalty: float | None = None,
-        no_repeat_ngram_size: int | None = None,
-        min_new_tokens: int | None = None,
-        bad_words_ids: list[list[int]] | None = None,
-        suppress_tokens: list[int] | None = None,
-        sequence_bias: Any = None,
-        prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
-        logits_processor: LogitsProcessorList | None = None,
-        stopping_criteria: StoppingCriteriaList | None = None,
-        stop_strings: str | list[str] | None = None,
-        max_time: float | None = None,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        acceptance: str = "exact",
-    ) -> tuple[GenerationConfig, SamplingParams, StoppingCriteriaList | None]:
-        """`generate`'s decoding options checked and resolved against the generation config: (config, sampling
-        parameters, stopping criteria or None)."""
-        config = self.target.generation_config if generation_config is None else generation_config
-        params = SamplingParams.resolve(
-            config, do_sample, temperature, top_p, top_k,
-            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-            min_new_tokens=min_new_tokens, min_p=min_p, typical_p=typical_p, bad_words_ids=bad_words_ids,
-            suppress_tokens=suppress_tokens, sequence_bias=sequence_bias,
-            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=logits_processor,
-        )
-        params.validate()
-        check_generation_config(config, do_sample)
-        criteria = stopping_criteria_for(config, stopping_criteria, stop_strings, max_time,
-                                         tokenizer if tokenizer is not None else self.tokenizer)
-        if acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
-        if acceptance == "typical" and not do_sample:
-            raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
-        return config, params, criteria
-
     def batch_request(
         self,
         input_ids: torch.Tensor,
@@ -501,7 +457,8 @@ class SpeculativeLM:
             **options: `generate`'s decoding options (do_sample, temperature, top_p, top_k, logits_processor,
                 stop_strings, generation_config, acceptance, ...).
         """
-        config, params, criteria = self._decoding_settings(**options)
+        config = options.pop("generation_config", None) or self.target.generation_config
+        params, criteria = decoding_settings(config, self.tokenizer, **options)
         if seed is not None:
             params = dataclasses.replace(params, generator=torch.Generator(self.target.device).manual_seed(seed))
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] != 1:
@@ -559,9 +516,9 @@ class SpeculativeLM:
         raw_logits = last_logits
         if context is not None:
             last_logits = context.last(last_logits)
-        root = self._choose(last_logits, params)[0]
+        root = choose_token(last_logits, params)[0]
         new_tokens: list[int] = []
-        done = self._emit([int(root)], new_tokens, max_new_tokens, eos, streamer, stop)  # int(): waits for the prefill
+        done = emit_tokens([int(root)], new_tokens, max_new_tokens, eos, streamer, stop)  # int(): waits for the prefill
         if recorder is not None:
             recorder.add(raw_logits, recorder.warped(last_logits.float()), len(new_tokens))
         if context is not None:
@@ -584,7 +541,7 @@ class SpeculativeLM:
                 stats["target_forwards"] += 1
                 stats["rounds"] += 1
                 stats["accepted_counts"].append(len(accepted_tokens) - 1)
-                done = self._emit(accepted_tokens, new_tokens, max_new_tokens, eos, streamer, stop)
+                done = emit_tokens(accepted_tokens, new_tokens, max_new_tokens, eos, streamer, stop)
         # greedy on the normal path: the target's argmax per node is all acceptance needs (scored by
         # `certified_argmax` when set, without the full-precision lm_head)
         argmax_only = (not params.do_sample and isinstance(verifier, DynamicTreeVerifier) and context is None
@@ -612,7 +569,7 @@ class SpeculativeLM:
                 committed_features.append(features)
             next_tokens = accepted
             emitted = len(new_tokens)
-            done = self._emit(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer, stop)
+            done = emit_tokens(accepted.tolist(), new_tokens, max_new_tokens, eos, streamer, stop)
             if recorder is not None:  # before the commit: each path node's sequence ends at the committed one
                 recorder.add_path(logits, tokens, tree, path, context, len(new_tokens) - emitted)
             if context is not None:
@@ -623,36 +580,6 @@ class SpeculativeLM:
             prompt_cache.store_call(prompt, new_tokens, prefix_length, verifier.cache, torch.cat(committed_features),
                                     self.target, self.heads)
         return new_tokens
-
-    @staticmethod
-    def _choose(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """The target's own next token from (1, V) logits: argmax, or a sample of the processed distribution."""
-        if not params.do_sample:
-            return logits.argmax(dim=-1)
-        return sample_token(target_probs(logits, params)[0], params.generator)[None]
-
-    @staticmethod
-    def _emit(
-        tokens: list[int], out: list[int], max_new_tokens: int, eos: set[int], streamer: Any | None,
-        stop: StopChecker | None = None,
-    ) -> bool:
-        """Append accepted tokens, stopping right after EOS, right after the token at which a stopping criterion
-        fires, or at max_new_tokens. Returns True when done."""
-        room = max_new_tokens - len(out)
-        taken = tokens[:room]
-        for i, token in enumerate(taken):
-            if token in eos:
-                taken = taken[: i + 1]
-                break
-        stopped = False
-        if stop is not None:
-            first = stop.first_stop(taken)
-            if first is not None:
-                taken, stopped = taken[: first + 1], True
-        out.extend(taken)
-        if streamer is not None and taken:
-            streamer.put(torch.tensor(taken))
-        return stopped or len(out) >= max_new_tokens or (bool(taken) and taken[-1] in eos)
 
     # --- stats ---------------------------------------------------------------------------------------------
     @staticmethod

@@ -5,10 +5,19 @@ EOS ids, and the padded output batch.
 
 from __future__ import annotations
 
-import torch
-from transformers import GenerationConfig, PreTrainedModel
+from collections.abc import Callable
+from typing import Any
 
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from specheads.inference.sampling import SamplingParams, check_generation_config
+from specheads.inference.stopping import stopping_criteria_for
 from specheads.inference.target_support import context_limit
+
+ACCEPTANCE_RULES = ("exact", "typical")
 
 
 def new_token_budget(input_ids: torch.Tensor, max_new_tokens: int | None, max_length: int | None) -> int:
@@ -116,3 +125,47 @@ def assemble(
     for i, r in enumerate(rows):
         new[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return torch.cat([input_ids.long().cpu(), new], dim=1).to(input_ids.device)
+
+
+def decoding_settings(
+    generation_config: GenerationConfig,
+    default_tokenizer: PreTrainedTokenizerBase | None,
+    do_sample: bool = False,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    *,
+    min_p: float | None = None,
+    typical_p: float | None = None,
+    repetition_penalty: float | None = None,
+    no_repeat_ngram_size: int | None = None,
+    min_new_tokens: int | None = None,
+    bad_words_ids: list[list[int]] | None = None,
+    suppress_tokens: list[int] | None = None,
+    sequence_bias: Any = None,
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    stop_strings: str | list[str] | None = None,
+    max_time: float | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    acceptance: str = "exact",
+) -> tuple[SamplingParams, StoppingCriteriaList | None]:
+    """`generate`'s decoding options, checked and resolved against `generation_config`: (sampling parameters,
+    stopping criteria or None). Stop strings are read with `tokenizer`, else `default_tokenizer`."""
+    params = SamplingParams.resolve(
+        generation_config, do_sample, temperature, top_p, top_k,
+        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+        min_new_tokens=min_new_tokens, min_p=min_p, typical_p=typical_p, bad_words_ids=bad_words_ids,
+        suppress_tokens=suppress_tokens, sequence_bias=sequence_bias,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=logits_processor,
+    )
+    params.validate()
+    check_generation_config(generation_config, do_sample)
+    criteria = stopping_criteria_for(generation_config, stopping_criteria, stop_strings, max_time,
+                                     tokenizer if tokenizer is not None else default_tokenizer)
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_RULES}")
+    if acceptance == "typical" and not do_sample:
+        raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
+    return params, criteria

@@ -84,11 +84,14 @@ def cache_length(cache: Cache) -> int:
     return cache.get_seq_length()
 
 
+def layers_with_entries(cache: Cache) -> list:
+    """The layers that hold keys / values (transformers creates them lazily, at the first forward)."""
+    return [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel() > 0]
+
+
 def crop_cache(cache: Cache, length: int) -> None:
     """Keep the first `length` positions of every layer."""
-    for layer in cache.layers:
-        if layer.keys is None or layer.keys.numel() == 0:
-            continue
+    for layer in layers_with_entries(cache):
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]
 
@@ -102,7 +105,7 @@ def compact_cache(cache: Cache, prefix_length: int, keep: torch.Tensor) -> None:
         keep: (L,) tree-node indices of the accepted path (ascending), moved to prefix_length .. +L.
     """
     total = prefix_length + keep.shape[0]
-    layers = [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel() > 0]
+    layers = layers_with_entries(cache)
     for layer in layers:
         if layer.keys.shape[-2] < total:
             raise RuntimeError(
@@ -124,25 +127,23 @@ def compact_cache(cache: Cache, prefix_length: int, keep: torch.Tensor) -> None:
 
 
 # --- batches of rows in one rectangular cache (inference/batched.py) -------------------------------------------
-def layers_with_entries(cache: Cache) -> list:
-    """The layers that hold keys / values (transformers creates them lazily, at the first forward)."""
-    return [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel() > 0]
-
-
 def select_rows(cache: Cache, rows: list[int]) -> None:
     """Keep the batch rows `rows` (in that order) of every layer."""
     for layer in layers_with_entries(cache):
         layer.keys, layer.values = layer.keys[rows], layer.values[rows]
 
 
-def compact_rows(cache: Cache, valid: torch.Tensor, paths: list[torch.Tensor], cache_width: int) -> None:
+def compact_rows(cache: Cache, valid: torch.Tensor, paths: list[torch.Tensor], cache_width: int) -> torch.Tensor:
     """`compact_cache` for a batch: row b's accepted tree entries (at cache_width + paths[b]) move to valid[b] on, in
     place (the layers stay views of their buffers); the cache is then cropped to the longest row. Shorter paths are
-    padded with their last node: those copies land past the row's new length, where nothing is read."""
-    longest = max(p.shape[0] for p in paths)
+    padded with their last node: those copies land past the row's new length, where nothing is read. Returns the
+    rows' new committed lengths (B,)."""
+    lengths = [p.shape[0] for p in paths]
+    longest = max(lengths)
     source = torch.stack([torch.cat([p, p[-1:].expand(longest - p.shape[0])]) for p in paths]) + cache_width  # (B, L)
     destination = valid[:, None] + torch.arange(longest, device=valid.device)  # (B, L)
-    width = int((valid + torch.tensor([p.shape[0] for p in paths], device=valid.device)).max())
+    new_valid = valid + torch.tensor(lengths, device=valid.device)
+    width = int(new_valid.max())
     for layer in layers_with_entries(cache):
         batch, heads, _, dim = layer.keys.shape
         expand = (batch, heads, longest, dim)
@@ -151,6 +152,7 @@ def compact_rows(cache: Cache, valid: torch.Tensor, paths: list[torch.Tensor], c
             moved = tensor.gather(2, source[:, None, :, None].expand(expand))  # a copy: sources and targets may overlap
             tensor.scatter_(2, destination[:, None, :, None].expand(expand), moved)
             setattr(layer, name, tensor[:, :, :width])
+    return new_valid
 
 
 def join_caches(first: Cache, second: Cache) -> tuple[int, int]:

@@ -220,3 +220,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token id from (V,) probabilities (a 0-d long tensor); `generator`: None takes torch's global one."""
     return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The target's own next token from (1, V) logits, (1,): argmax, or a sample of the processed distribution."""
+    if not params.do_sample:
+        return logits.argmax(dim=-1)
+    return sample_token(target_probs(logits, params)[0], params.generator)[None]

@@ -219,7 +219,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                 self._send_json(HTTPStatus.OK, {"status": "ok"})
                 return
             if self.path.rstrip("/") == "/metrics":  # open like /health, as vLLM's (the API key guards /v1)
-                self._send_text(prometheus_text(self.service.loop.metrics()))
+                self._send(HTTPStatus.OK, prometheus_text(self.service.loop.metrics()).encode(),
+                           "text/plain; version=0.0.4")
                 return
             self.service.check_key(self.headers.get("Authorization"))
             if self.path.rstrip("/") != "/v1/models":
@@ -287,18 +288,12 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             self.wfile.write(sse((err if isinstance(err, ApiError) else server_error(err)).body()))
             self.wfile.write(sse("[DONE]"))
 
-    def _send_text(self, text: str) -> None:
-        data = text.encode()
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
+        self._send(status, json.dumps(payload).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

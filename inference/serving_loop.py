@@ -96,11 +96,6 @@ class ServingLoop:
         """`submit` and wait for the end."""
         return self.submit(request).wait()
 
-    @property
-    def active(self) -> int:
-        """Requests generating now."""
-        return len(self._running)
-
     def metrics(self) -> dict[str, int]:
         """The lifetime `COUNTERS`, and now: running and waiting requests, the batch limit."""
         return {**self.totals, "running_requests": len(self._running), "waiting_requests": len(self._waiting),
@@ -146,7 +141,6 @@ class ServingLoop:
             self.engine = BatchEngine(self.lm, isolate_errors=True)
             return
         self.totals["batched_forwards"] += self.engine.stats["batched_forwards"] - forwards_before
-        self.engine.stats["accepted_counts"].clear()  # per round, for generate's statistics: unbounded in a server
         for request in ended:
             self._count(request)
             self._running.pop(id(request))._end(request.error)

@@ -80,3 +80,26 @@ class StopChecker:
             if bool(self.criteria(self.sequence, None).any()):
                 return index
         return None
+
+
+def emit_tokens(
+    tokens: list[int], out: list[int], max_new_tokens: int, eos: set[int], streamer: Any | None,
+    stop: StopChecker | None = None,
+) -> bool:
+    """Append a round's accepted `tokens` to a row's `out`, stopping right after EOS, right after the token at which a
+    stopping criterion fires, or at max_new_tokens; the appended ones go to `streamer`. Returns True when done."""
+    room = max_new_tokens - len(out)
+    taken = tokens[:room]
+    for i, token in enumerate(taken):
+        if token in eos:
+            taken = taken[: i + 1]
+            break
+    stopped = False
+    if stop is not None:
+        first = stop.first_stop(taken)
+        if first is not None:
+            taken, stopped = taken[: first + 1], True
+    out.extend(taken)
+    if streamer is not None and taken:
+        streamer.put(torch.tensor(taken))
+    return stopped or len(out) >= max_new_tokens or (bool(taken) and taken[-1] in eos)
