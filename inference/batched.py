@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache
 
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
-from specheads.inference.drafting import Drafter, EagleDrafter, constrain_drafts
+from specheads.inference.drafting import Drafter, constrain_drafts, eagle_drafter_in
 from specheads.inference.kv_cache import (
     cache_length,
     compact_rows,
@@ -42,6 +42,7 @@ from specheads.inference.kv_cache import (
     tree_cache,
 )
 from specheads.inference.prompt_cache import PromptCache
+from specheads.inference.round_budget import AutoRoundBudget, node_probs_of
 from specheads.inference.sampling import SamplingParams, choose_token
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder
@@ -148,6 +149,7 @@ class _Row:
     context: SequenceContext | None  # the sequence so far, for processors that read it
     committed_features: list[torch.Tensor] | None  # with a prompt cache: the features of every committed position
     drafted: bool = True  # False after a round without drafting (node budget 1): `features` then accumulate
+    has_drafted: bool = False  # its drafter has had its first proposal (which also reads the whole prompt)
 
     @property
     def argmax_only(self) -> bool:
@@ -173,7 +175,10 @@ class BatchEngine:
             max(1, max_round_nodes // rows) nodes (EAGLE drafters select that many best nodes; other trees keep
             their first ones), and at 1 a row does not draft at all (a plain decoding step). Where a forward's cost
             grows with its tokens (CPUs), speculation stops paying as the batch grows (`bench --batch-size`); this
-            shrinks the trees as it does. None there too: every row drafts its full tree.
+            shrinks the trees as it does. "auto": the nodes per row are chosen before each round for the most
+            tokens per second, from the target's measured verification cost and the rows' measured drafting cost
+            and acceptance (inference/round_budget.py; `stats["round_budget"]` says what it measured and chose).
+            None there too: every row drafts its full tree.
         stats: a dict the engine adds its counts to (target_forwards, batched_forwards, rounds, new_tokens,
             reused_prompt_tokens, prefill_seconds: joining rows' prompt forwards up to their first token), as
             `generate`'s `last_stats` are made from; each round's accepted drafts are kept per request
@@ -181,14 +186,20 @@ class BatchEngine:
     """
 
     def __init__(self, lm: Any, stats: dict[str, Any] | None = None, isolate_errors: bool = False,
-                 max_round_nodes: int | None = None) -> None:
+                 max_round_nodes: int | str | AutoRoundBudget | None = None) -> None:
         if not hasattr(lm.drafter, "fork"):
             raise ValueError(f"batched decoding needs a drafter with fork(); {type(lm.drafter).__name__} has none")
         if max_round_nodes is None:
             max_round_nodes = getattr(lm, "max_round_nodes", None)
-        if max_round_nodes is not None and (not isinstance(max_round_nodes, int) or max_round_nodes < 1):
-            raise ValueError(f"max_round_nodes={max_round_nodes!r}: expected None or an integer >= 1")
-        self.lm, self.isolate_errors, self.max_round_nodes = lm, isolate_errors, max_round_nodes
+        self.auto: AutoRoundBudget | None = None
+        if max_round_nodes == "auto":
+            self.auto = lm.auto_round_budget()
+        elif isinstance(max_round_nodes, AutoRoundBudget):
+            self.auto = max_round_nodes
+        elif max_round_nodes is not None and (not isinstance(max_round_nodes, int) or max_round_nodes < 1):
+            raise ValueError(f"max_round_nodes={max_round_nodes!r}: expected None, 'auto' or an integer >= 1")
+        self.lm, self.isolate_errors = lm, isolate_errors
+        self.max_round_nodes = None if self.auto is not None else max_round_nodes
         self.root_only = build_tree_buffers(torch.tensor([-1], device=lm.target.device), dtype=lm.target.dtype)
         self.window, self.per_layer_types = sliding_window_of(lm.target)  # (None, False) for most targets
         self.stats = stats if stats is not None else {
@@ -316,7 +327,8 @@ class BatchEngine:
             return ended
         lm, target, device = self.lm, self.lm.target, self.lm.target.device
         # draft
-        budget = None if self.max_round_nodes is None else max(1, self.max_round_nodes // len(self.rows))
+        budget = self._nodes_per_row()
+        start = time.perf_counter()
         proposals, failed = [], []
         for b, row in enumerate(self.rows):
             try:
@@ -327,6 +339,9 @@ class BatchEngine:
         ended += self._drop(failed)
         if not self.rows:
             return ended
+        if self.auto is not None and budget != 1:
+            self._record_draft(start)
+        start = time.perf_counter()
         pad, valid, rows = self.pad, self.valid, self.rows
         trees = [tree for _, tree in proposals]
         nodes = max(tree.num_nodes for tree in trees)
@@ -367,7 +382,35 @@ class BatchEngine:
                 paths.append(torch.zeros(1, dtype=torch.long, device=device))  # the root: the row leaves anyway
         # update: compact every row's cache to its path (in place), then drop finished rows
         self.valid = compact_rows(self.cache, valid, paths, cache_width)
+        if self.auto is not None:  # acceptance read the verdicts back: the forward has finished
+            self._record_verify(budget, nodes, paths, _synchronized_since(start, device))
         return ended + self._drop([b for b, row in enumerate(rows) if row.request.finished])
+
+    def _nodes_per_row(self) -> int | None:
+        """This round's node budget per row (None: full trees)."""
+        if self.auto is None:
+            return None if self.max_round_nodes is None else max(1, self.max_round_nodes // len(self.rows))
+        size = self.auto.nodes_per_row(len(self.rows))
+        chosen, key = self.stats.setdefault("rounds_by_nodes_per_row", {}), "full" if size is None else str(size)
+        chosen[key] = chosen.get(key, 0) + 1  # this engine's rounds by the size chosen
+        return size
+
+    def _record_draft(self, start: float) -> None:
+        """Tell the automatic budget what this round's drafting (since `start`) cost."""
+        seconds = _synchronized_since(start, self.lm.target.device)
+        if all(row.has_drafted for row in self.rows):  # a first draft also reads the prompt: not a round's cost
+            self.auto.record_draft(len(self.rows), seconds)
+        for row in self.rows:
+            row.has_drafted = True
+
+    def _record_verify(self, size: int | None, width: int, paths: list[torch.Tensor], seconds: float) -> None:
+        """Tell the automatic budget what this round's verification (the forward, acceptance, the cache's
+        compaction) cost and what each row accepted."""
+        self.auto.record_verify(len(self.rows), width, size, seconds)
+        if size != 1:
+            for row, path in zip(self.rows, paths):
+                self.auto.record_row(size, node_probs_of(row.drafter), path.shape[0] - 1)
+        self.stats["round_budget"] = self.auto.summary()
 
     def _draft(self, row: _Row, budget: int | None) -> tuple[torch.Tensor, TreeBuffers]:
         """The row's tree of at most `budget` nodes (None: its drafter's own); at 1, its root alone, undrafted."""
@@ -375,8 +418,8 @@ class BatchEngine:
             row.drafted = False
             return row.next_tokens[-1:], self.root_only
         row.drafted = True
-        inner = getattr(row.drafter, "drafter", row.drafter)  # an EAGLE drafter, or the one prompt lookup wraps
-        if budget is None or not isinstance(inner, EagleDrafter):
+        inner = eagle_drafter_in(row.drafter)
+        if budget is None or inner is None:
             tokens, tree = row.drafter.propose(row.features, row.next_tokens)
         else:  # its best `budget - 1` nodes under the root, not merely the first ones
             wanted, inner.num_nodes = inner.num_nodes, min(inner.num_nodes, budget - 1)
@@ -449,6 +492,13 @@ class BatchEngine:
     def _emit(self, request: BatchRequest, tokens: list[int]) -> None:
         if emit_tokens(tokens, request.new_tokens, request.max_new_tokens, request.eos, request.streamer, request.stop):
             request.finished = True
+
+
+def _synchronized_since(start: float, device: torch.device) -> float:
+    """Seconds since `start` once the device has finished the work queued (on CUDA, a synchronize)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 @torch.no_grad()

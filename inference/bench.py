@@ -31,6 +31,7 @@ from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
 from specheads.inference.lookup import check_lookup_settings
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
 from specheads.inference.prompts import Prompt, calibration_prompts, follow_up, read_prompts, tokenize_prompts
+from specheads.inference.round_budget import parse_max_round_nodes
 
 SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-path -> graphed_rounds= / fast_path=
 
@@ -63,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts decoded together: consecutive prompts in left-padded batches of N, plain "
                    "`target.generate` on each batch against batched speculative decoding (one target forward verifies "
                    "every row's tree); greedy rows checked identical (default: 1, one prompt at a time)")
-    p.add_argument("--max-round-nodes", type=int, default=None,
+    p.add_argument("--max-round-nodes", type=parse_max_round_nodes, default=None,
                    help="with --batch-size: tree nodes one round verifies at most, all rows together (each row's tree "
-                   "shrinks to this // rows nodes, at 1 a plain step; default: full trees)")
+                   "shrinks to this // rows nodes, at 1 a plain step; 'auto': chosen each round from measured costs "
+                   "and acceptance; default: 'full', every row's full tree)")
     constraint = p.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
                             help="constrain every run (baseline, speculative, peers) to JSON valid under this schema "
@@ -279,6 +281,8 @@ def run_batch(lm: SpeculativeLM, prompts: list[Prompt], mode: str, args: argpars
         "baseline_tokens_per_second": base_new / base_s,
     }
     row["speedup"] = row["tokens_per_second"] / row["baseline_tokens_per_second"]
+    if "rounds_by_nodes_per_row" in stats:  # max_round_nodes "auto": this batch's rounds at each size it chose
+        row["rounds_by_nodes_per_row"] = stats["rounds_by_nodes_per_row"]
     if not sample:
         same = [torch.equal(spec[b].cpu(), baseline[b].cpu()) for b in range(len(prompts))]
         for b, prompt in enumerate(prompts):
@@ -365,6 +369,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                        max_round_nodes=getattr(args, "max_round_nodes", None))
     lm.use_cpu_kernels(getattr(args, "cpu_linear", "default"), getattr(args, "draft_linear", "default"),
                        getattr(args, "cpu_attention", "default"), getattr(args, "cpu_argmax", "default"))
+    if lm.max_round_nodes == "auto":  # measured once, before anything is timed (the first batch would pay for it)
+        lm.verification_ms_by_tokens()
     prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
                                               getattr(args, "per_category", None)), lm.tokenizer,
                                chat=False if args.no_chat else None)
@@ -431,6 +437,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "target": args.target, "heads": str(args.heads), "head_type": lm.heads.config.head_type,
         "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens, "turns": turns,
         "batch_size": batch_size, "max_round_nodes": lm.max_round_nodes,
+        **({"verification_ms_by_tokens": lm.verification_ms_by_tokens()} if lm.max_round_nodes == "auto" else {}),
         "tree": lm.tree_description(), "environment": environment(lm), "fast_path": getattr(args, "fast_path", "auto"),
         "command": "specheads bench " + " ".join(getattr(args, "argv", [])),
     }

@@ -145,10 +145,12 @@ class EagleDrafter:
         self.committed = 0  # head positions with true target features in the cache
         self.allowed_after: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._draft_targets: torch.Tensor | None = None  # (V_draft,) target id of each draft id, for the filter
+        self.last_pool: DraftPool | None = None  # the last `propose`'s pool, for `node_probs`
 
     def reset(self) -> None:
         self.cache = tree_cache()
         self.committed = 0
+        self.last_pool = None
 
     def fork(self) -> EagleDrafter:
         """A drafter with the same heads and tree shape and its own (empty) draft cache."""
@@ -209,8 +211,26 @@ class EagleDrafter:
             pool.expand(out, *self.top_children(out, allowed))
 
         # 4. Keep the best num_nodes of the pool (those likely enough, with min_prob).
+        self.last_pool = pool
         tree_tokens, parents = pool.best_subtree(self.num_nodes, next_tokens[-1:], self.log_min)
         return tree_tokens, build_tree_buffers(parents, dtype=self.dtype, check=False)  # valid by construction
+
+    def node_probs(self) -> list[float]:
+        """The last proposal's pool: each drafted node's path probability under the heads, best first (only those
+        `min_prob` keeps), whatever `num_nodes` kept; the heads' own prediction of how often each is accepted
+        (`round_budget.AutoRoundBudget` sums them). One host sync."""
+        if self.last_pool is None:
+            return []
+        scores = torch.sort(torch.cat(self.last_pool.scores), descending=True).values
+        if self.log_min is not None:  # as `best_subtree`: the best node always
+            scores = scores[: max(1, int((scores >= self.log_min).sum()))]
+        return scores.exp().tolist()
+
+
+def eagle_drafter_in(drafter: Drafter) -> EagleDrafter | None:
+    """The EAGLE drafter `drafter` is or wraps (prompt lookup's `LookupDrafter`), else None."""
+    inner = getattr(drafter, "drafter", drafter)
+    return inner if isinstance(inner, EagleDrafter) else None
 
 
 def constrain_drafts(drafter: Drafter, context: SequenceContext | None, vocab_size: int) -> None:

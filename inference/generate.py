@@ -38,6 +38,7 @@ from specheads.inference.generate_inputs import (
 )
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
 from specheads.inference.prompt_cache import PromptCache, check_prompt_cache_call
+from specheads.inference.round_budget import AutoRoundBudget, calibrate_verification_ms, selectable_nodes
 from specheads.inference.sampling import SamplingParams, choose_token
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder, generate_output
@@ -78,7 +79,9 @@ class SpeculativeLM:
         lookup_max_ngram: the longest context suffix prompt lookup matches.
         max_round_nodes: batched decoding (`generate(batched=True)`, `BatchEngine`, the server): tree nodes one round
             verifies at most, all rows together; each row's tree shrinks to max(1, this // rows) nodes and at 1 a
-            row decodes plainly (inference/batched.py). None (default): full trees whatever the batch.
+            row decodes plainly (inference/batched.py). "auto": the nodes per row chosen before each round from
+            measured costs and acceptance (inference/round_budget.py; the target's verification cost is measured
+            once, at the first batched round). None (default): full trees whatever the batch.
         lookup_max_tokens: let the guess grow while whole guesses are accepted (doubling from `lookup_tokens` up to
             this; back to `lookup_tokens` after any other round): fewer rounds over copied passages. Default
             (None): `lookup_tokens`, a fixed length.
@@ -100,7 +103,7 @@ class SpeculativeLM:
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
         lookup_max_tokens: int | None = None,
-        max_round_nodes: int | None = None,
+        max_round_nodes: int | str | None = None,
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
@@ -113,8 +116,13 @@ class SpeculativeLM:
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
         self.graphed_rounds = graphed_rounds
         self.graphed_prefill = graphed_prefill
+        if max_round_nodes is not None and max_round_nodes != "auto" and (
+                not isinstance(max_round_nodes, int) or max_round_nodes < 1):
+            raise ValueError(f"max_round_nodes={max_round_nodes!r}: expected None, 'auto' or an integer >= 1")
         self.max_round_nodes = max_round_nodes
         self.certified_argmax: CertifiedArgmax | None = None  # greedy verification's scorer (use_certified_argmax)
+        self._verification_ms: dict[int, float] | None = None  # measured once (verification_ms_by_tokens)
+        self._round_budget: AutoRoundBudget | None = None  # max_round_nodes="auto", kept across calls
 
     def configure_tree(
         self,
@@ -200,6 +208,24 @@ class SpeculativeLM:
         target_model, tokenizer = load_target(target, dtype=dtype, device=device)
         target_model = apply_target_adapter(target_model, heads)  # unchanged for heads without an adapter
         return cls(target_model, load_heads(heads, target=target_model), tokenizer=tokenizer, **kwargs)
+
+    def verification_ms_by_tokens(self) -> dict[int, float]:
+        """{T: milliseconds} of the target's verification forward over T = 1, 2, 4, ... 128 tree tokens, measured on
+        the first call (a few seconds on a CPU for a 135M target) and kept: what `max_round_nodes="auto"` weighs
+        tree sizes with. Measure after choosing the CPU kernels (`use_cpu_kernels`), which change it."""
+        if self._verification_ms is None:
+            self._verification_ms = calibrate_verification_ms(self)
+        return self._verification_ms
+
+    def auto_round_budget(self) -> AutoRoundBudget:
+        """The chooser of nodes per row for `max_round_nodes="auto"` (inference/round_budget.py), built on first
+        use and kept, so that what one batched call or server round measured carries over to the next (a new tree
+        shape, `configure_tree`, gets a new one). Engines on several threads share it: their measurements mix,
+        which only moves estimates."""
+        full_nodes = selectable_nodes(self.drafter)
+        if self._round_budget is None or self._round_budget.full_nodes != full_nodes:
+            self._round_budget = AutoRoundBudget(self.verification_ms_by_tokens(), full_nodes)
+        return self._round_budget
 
     def use_onednn_linears(self) -> int:
         """CPU, float32: run the target's and the heads' linear layers on oneDNN with prepacked weights, in place.

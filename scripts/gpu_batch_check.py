@@ -10,7 +10,8 @@ Sections (each runs even if an earlier one failed; failures are printed and reco
   3. timing, a random Llama of 1B shape (bfloat16 on CUDA, float32 on the CPU): for each batch size B, one round
      of the engine (B rows, untrained EAGLE heads drafting 8-node trees) against one plain decoding step of the
      same B rows (`target` forward of one token each over the same cache length), medians of repeats. Speculation
-     keeps its gain with the batch while a round costs less than tau plain steps.
+     keeps its gain with the batch while a round costs less than tau plain steps. Then the verification cost by
+     tokens that `--max-round-nodes auto` weighs tree sizes with.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def identity_section(device: str, dtype: torch.dtype, max_new_tokens: int = 48) 
     return result
 
 
-def timing_section(device: str, rows: list[int], context: int = 256) -> list[dict[str, Any]]:
+def timing_section(device: str, rows: list[int], context: int = 256) -> dict[str, Any]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
@@ -98,7 +99,9 @@ def timing_section(device: str, rows: list[int], context: int = 256) -> list[dic
                     "round_in_plain_steps": round_ms / step_ms})
         print(f"        rows {batch:>3}: round {round_ms:8.2f} ms, plain step {step_ms:8.2f} ms, "
               f"round = {round_ms / step_ms:.2f} plain steps")
-    return out
+    costs = lm.verification_ms_by_tokens()  # what --max-round-nodes auto weighs tree sizes with on this device
+    print("        verification ms by tokens: " + ", ".join(f"{t}: {ms:.2f}" for t, ms in costs.items()))
+    return {"rounds": out, "verification_ms_by_tokens": costs}
 
 
 @torch.no_grad()

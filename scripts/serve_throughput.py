@@ -28,6 +28,7 @@ import torch
 
 from specheads import SpeculativeLM
 from specheads.inference.prompts import read_prompts, tokenize_prompts
+from specheads.inference.round_budget import parse_max_round_nodes
 from specheads.inference.serving_loop import ServingLoop
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
@@ -94,7 +95,7 @@ def main() -> int:
                              "chose for SmolLM2 on 2 threads)")
     parser.add_argument("--lookup-tokens", type=int, default=10)
     parser.add_argument("--lookup-max-tokens", type=int, default=40)
-    parser.add_argument("--max-round-nodes", type=int, default=None,
+    parser.add_argument("--max-round-nodes", type=parse_max_round_nodes, default=None,
                         help="the speculative loops' node budget per round, all rows together (default: full trees)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

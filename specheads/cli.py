@@ -15,6 +15,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES
     from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
     from specheads.inference.onednn import CPU_LINEAR_CHOICES
+    from specheads.inference.round_budget import parse_max_round_nodes
 
     p.add_argument("--target", default="stories260K", help="target path, Hub id or alias (default: stories260K)")
     p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
@@ -47,9 +48,12 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
                    help="graft a prompt-lookup guess of up to N tokens onto each draft tree (0: off)")
     p.add_argument("--lookup-max-tokens", type=int, default=None,
                    help="let the guess double, up to N tokens, while whole guesses are accepted (default: fixed length)")
-    p.add_argument("--max-round-nodes", type=int, default=None,
+    p.add_argument("--max-round-nodes", type=parse_max_round_nodes, default=None,
                    help="batched decoding (serve, generate --prompts): tree nodes one round verifies at most, all rows "
-                   "together; each row's tree shrinks to this // rows nodes, at 1 a plain step (default: full trees)")
+                   "together; each row's tree shrinks to this // rows nodes, at 1 a plain step; 'auto': the nodes per "
+                   "row chosen each round from the target's verification cost, measured at the start, and the rows' "
+                   "measured drafting cost and acceptance (faster under load; a seeded sampled answer then depends on "
+                   "the batch it ran in); 'full' (default): every row's full tree")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -120,8 +124,13 @@ def build_server(args: argparse.Namespace):
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]
+    budget = ""
+    if lm.max_round_nodes == "auto":  # measured when the serving loop started
+        costs = lm.verification_ms_by_tokens()
+        budget = "; node budget auto, verification " + ", ".join(
+            f"{t} tokens {costs[t]:.1f} ms" for t in (1, 16, 128) if t in costs)
     print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; "
-          f"{', '.join(f'{k}={v}' for k, v in kernels.items())})", file=sys.stderr, flush=True)
+          f"{', '.join(f'{k}={v}' for k, v in kernels.items())}{budget})", file=sys.stderr, flush=True)
     return server
 
 

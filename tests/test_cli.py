@@ -271,7 +271,8 @@ def test_chat_without_a_template_is_a_clear_error(stories260k_eagle_dir, capsys,
 
 def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_dir, stories260k, tmp_path):
     """`specheads serve` as a user starts it: a process listening on the port, the model under its served name, the
-    command line's decoding options as the defaults of a request that leaves them out; Ctrl-C ends it cleanly."""
+    command line's decoding options as the defaults of a request that leaves them out, the node budget chosen per
+    round (its verification cost measured at the start); Ctrl-C ends it cleanly."""
     import os
     import signal
     import socket
@@ -286,8 +287,11 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
         port = probe.getsockname()[1]
     process = subprocess.Popen(
         [sys.executable, "-m", "specheads", "serve", "--heads", str(stories260k_eagle_dir), "--chat-template",
-         str(template), "--port", str(port), "--served-model-name", "tiny", "--max-new-tokens", "12", "--quiet"],
-        stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "SPECHEADS_API_KEY"})
+         str(template), "--port", str(port), "--served-model-name", "tiny", "--max-new-tokens", "12", "--quiet",
+         "--max-round-nodes", "auto"],
+        stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "SPECHEADS_API_KEY"},
+        # a suite started in the background inherits SIGINT ignored, and Python keeps it so: Ctrl-C must reach it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         base = f"http://127.0.0.1:{port}"
         for _ in range(600):  # up to a minute to import and load
@@ -311,4 +315,5 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
-    assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in process.stderr.read()
+    log = process.stderr.read()
+    assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in log and "node budget auto, verification 1 tokens" in log

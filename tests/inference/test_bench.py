@@ -117,6 +117,19 @@ def test_bench_batch_size_runs_batches_against_plain_batched_generate(tmp_path, 
     assert results["sample"]["overall"]["tau"] >= 1.0
 
 
+def test_bench_batch_size_with_an_automatic_node_budget(tmp_path, eagle_heads_dir):
+    lines = "Once upon a time\nThe cat sat\nLily and Tom went to the park to play\nThe dog\n"
+    results, _ = run_bench(tmp_path, eagle_heads_dir, lines, "--batch-size", "2", "--max-round-nodes", "auto")
+    assert results["max_round_nodes"] == "auto" and results["greedy_identical"] is True
+    assert sorted(map(int, results["verification_ms_by_tokens"])) == [1, 2, 4, 8, 16, 32, 64, 128]
+    for row in results["per_prompt"]:  # each batch's rounds by the size chosen
+        assert sum(row["rounds_by_nodes_per_row"].values()) == row["rounds"]
+        assert row["tokens"] == row["baseline_tokens"]
+    assert results["per_prompt"][0]["rounds_by_nodes_per_row"].get("full", 0) >= 1  # nothing measured yet: full
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--heads", "x", "--prompts", "x", "--max-round-nodes", "0"])
+
+
 def test_a_batched_greedy_difference_fails_the_bench(eagle_heads_dir):
     lm = SpeculativeLM.from_pretrained("stories260K", eagle_heads_dir)
     args = build_parser().parse_args(["--heads", "x", "--prompts", "x", "--max-new-tokens", "8"])
