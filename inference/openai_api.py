@@ -187,8 +187,6 @@ def parse_request(
     if not isinstance(stream_options, dict):
         raise ApiError(f"stream_options={stream_options!r}: expected an object", param="stream_options")
     logprobs = _logprobs(body, chat)
-    if logprobs is not None and stream:
-        raise ApiError("logprobs with stream=true is not supported: ask without streaming", param="logprobs")
     return ParsedRequest(
         input_ids=input_ids, options=options, stop=options["stop_strings"] or [], stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)), seed=_number(body, "seed", int),
@@ -212,8 +210,11 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, tokenizer: PreTrainedTokenizerBase,
-                   chat: bool) -> dict[str, Any]:
-    """OpenAI's `logprobs` object of the generated `tokens` from the target's (T, V) raw logits at each step."""
+                   chat: bool, text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's `logprobs` object of the generated `tokens` from the target's (T, V) raw logits at each step
+    (completions: their `text_offset`s counted from `text_offset`, where the first token's text starts)."""
+    if not tokens:
+        return {"content": []} if chat else {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # (T, V)
     chosen = log_probs.gather(1, torch.tensor(tokens, device=log_probs.device)[:, None])[:, 0].tolist()
     rivals_lp, rivals = log_probs.topk(top, dim=-1) if top else (log_probs[:, :0], log_probs[:, :0].long())
@@ -226,7 +227,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, tokenizer:
             {**entry(text[i], chosen[i]),
              "top_logprobs": [entry(tokenizer.decode([r]), v) for r, v in zip(rivals[i].tolist(), rivals_lp[i].tolist())]}
             for i in range(len(tokens))]}
-    offsets, position = [], 0
+    offsets, position = [], text_offset
     for piece in text:
         offsets.append(position)
         position += len(piece)
@@ -285,16 +286,17 @@ def response_body(chat: bool, model: str, choices: list[Choice], usage: dict[str
 
 
 def chunk_body(chat: bool, request_id: str, model: str, text: str | None = None, reason: str | None = None,
-               first: bool = False, index: int = 0) -> dict[str, Any]:
-    """One streamed piece of choice `index` (the first of a chat carries the role; the last the finish_reason)."""
-    choice: dict[str, Any] = {"index": index, "finish_reason": reason}
+               first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed piece of choice `index` (the first of a chat carries the role; the last the finish_reason),
+    with the log-probabilities of the tokens that piece's text is made of, when asked for."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": logprobs}
     if chat:
         delta: dict[str, str] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
         choice["delta"] = delta
     else:
-        choice.update(text=text or "", logprobs=None)
+        choice["text"] = text or ""
     return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
 

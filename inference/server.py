@@ -109,18 +109,21 @@ class CompletionService:
     ) -> tuple[list[Choice], dict[str, Any], dict[str, Any]]:
         """Generate the answer's `request.n` choices: (choices, usage, statistics). Sampled choices are rows of the
         running batch, each with its own generator (seed + index when seeded); greedy ones are one answer, copied.
-        `on_text(index, piece)` gets each streamed piece (on this thread; if it raises, the generation is cancelled
-        and the error passes on)."""
+        `on_text(index, piece, logprobs)` gets each streamed piece, with the log-probabilities of the tokens its text
+        is made of when the request asks for them (else None), on this thread; if it raises, the generation is
+        cancelled and the error passes on. Streamed, a choice's `logprobs` then holds the tokens not yet sent with a
+        piece (None if none), so that the pieces' and the last chunk's together are the non-streamed answer's."""
         sampled = bool(request.options.get("do_sample"))
         runs = request.n if sampled else 1
-        pieces: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        pieces: queue.SimpleQueue[tuple[int, str, int]] = queue.SimpleQueue()
         ids = request.input_ids.to(self.lm.target.device)
         options = dict(request.options)
         if options.get("max_new_tokens") is None:
             options["max_new_tokens"] = self._room(ids.shape[1])
         jobs, deltas = [], []
         for run in range(runs):
-            send = None if on_text is None else (lambda piece, run=run: pieces.put((run, piece)))
+            # a piece goes with the count of tokens its text covers (read on the loop thread, as it is sent)
+            send = None if on_text is None else (lambda piece, run=run: pieces.put((run, piece, deltas[run].covered)))
             deltas.append(TextDeltas(self.tokenizer, request.stop, send))
             processors = None if request.json_schema is None else [self._constraint(request.json_schema)]
             seed = None if request.seed is None else request.seed + run
@@ -132,14 +135,16 @@ class CompletionService:
         start = time.perf_counter()
         # only the first run uses the pool: the others would evict other conversations' slots for the same prompt
         tickets = [self.loop.submit(job, pooled=run == 0) for run, job in enumerate(jobs)]
+        streams = [LogprobsStream(job, request.logprobs, self.tokenizer, chat) for job in jobs]
         try:
             while on_text is not None and (not all(t.done for t in tickets) or not pieces.empty()):
                 try:  # the loop thread puts; this thread sends
-                    run, piece = pieces.get(timeout=0.05)
+                    run, piece, covered = pieces.get(timeout=0.05)
                 except queue.Empty:
                     continue
+                logprobs = None if request.logprobs is None else streams[run].take(covered)
                 for index in range(run, request.n, runs):  # a greedy answer goes to every choice
-                    on_text(index, piece)
+                    on_text(index, piece, logprobs)
             for ticket in tickets:
                 ticket.wait()
         except BaseException:
@@ -148,13 +153,11 @@ class CompletionService:
             raise
         seconds = time.perf_counter() - start
         choices = []
-        for job, delta in zip(jobs, deltas):
+        for job, delta, stream in zip(jobs, deltas, streams):
             new = job.new_tokens
             logprobs = None
-            if request.logprobs is not None:
-                kept = answer_tokens(self.tokenizer, new, delta.text)  # the answer's own tokens
-                logprobs = token_logprobs(torch.stack(job.recorder.logits)[:kept], new[:kept], request.logprobs,
-                                          self.tokenizer, chat)
+            if request.logprobs is not None:  # the answer's own tokens (those not streamed yet)
+                logprobs = stream.take(answer_tokens(self.tokenizer, new, delta.text), final=on_text is None)
             choices.append(Choice(delta.text, finish_reason(delta.stopped, new, job.max_new_tokens, job.eos), logprobs))
         choices = [choices[index % runs] for index in range(request.n)]
         generated = sum(len(job.new_tokens) for job in jobs)
@@ -189,6 +192,31 @@ class CompletionService:
             except Exception as err:  # outlines-core's own errors for schemas it cannot compile
                 raise ApiError(f"response_format: cannot compile the JSON schema: {err}", param="response_format") from err
         return self._constraints[key].fresh()
+
+
+class LogprobsStream:
+    """A request's log-probabilities handed out in order, each token's once: with the streamed piece its text is
+    in, or at the end."""
+
+    def __init__(self, job: Any, top: int | None, tokenizer: Any, chat: bool) -> None:
+        self.job, self.top, self.tokenizer, self.chat = job, top, tokenizer, chat
+        self.sent = 0  # tokens whose log-probabilities went out
+        self.offset = 0  # completions: where the next token's text starts in the answer
+
+    def take(self, covered: int, final: bool = False) -> dict[str, Any] | None:
+        """The `logprobs` object of the tokens after those sent, up to `covered` (None if there are none, unless
+        `final`). Only tokens whose logits are recorded: the loop thread records a round's right after emitting it,
+        and those not yet recorded go with a later piece."""
+        logits = self.job.recorder.logits
+        end = covered if final else min(covered, len(logits))
+        if end <= self.sent and not final:
+            return None
+        tokens = self.job.new_tokens[self.sent:end]
+        part = token_logprobs(torch.stack(logits[self.sent:end]) if tokens else None, tokens, self.top or 0,
+                              self.tokenizer, self.chat, self.offset)
+        self.offset += sum(len(piece) for piece in part.get("tokens", []))
+        self.sent = max(self.sent, end)
+        return part
 
 
 def prometheus_text(metrics: dict[str, int]) -> str:
@@ -263,9 +291,11 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
 
-        def send(index: int, piece: str | None, reason: str | None = None, first: bool = False) -> None:
+        def send(index: int, piece: str | None, logprobs: dict[str, Any] | None = None, reason: str | None = None,
+                 first: bool = False) -> None:
             try:
-                self.wfile.write(sse(chunk_body(chat, request_id, model, piece, reason, first=first, index=index)))
+                self.wfile.write(sse(chunk_body(chat, request_id, model, piece, reason, first=first, index=index,
+                                                logprobs=logprobs)))
                 self.wfile.flush()
             except OSError as err:  # the client left: stop generating for it
                 raise ClientGone() from err
@@ -274,8 +304,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             for index in range(request.n) if chat else []:  # a chat stream opens each choice with the role
                 send(index, None, first=True)
             choices, usage, stats = self.service.complete(request, chat, on_text=send)
-            for index, choice in enumerate(choices):
-                send(index, None, choice.finish_reason)
+            for index, choice in enumerate(choices):  # with the log-probabilities no piece carried
+                send(index, None, choice.logprobs, reason=choice.finish_reason)
             if request.include_usage:
                 self.wfile.write(sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                                       "model": model, "choices": [], "usage": usage, "specheads": stats}))

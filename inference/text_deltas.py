@@ -24,6 +24,9 @@ class TextDeltas:
         on_text: called with each new piece of text as soon as it is safe to send (None: only collect).
 
     After `end()`: `text` is the whole answer (the pieces joined) and `stopped` whether a stop string ended it.
+    While streaming, `covered` is how many of the new tokens the text sent so far is made of (the fewest whose text
+    covers it: a token whose text is held back, a stop string's, a trailing EOS are not counted yet), so that a
+    server can send each token's log-probability with the piece that holds its text.
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class TextDeltas:
         self.ids: list[int] = []
         self.text = ""
         self.stopped = False
+        self.covered = 0
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -64,7 +68,15 @@ class TextDeltas:
             self.text = text
         elif len(text) > len(self.text) and text.startswith(self.text):  # what was sent stays (prefix-stable decode)
             piece, self.text = text[len(self.text):], text
+            self.covered = self._covering(len(text))
             self.on_text(piece)
+
+    def _covering(self, length: int) -> int:
+        """The fewest new tokens whose text is at least `length` characters long (few decodes: from the end)."""
+        count = len(self.ids)
+        while count and len(self.tokenizer.decode(self.ids[: count - 1], skip_special_tokens=True)) >= length:
+            count -= 1
+        return count
 
     def _held_back(self, text: str) -> int:
         """Length of the longest end of `text` that is the start of a stop string (it may still become one)."""

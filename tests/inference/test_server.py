@@ -179,6 +179,40 @@ def test_logprobs_are_the_targets_own(server):
                                atol=1e-4, rtol=0)
 
 
+def test_streamed_logprobs_come_with_their_pieces_and_join_to_the_whole_answers(server):
+    """Streamed, each chunk carries the log-probabilities of the tokens its text is made of (the last chunk those no
+    piece carried); in order they are the non-streamed answer's, a stop string's tokens left out alike."""
+    url, _, _, tokenizer = server
+    request = {"messages": [{"role": "user", "content": "Lily saw a cat"}], "max_tokens": 20, "logprobs": True,
+               "top_logprobs": 2}
+    _, whole = post(url + "/v1/chat/completions", request)
+    _, events = post(url + "/v1/chat/completions", {**request, "stream": True})
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    streamed = [entry for part in parts for entry in part["content"]]
+    expected = whole["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in streamed] == [e["token"] for e in expected] and len(expected) == 20
+    for got, want in zip(streamed, expected):
+        assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-4) and len(got["top_logprobs"]) == 2
+    assert len(parts) > 1  # not all at the end
+    for event in events:  # a chunk's tokens are in the text sent so far, never ahead of it
+        choice = event["choices"][0]
+        assert choice["logprobs"] is None or choice["delta"].get("content") or choice["finish_reason"]
+
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    tokens = tokenizer.decode(server[2].generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:])
+    stop = tokens.split()[3]  # a word inside the answer: the tokens after the answer's end are left out
+    request = {"prompt": "Once upon a time", "max_tokens": 12, "logprobs": 1, "stop": stop}
+    _, whole = post(url + "/v1/completions", request)
+    _, events = post(url + "/v1/completions", {**request, "stream": True})
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    expected = whole["choices"][0]["logprobs"]
+    assert whole["choices"][0]["finish_reason"] == "stop" and 0 < len(expected["tokens"]) < 12
+    for key in ("tokens", "text_offset", "top_logprobs"):  # offsets count from the answer's start in every chunk
+        assert [value for part in parts for value in part[key]] == expected[key], key
+    assert [v for part in parts for v in part["token_logprobs"]] == pytest.approx(expected["token_logprobs"], abs=1e-4)
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
+
+
 def test_answer_tokens_cover_the_text_and_leave_out_stops_and_a_final_eos():
     from specheads.inference.openai_api import answer_tokens
 
@@ -274,7 +308,6 @@ def test_sampling_with_a_seed_repeats(server):
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens=0"),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature=-1"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs=9"),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 1, "stream": True}, 400, "stream=true"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
          "needs logprobs=true"),
         ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty=0.5"),
@@ -416,6 +449,17 @@ def test_text_deltas_hold_back_what_may_become_a_stop_string():
     assert pieces == ["a", "\ufffdb"]
     pieces, deltas = feed(["b", "ab"], [[2, 0, 1]])  # the first stop string in the text wins
     assert deltas.text == "c"
+
+
+def test_text_deltas_count_the_tokens_each_piece_is_made_of():
+    seen: list[tuple[str, int]] = []
+    deltas = TextDeltas(LetterTokenizer(), ["cdx"], lambda piece: seen.append((piece, deltas.covered)))
+    deltas.put(torch.tensor([[0]]))  # the prompt
+    for ids in ([0, 1, 2], [3], [4], [5, 30]):  # "abc" "d" "e" "f\ufffd"
+        deltas.put(torch.tensor(ids))
+    deltas.end()
+    # "c" and then "cd" are held back (they may become "cdx"): their tokens are not counted until sent
+    assert seen == [("ab", 2), ("cde", 5), ("f", 6), ("\ufffd", 7)]
 
 
 def test_parse_request_maps_fields_onto_generate(stories260k):
