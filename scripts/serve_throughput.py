@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import torch
+from mt_bench_setup import add_model_options, load_lm_and_prompts  # a sibling module
 
 from specheads import SpeculativeLM
-from specheads.inference.prompts import read_prompts, tokenize_prompts
 from specheads.inference.round_budget import parse_max_round_nodes
 from specheads.inference.serving_loop import ServingLoop
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
@@ -83,34 +83,13 @@ def run_clients(prompts: list[torch.Tensor], clients: int, answer) -> tuple[dict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-eagle3")
-    parser.add_argument("--prompt-file", default="configs/prompts/mt_bench_questions.jsonl")
-    parser.add_argument("--prompts", type=int, default=16, help="MT-bench first turns used (2 per category for 16)")
+    add_model_options(parser)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--tree", default="4,4,8,0.2,0.03",
-                        help="EAGLE tree: depth,top_k,nodes[,stop_prob,min_prob] (default: what `bench --tree auto` "
-                             "chose for SmolLM2 on 2 threads)")
-    parser.add_argument("--lookup-tokens", type=int, default=10)
-    parser.add_argument("--lookup-max-tokens", type=int, default=40)
     parser.add_argument("--max-round-nodes", type=parse_max_round_nodes, default=None,
                         help="the speculative loops' node budget per round, all rows together (default: full trees)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
-                                      lookup_max_tokens=args.lookup_max_tokens or None,
-                                      max_round_nodes=args.max_round_nodes)
-    depth, top_k, nodes, *pruning = args.tree.split(",")
-    lm.configure_tree(tree_depth=int(depth), tree_top_k=int(top_k), tree_num_nodes=int(nodes),
-                      tree_stop_prob=float(pruning[0]) if pruning else None,
-                      tree_min_prob=float(pruning[1]) if len(pruning) > 1 else None)
-    kernels = lm.use_cpu_kernels()
-    per_category = max(args.prompts // 8, 1)
-    rows = read_prompts(args.prompt_file, per_category=per_category, limit=args.prompts)
-    prompts = [p.input_ids[0].to(lm.target.device) for p in tokenize_prompts(rows, lm.tokenizer)]
+    lm, kernels, prompts = load_lm_and_prompts(args, max_round_nodes=args.max_round_nodes)
     for ids in prompts[:2]:  # warm-up: first-call allocations, kernel setup
         lm.generate(ids[None], max_new_tokens=8)
 

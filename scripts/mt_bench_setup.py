@@ -1,0 +1,46 @@
+"""What the SmolLM2 scripts share: the model and tree options, the `SpeculativeLM` they build, MT-bench first turns.
+
+    parser = argparse.ArgumentParser(); add_model_options(parser); args = parser.parse_args()
+    lm, kernels, prompts = load_lm_and_prompts(args)
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from specheads import SpeculativeLM
+from specheads.inference.prompts import read_prompts, tokenize_prompts
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """Target, heads, prompts, threads, tree and prompt-lookup options (defaults: SmolLM2 as `make bench` runs it)."""
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-eagle3")
+    parser.add_argument("--prompt-file", default="configs/prompts/mt_bench_questions.jsonl")
+    parser.add_argument("--prompts", type=int, default=16, help="MT-bench first turns used (2 per category for 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--tree", default="4,4,8,0.2,0.03",
+                        help="EAGLE tree: depth,top_k,nodes[,stop_prob,min_prob] (default: what `bench --tree auto` "
+                             "chose for SmolLM2 on 2 threads)")
+    parser.add_argument("--lookup-tokens", type=int, default=10)
+    parser.add_argument("--lookup-max-tokens", type=int, default=40)
+
+
+def load_lm_and_prompts(args: argparse.Namespace, **lm_options: Any) -> tuple[SpeculativeLM, dict[str, str],
+                                                                                 list[torch.Tensor]]:
+    """(the SpeculativeLM on its default CPU kernels, the kernels, the (n,) prompt ids on its device), threads set."""
+    torch.set_num_threads(args.threads)
+    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
+                                      lookup_max_tokens=args.lookup_max_tokens or None, **lm_options)
+    depth, top_k, nodes, *pruning = args.tree.split(",")
+    lm.configure_tree(tree_depth=int(depth), tree_top_k=int(top_k), tree_num_nodes=int(nodes),
+                      tree_stop_prob=float(pruning[0]) if pruning else None,
+                      tree_min_prob=float(pruning[1]) if len(pruning) > 1 else None)
+    kernels = lm.use_cpu_kernels()
+    rows = read_prompts(args.prompt_file, per_category=max(args.prompts // 8, 1), limit=args.prompts)
+    prompts = [p.input_ids[0].to(lm.target.device) for p in tokenize_prompts(rows, lm.tokenizer)]
+    return lm, kernels, prompts
