@@ -40,7 +40,7 @@ from .openai_api import (
     token_logprobs,
 )
 from .prompt_cache import PromptCachePool
-from .serving_loop import COUNTERS, ServingLoop
+from .serving_loop import COUNTERS, LABELED_COUNTERS, ServingLoop
 from .target_support import context_limit
 from .text_deltas import TextDeltas
 
@@ -219,11 +219,16 @@ class LogprobsStream:
         return part
 
 
-def prometheus_text(metrics: dict[str, int]) -> str:
-    """`ServingLoop.metrics` in Prometheus' text format: counters `specheads_<name>_total`, gauges as they are."""
+def prometheus_text(metrics: dict[str, int | dict[str, int]]) -> str:
+    """`ServingLoop.metrics` in Prometheus' text format: counters `specheads_<name>_total` (labeled ones one line per
+    label value), gauges as they are."""
     lines = []
     for name, value in metrics.items():
-        if name in COUNTERS:
+        if name in LABELED_COUNTERS:
+            label, help_text = LABELED_COUNTERS[name]
+            lines += [f"# HELP specheads_{name}_total {help_text}", f"# TYPE specheads_{name}_total counter"]
+            lines += [f'specheads_{name}_total{{{label}="{key}"}} {count}' for key, count in value.items()]
+        elif name in COUNTERS:
             lines += [f"# HELP specheads_{name}_total {COUNTERS[name]}", f"# TYPE specheads_{name}_total counter",
                       f"specheads_{name}_total {value}"]
         else:

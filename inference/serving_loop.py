@@ -31,6 +31,10 @@ COUNTERS = {  # name -> what `ServingLoop.metrics` counts under it, over the loo
     "accepted_draft_tokens": "drafted tokens the target accepted",
     "batched_forwards": "target forwards run (each verifies every row of the batch)",
 }
+LABELED_COUNTERS = {  # name -> (label, what it counts): one counter per label value
+    "rounds_by_nodes_per_row": ("nodes_per_row", "rounds by the tree nodes per row max_round_nodes='auto' chose "
+                                "(1: plain steps; full: whole trees), over the SpeculativeLM's lifetime"),
+}
 
 
 class Ticket:
@@ -96,10 +100,15 @@ class ServingLoop:
         """`submit` and wait for the end."""
         return self.submit(request).wait()
 
-    def metrics(self) -> dict[str, int]:
-        """The lifetime `COUNTERS`, and now: running and waiting requests, the batch limit."""
-        return {**self.totals, "running_requests": len(self._running), "waiting_requests": len(self._waiting),
-                "max_batch": self.max_batch}
+    def metrics(self) -> dict[str, int | dict[str, int]]:
+        """The lifetime `COUNTERS`, and now: running and waiting requests, the batch limit; with an automatic node
+        budget its `LABELED_COUNTERS` ({label value: count})."""
+        metrics: dict[str, int | dict[str, int]] = {
+            **self.totals, "running_requests": len(self._running), "waiting_requests": len(self._waiting),
+            "max_batch": self.max_batch}
+        if self.engine.auto is not None:
+            metrics["rounds_by_nodes_per_row"] = dict(self.engine.auto.rounds)  # a copy: the loop thread adds to it
+        return metrics
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the loop thread after the current round; requests still waiting or running fail."""

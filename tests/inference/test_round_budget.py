@@ -209,3 +209,26 @@ def test_auto_rows_joining_a_batch_get_the_targets_tokens(head_type):
         lm.configure_tree(tree_depth=3, tree_top_k=2, tree_num_nodes=4)
         assert lm.auto_round_budget() is not kept and lm.auto_round_budget().full_nodes == 5
         assert lm.auto_round_budget().tokens == kept.tokens  # the verification cost is measured once
+
+
+def test_the_servers_metrics_count_rounds_by_the_size_chosen(tiny_target_factory):
+    from specheads.inference.server import prometheus_text
+    from specheads.inference.serving_loop import ServingLoop
+
+    target = tiny_target_factory("llama")
+    lm = SpeculativeLM(target, batched_test_heads(target, "eagle"), max_round_nodes="auto")
+    loop = ServingLoop(lm, max_batch=4)
+    try:
+        tickets = [loop.submit(lm.batch_request(torch.tensor([p]), max_new_tokens=12)) for p in PROMPTS[:3]]
+        for ticket, prompt in zip(tickets, PROMPTS):
+            assert ticket.wait().new_tokens == hf_greedy(target, torch.tensor([prompt]), 12)[0, len(prompt):].tolist()
+        counts = loop.metrics()["rounds_by_nodes_per_row"]
+    finally:
+        loop.close()
+    assert counts["full"] >= 1 and sum(counts.values()) == lm.auto_round_budget().round
+    lines = prometheus_text(loop.metrics()).splitlines()
+    assert "# TYPE specheads_rounds_by_nodes_per_row_total counter" in lines
+    assert f'specheads_rounds_by_nodes_per_row_total{{nodes_per_row="full"}} {counts["full"]}' in lines
+    fixed = ServingLoop(SpeculativeLM(target, lm.heads), max_batch=1)  # full trees: nothing chosen, nothing counted
+    assert "rounds_by_nodes_per_row" not in fixed.metrics()
+    fixed.close()
