@@ -62,9 +62,9 @@ def generate_file(
     bar = tqdm(total=len(prompts), initial=already, desc="generate", unit="prompt",
                disable=not show_progress)
     with out.open("a") as f:
-        while todo or engine.rows:
+        while todo or engine.occupied:
             joining = []
-            while todo and len(engine.rows) + len(joining) < max_batch:
+            while todo and engine.occupied + len(joining) < max_batch:
                 index, prompt = todo.popleft()
                 request = lm.batch_request(
                     prompt.input_ids.to(lm.target.device), seed=seed + index if options.get("do_sample") else None,
@@ -72,7 +72,7 @@ def generate_file(
                 asked[id(request)] = prompt
                 joining.append(request)
             ended = engine.add(joining) if joining else []
-            if engine.rows:
+            if engine.occupied:
                 ended += engine.step()
             for request in ended:
                 tokens += len(request.new_tokens)

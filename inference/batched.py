@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache
 
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
+from specheads.inference.chunked_prefill import ChunkedPrefill
 from specheads.inference.drafting import Drafter, constrain_drafts, eagle_drafter_in
 from specheads.inference.kv_cache import (
     cache_length,
@@ -162,7 +163,7 @@ class BatchEngine:
     """Continuous batching: rows join (`add`) and leave between rounds; each `step` is one round for all.
 
     Usage: `engine = BatchEngine(lm)`, `engine.add([lm.batch_request(ids, max_new_tokens=64)])`, then
-    `while engine.rows: engine.step()`; `add` may be called again between steps. Not thread-safe: one thread
+    `while engine.occupied: engine.step()`; `add` may be called again between steps. Not thread-safe: one thread
     drives it (`inference/serving_loop.py` does, for the server).
 
     Args:
@@ -179,6 +180,9 @@ class BatchEngine:
             tokens per second, from the target's measured verification cost and the rows' measured drafting cost
             and acceptance (inference/round_budget.py; `stats["round_budget"]` says what it measured and chose).
             None there too: every row drafts its full tree.
+        prefill_chunk: (default: the `SpeculativeLM`'s `prefill_chunk`) a joining prompt with more tokens to run than
+            this prefills this many per round (inference/chunked_prefill.py), so running rows wait at most one chunk's
+            forward per round; None: in one forward when it joins.
         stats: a dict the engine adds its counts to (target_forwards, batched_forwards, rounds, new_tokens,
             reused_prompt_tokens, prefill_seconds: joining rows' prompt forwards up to their first token), as
             `generate`'s `last_stats` are made from; each round's accepted drafts are kept per request
@@ -186,9 +190,15 @@ class BatchEngine:
     """
 
     def __init__(self, lm: Any, stats: dict[str, Any] | None = None, isolate_errors: bool = False,
-                 max_round_nodes: int | str | AutoRoundBudget | None = None) -> None:
+                 max_round_nodes: int | str | AutoRoundBudget | None = None, prefill_chunk: int | None = None) -> None:
         if not hasattr(lm.drafter, "fork"):
             raise ValueError(f"batched decoding needs a drafter with fork(); {type(lm.drafter).__name__} has none")
+        if prefill_chunk is None:
+            prefill_chunk = getattr(lm, "prefill_chunk", None)
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an integer >= 1")
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: list[ChunkedPrefill] = []  # long prompts joining a chunk per round, first come first
         if max_round_nodes is None:
             max_round_nodes = getattr(lm, "max_round_nodes", None)
         self.auto: AutoRoundBudget | None = None
@@ -209,20 +219,64 @@ class BatchEngine:
         self.cache: Cache | None = None  # (B, kv_heads, S, head_dim) per layer, row b at batch index b
         self.pad = self.valid = torch.zeros(0, dtype=torch.long, device=lm.target.device)  # (B,) each
 
+    @property
+    def occupied(self) -> int:
+        """Requests in the engine: rows decoding and prompts still prefilling in chunks."""
+        return len(self.rows) + len(self.prefilling)
+
     # --- joining ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def add(self, requests: list[BatchRequest]) -> list[BatchRequest]:
         """Prefill `requests` and emit their first tokens; the others join the next `step`. Returns the requests
-        that already ended (EOS or a stop on the first token, max_new_tokens 0)."""
+        that already ended (EOS or a stop on the first token, max_new_tokens 0). With `prefill_chunk`, a prompt
+        with more tokens to run than that joins a chunk per `step` instead."""
         start = time.perf_counter()
-        fresh = [r for r in requests if r.prompt_cache is None]
+        chunked = [r for r in requests if ChunkedPrefill.wanted(r, self.prefill_chunk)]
+        fresh = [r for r in requests if r.prompt_cache is None and r not in chunked]
         ended: list[BatchRequest] = []
         if fresh:
             ended += self._join(*self._prefill_together(fresh))
         for request in requests:
-            if request.prompt_cache is not None:
+            if request.prompt_cache is not None and request not in chunked:
                 ended += self._join(*self._prefill_from_cache(request))
+        for request in chunked:
+            job = ChunkedPrefill(request, self.lm, self.prefill_chunk)  # takes what its prompt cache holds
+            if request.prompt.shape[0] - job.done > self.prefill_chunk:
+                self.prefilling.append(job)
+            else:  # the cache held all but a chunk: one forward now, as any short prompt
+                ended += self._advance(job)
         self.stats["prefill_seconds"] = self.stats.get("prefill_seconds", 0.0) + time.perf_counter() - start
+        return ended
+
+    def _advance(self, job: ChunkedPrefill) -> list[BatchRequest]:
+        """Run `job`'s next chunk; once its prompt is done its row joins the batch. Returns its request if it ended
+        (on its first token, or its own error when errors are isolated)."""
+        try:
+            job.advance()
+        except Exception as err:
+            self._fail(job.request, err)
+            return [job.request]
+        if not job.finished:
+            return []
+        self.stats["target_forwards"] += 1  # the prompt counts one forward, as a prefill in one piece
+        self.stats["batched_forwards"] += 1
+        cache, last_logits, features = job.result()
+        pad = torch.zeros(1, dtype=torch.long, device=self.lm.target.device)
+        return self._join(cache, pad, [job.request], last_logits[None], [features])
+
+    def _prefill_step(self) -> list[BatchRequest]:
+        """One chunk of the first prompt prefilling (cancelled ones leave); returns the requests that ended."""
+        ended = [job.request for job in self.prefilling if job.request.cancelled]
+        for request in ended:
+            request.finished = True
+        self.prefilling = [job for job in self.prefilling if not job.request.cancelled]
+        if self.prefilling:
+            start = time.perf_counter()
+            job = self.prefilling[0]
+            ended += self._advance(job)
+            if job.finished or job.request.finished:
+                self.prefilling.pop(0)
+            self.stats["prefill_seconds"] = self.stats.get("prefill_seconds", 0.0) + time.perf_counter() - start
         return ended
 
     def _prefill_together(self, requests: list[BatchRequest]) -> tuple[Cache, torch.Tensor, list, torch.Tensor, list]:
@@ -323,6 +377,7 @@ class BatchEngine:
         """One round for every row (draft, one verification forward, accept, compact); returns the requests that
         ended in it, and those cancelled since the last step."""
         ended = self._drop([b for b, row in enumerate(self.rows) if row.request.cancelled])
+        ended += self._prefill_step()
         if not self.rows:
             return ended
         lm, target, device = self.lm, self.lm.target, self.lm.target.device
@@ -524,7 +579,7 @@ def generate_batched(
     ]
     engine = BatchEngine(lm, stats)
     engine.add(requests)
-    while engine.rows:
+    while engine.occupied:
         engine.step()
     stats["accepted_counts"] += [count for request in requests for count in request.accepted_counts]
     return [request.new_tokens for request in requests]

@@ -82,6 +82,9 @@ class SpeculativeLM:
             row decodes plainly (inference/batched.py). "auto": the nodes per row chosen before each round from
             measured costs and acceptance (inference/round_budget.py; the target's verification cost is measured
             once, at the first batched round). None (default): full trees whatever the batch.
+        prefill_chunk: batched decoding: a joining prompt with more tokens to run than this prefills that many per
+            round, so the rows already decoding wait at most one chunk's forward per round
+            (inference/chunked_prefill.py). None (default): in one forward as it joins.
         lookup_max_tokens: let the guess grow while whole guesses are accepted (doubling from `lookup_tokens` up to
             this; back to `lookup_tokens` after any other round): fewer rounds over copied passages. Default
             (None): `lookup_tokens`, a fixed length.
@@ -104,6 +107,7 @@ class SpeculativeLM:
         lookup_max_ngram: int = 3,
         lookup_max_tokens: int | None = None,
         max_round_nodes: int | str | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
@@ -120,6 +124,9 @@ class SpeculativeLM:
                 not isinstance(max_round_nodes, int) or max_round_nodes < 1):
             raise ValueError(f"max_round_nodes={max_round_nodes!r}: expected None, 'auto' or an integer >= 1")
         self.max_round_nodes = max_round_nodes
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an integer >= 1")
+        self.prefill_chunk = prefill_chunk
         self.certified_argmax: CertifiedArgmax | None = None  # greedy verification's scorer (use_certified_argmax)
         self._verification_ms: dict[int, float] | None = None  # measured once (verification_ms_by_tokens)
         self._round_budget: AutoRoundBudget | None = None  # max_round_nodes="auto", kept across calls

@@ -120,7 +120,7 @@ class ServingLoop:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._closed and not self._waiting and not self.engine.rows:
+                while not self._closed and not self._waiting and not self.engine.occupied:
                     self._wake.wait()
                 if self._closed:
                     stopped = RuntimeError("the serving loop was closed")
@@ -128,7 +128,7 @@ class ServingLoop:
                         ticket._end(stopped)
                     self._waiting, self._running = [], {}
                     return
-                room = max(self.max_batch - len(self.engine.rows), 0)
+                room = max(self.max_batch - self.engine.occupied, 0)
                 joining, self._waiting = self._waiting[:room], self._waiting[room:]
             self._round(joining)
 

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,3 +46,10 @@ def load_lm_and_prompts(args: argparse.Namespace, **lm_options: Any) -> tuple[Sp
     rows = read_prompts(args.prompt_file, per_category=max(args.prompts // 8, 1), limit=args.prompts)
     prompts = [p.input_ids[0].to(lm.target.device) for p in tokenize_prompts(rows, lm.tokenizer)]
     return lm, kernels, prompts
+
+
+def write_report(path: Path | None, report: dict[str, Any]) -> None:
+    """Write the JSON report to `path` (its folder made), if one was given."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))

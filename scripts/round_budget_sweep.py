@@ -15,12 +15,11 @@ the same under every budget, or else each the target's own answer alone (the run
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from mt_bench_setup import add_model_options, load_lm_and_prompts  # a sibling module
+from mt_bench_setup import add_model_options, load_lm_and_prompts, write_report  # a sibling module
 
 from specheads.inference.batched import BatchEngine
 from specheads.inference.round_budget import parse_max_round_nodes
@@ -97,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name} {r['tokens_per_second']:.1f} tokens/s (tau {r['tau']:.2f}"
             + (f", {r['over_plain']:.2f}x plain)" if "over_plain" in r else ")") for name, r in result.items()),
             flush=True)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     return 0
 
 

@@ -54,6 +54,10 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
                    "row chosen each round from the target's verification cost, measured at the start, and the rows' "
                    "measured drafting cost and acceptance (faster under load; a seeded sampled answer then depends on "
                    "the batch it ran in); 'full' (default): every row's full tree")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="batched decoding (serve, generate --prompts): a joining prompt with more tokens to run than "
+                   "this prefills this many per round, so the answers already streaming wait at most one chunk's "
+                   "forward (default: 256; 0: the whole prompt in one forward as it joins)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -155,8 +159,11 @@ def _load_lm(args: argparse.Namespace):
 
     check_lookup_settings(args.lookup_tokens, lookup_max_tokens=args.lookup_max_tokens)  # before loading any model
     torch.manual_seed(args.seed)
+    if args.prefill_chunk < 0:
+        raise ValueError(f"--prefill-chunk {args.prefill_chunk}: expected 0 (off) or a number of tokens")
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
-                                      lookup_max_tokens=args.lookup_max_tokens, max_round_nodes=args.max_round_nodes)
+                                      lookup_max_tokens=args.lookup_max_tokens, max_round_nodes=args.max_round_nodes,
+                                      prefill_chunk=args.prefill_chunk or None)
     kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention, args.cpu_argmax)
     return lm, kernels
 

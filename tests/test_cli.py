@@ -120,13 +120,14 @@ STORY_STARTS = ["Once upon a time", "The dog ran", "Lily and Tom", "A big red ba
 
 def test_generate_prompts_file_answers_every_prompt_batched_and_resumes(stories260k_eagle_dir, stories260k, tmp_path,
                                                                         capfd):
-    """`--prompts FILE --out F`: each answer is the target's greedy one (3 rows at a time, joining as others end, a
-    stop string ending some early); a second run with more prompts answers only the new ones."""
+    """`--prompts FILE --out F`: each answer is the target's greedy one (3 rows at a time, joining as others end, their
+    prompts prefilled 2 tokens a round, a stop string ending some early); a second run with more prompts answers only
+    the new ones."""
     target, tokenizer = stories260k
     prompts, out = tmp_path / "prompts.txt", tmp_path / "answers" / "out.jsonl"
     prompts.write_text("\n".join(STORY_STARTS[:4]) + "\n")
     base = ["generate", "--heads", str(stories260k_eagle_dir), "--prompts", str(prompts), "--out", str(out),
-            "--max-new-tokens", "30", "--max-batch", "3", "--stop", " Lily"]
+            "--max-new-tokens", "30", "--max-batch", "3", "--stop", " Lily", "--prefill-chunk", "2"]
     assert main(base) == 0
     assert "4 answers (0 already" in capfd.readouterr().err
     prompts.write_text("\n".join(STORY_STARTS) + "\n")
@@ -272,7 +273,8 @@ def test_chat_without_a_template_is_a_clear_error(stories260k_eagle_dir, capsys,
 def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_dir, stories260k, tmp_path):
     """`specheads serve` as a user starts it: a process listening on the port, the model under its served name, the
     command line's decoding options as the defaults of a request that leaves them out, the node budget chosen per
-    round (its verification cost measured at the start); Ctrl-C ends it cleanly."""
+    round (its verification cost measured at the start), the prompt prefilled 4 tokens a round; Ctrl-C ends it
+    cleanly."""
     import os
     import signal
     import socket
@@ -288,7 +290,7 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
     process = subprocess.Popen(
         [sys.executable, "-m", "specheads", "serve", "--heads", str(stories260k_eagle_dir), "--chat-template",
          str(template), "--port", str(port), "--served-model-name", "tiny", "--max-new-tokens", "12", "--quiet",
-         "--max-round-nodes", "auto"],
+         "--max-round-nodes", "auto", "--prefill-chunk", "4"],
         stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "SPECHEADS_API_KEY"},
         # a suite started in the background inherits SIGINT ignored, and Python keeps it so: Ctrl-C must reach it
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

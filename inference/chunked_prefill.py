@@ -1,0 +1,75 @@
+"""Chunked prefill: a long prompt joins a running batch a chunk per round instead of in one forward.
+
+Continuous batching runs a joining request's prompt in a forward of its own before the next round
+(`BatchEngine.add`), so every running row waits for it: on 2 CPU threads SmolLM2 reads prompts at roughly 400-700
+tokens/s, and a 2,000-token prompt stalls every stream for seconds. With `prefill_chunk=C` such a prompt runs C
+tokens per round instead (`BatchEngine.step` advances one prefill by one chunk, then runs the round for the rows
+already decoding), so a stream waits at most one chunk's forward per round; the prompt's own first token comes a
+little later. The prompt's entries go into a cache of its own (from its `PromptCache` where it has one: only the
+tokens after those it holds run), which joins the batch's once the last chunk is done, as a one-shot prefill's would.
+
+Each chunk is one row without padding, so the target builds its own causal mask over the cache and the chunk
+(sliding windows included), as `DynamicTreeVerifier.prefill` does after a held cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from specheads.heads.cache_keyword import cache_kwargs
+from specheads.inference.kv_cache import tree_cache
+from specheads.inference.verify import last_logits_only
+
+
+class ChunkedPrefill:
+    """One request's prompt, run `chunk` tokens at a time (`advance`) into its own cache.
+
+    Args:
+        request: the `BatchRequest` whose (n,) prompt runs; its `prompt_cache`, if any, gives the first entries.
+        lm: the `SpeculativeLM` (its target, and its heads' feature selection).
+        chunk: prompt tokens per `advance`.
+    """
+
+    def __init__(self, request: Any, lm: Any, chunk: int) -> None:
+        self.request, self.lm, self.chunk = request, lm, chunk
+        self.cache: Cache = tree_cache()
+        self.features: list[torch.Tensor] = []  # (c, h) per chunk run (the held prefix's first)
+        self.done = 0  # prompt tokens whose entries the cache holds
+        if request.prompt_cache is not None:
+            held, features, reused = request.prompt_cache.take(request.prompt, lm.target, lm.heads)
+            if held is not None:
+                self.cache, self.done = held, reused
+                self.features.append(features)
+                request.reused_prompt_tokens += reused
+        self.last_logits: torch.Tensor | None = None  # (1, V) at the prompt's last position, once finished
+
+    @staticmethod
+    def wanted(request: Any, chunk: int | None) -> bool:
+        """Whether `request` should prefill in chunks: more than `chunk` prompt tokens to run (not counting those its
+        prompt cache may hold, which are known only when it is taken)."""
+        return chunk is not None and request.prompt.shape[0] > chunk
+
+    @property
+    def finished(self) -> bool:
+        return self.last_logits is not None
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """Run the next chunk (the last one also gives the last position's logits)."""
+        target, prompt = self.lm.target, self.request.prompt
+        end = min(self.done + self.chunk, prompt.shape[0])
+        out = target(
+            input_ids=prompt[None, self.done:end], **cache_kwargs(target, self.cache), use_cache=True,
+            output_hidden_states=True, **last_logits_only(target),
+        )
+        self.features.append(self.lm.heads.select_features(out.hidden_states)[0])  # (end - done, h)
+        self.done = end
+        if end == prompt.shape[0]:
+            self.last_logits = out.logits[0, -1:]
+
+    def result(self) -> tuple[Cache, torch.Tensor, torch.Tensor]:
+        """Once finished: (its cache, the (1, V) last logits, the (n, h) features of the whole prompt)."""
+        return self.cache, self.last_logits, torch.cat(self.features)
