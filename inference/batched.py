@@ -14,7 +14,8 @@ are garbage that the attention mask hides. Each round:
              then a crop to max(valid); finished rows leave the batch
 
 A row that joins (`BatchEngine.add`) runs its prompt in a prefill forward of its own (the newcomers of one call
-together, or alone from its `PromptCache`); its cache rows are then appended to the running batch's, the shorter
+together, or alone from its `PromptCache`; with `prefill_chunk`, a long one a chunk per round before the round:
+inference/chunked_prefill.py); its cache rows are then appended to the running batch's, the shorter
 side left-padded with hidden zeros (its rows' pad and valid move by that much). So `generate(batched=True)` and a
 server's concurrent requests are one mechanism.
 
