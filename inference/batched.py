@@ -267,9 +267,12 @@ class BatchEngine:
 
     def _prefill_step(self) -> list[BatchRequest]:
         """One chunk of the first prompt prefilling (cancelled ones leave); returns the requests that ended."""
-        ended = [job.request for job in self.prefilling if job.request.cancelled]
-        for request in ended:
-            request.finished = True
+        ended = []
+        for job in self.prefilling:
+            if job.request.cancelled:
+                job.give_back()
+                job.request.finished = True
+                ended.append(job.request)
         self.prefilling = [job for job in self.prefilling if not job.request.cancelled]
         if self.prefilling:
             start = time.perf_counter()

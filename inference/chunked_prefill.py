@@ -70,6 +70,13 @@ class ChunkedPrefill:
         if end == prompt.shape[0]:
             self.last_logits = out.logits[0, -1:]
 
+    def give_back(self) -> None:
+        """A request that leaves before its prompt is done (cancelled): its prompt cache, if any, keeps the prompt
+        tokens run so far (the held ones included), so that the conversation's next request need not run them."""
+        if self.request.prompt_cache is not None and self.done > 0:
+            self.request.prompt_cache.store(self.request.prompt[: self.done], self.cache, torch.cat(self.features),
+                                            self.lm.target, self.lm.heads)
+
     def result(self) -> tuple[Cache, torch.Tensor, torch.Tensor]:
         """Once finished: (its cache, the (1, V) last logits, the (n, h) features of the whole prompt)."""
         return self.cache, self.last_logits, torch.cat(self.features)

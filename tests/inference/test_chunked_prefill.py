@@ -91,6 +91,25 @@ def test_a_prompt_cache_join_runs_only_its_new_tokens_in_chunks(tiny_target_fact
     assert second.new_tokens == expected(target, follow_up, 12)
 
 
+def test_a_prefill_cancelled_midway_leaves_its_prompt_cache_what_it_ran(tiny_target_factory):
+    target = tiny_target_factory("llama")
+    lm = SpeculativeLM(target, batched_test_heads(target, "eagle"), prefill_chunk=4)
+    cache = PromptCache()
+    request = lm.batch_request(torch.tensor([LONG[0]]), max_new_tokens=8, prompt_cache=cache)
+    engine = BatchEngine(lm)
+    engine.add([request])
+    engine.step()
+    engine.step()  # 8 of its 15 prompt tokens ran
+    request.cancelled = True
+    assert engine.step() == [request] and not engine.occupied
+    assert cache.shared_length(torch.tensor(LONG[0])) == 8  # the next request of the conversation reuses them
+    again = lm.batch_request(torch.tensor([LONG[0]]), max_new_tokens=8, prompt_cache=cache)
+    engine.add([again])
+    while engine.occupied:
+        engine.step()
+    assert again.reused_prompt_tokens == 8 and again.new_tokens == expected(target, LONG[0], 8)
+
+
 def test_cancelled_and_failing_prefills_leave_alone(tiny_target_factory, monkeypatch):
     target = tiny_target_factory("llama")
     lm = SpeculativeLM(target, batched_test_heads(target, "eagle"), prefill_chunk=4)
