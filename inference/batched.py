@@ -25,7 +25,7 @@ Exactness does not depend on batching: every row sees exactly its own prefix and
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache
 
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
+from specheads.inference.batch_request import BatchRequest, check_batching_options
 from specheads.inference.chunked_prefill import ChunkedPrefill
 from specheads.inference.drafting import Drafter, constrain_drafts, eagle_drafter_in
 from specheads.inference.kv_cache import (
@@ -43,14 +44,13 @@ from specheads.inference.kv_cache import (
     select_rows,
     tree_cache,
 )
-from specheads.inference.prompt_cache import PromptCache
 from specheads.inference.round_budget import AutoRoundBudget, node_probs_of
 from specheads.inference.sampling import SamplingParams, choose_token
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder
 from specheads.inference.stopping import StopChecker, emit_tokens
 from specheads.inference.tree import TreeBuffers, build_tree_buffers, truncate_tree
-from specheads.inference.verify import DynamicTreeVerifier, last_logits_only, no_logits, sliding_window_of
+from specheads.inference.verify import last_logits_only, no_logits, sliding_window_of
 
 
 def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -97,50 +97,6 @@ def windowed(
 
 
 @dataclass(eq=False)
-class BatchRequest:
-    """One sequence for a `BatchEngine`: what to generate, and (filled in by the engine) what was generated.
-
-    `SpeculativeLM.batch_request(input_ids, **generate_options)` builds one from `generate`'s options.
-
-    Args:
-        prompt: (n,) token ids on the target's device.
-        max_new_tokens: new tokens at most.
-        params: decoding options (greedy, sampling, processors); rows of one batch may differ.
-        eos: EOS ids; the row ends right after one.
-        acceptance: "exact" or "typical" (sampling only).
-        stop: the caller's stopping criteria on this row (inference/stopping.py).
-        streamer: gets `put(prompt)` when the row joins, `put(tokens)` after each emission and `end()` when it ends.
-        recorder: collects each emitted token's logits and scores (inference/step_scores.py).
-        prompt_cache: runs only the prompt's tokens after those it holds; holds this row's sequence at the end.
-        row: the caller's batch index, given to a `prefix_allowed_tokens_fn` as its batch_id.
-    """
-
-    prompt: torch.Tensor
-    max_new_tokens: int
-    params: SamplingParams = field(default_factory=SamplingParams)
-    eos: set[int] = field(default_factory=set)
-    acceptance: str = "exact"
-    stop: StopChecker | None = None
-    streamer: Any | None = None
-    recorder: StepRecorder | None = None
-    prompt_cache: PromptCache | None = None
-    row: int = 0
-    # filled in by the engine
-    new_tokens: list[int] = field(default_factory=list)
-    target_forwards: int = 0  # forwards this row took part in (its prefill counts one)
-    accepted_counts: list[int] = field(default_factory=list)  # drafted tokens accepted per round
-    reused_prompt_tokens: int = 0
-    finished: bool = False
-    cancelled: bool = False  # set by the caller (a client gone): the row leaves before the next round
-    error: Exception | None = None  # what ended the row, when an engine that isolates errors caught one
-
-    @property
-    def mean_accepted(self) -> float:
-        """tau of this row: new tokens per target forward it took part in."""
-        return len(self.new_tokens) / max(self.target_forwards, 1)
-
-
-@dataclass(eq=False)
 class _Row:
     """An active row's decoding state between rounds."""
 
@@ -179,7 +135,8 @@ class BatchEngine:
             grows with its tokens (CPUs), speculation stops paying as the batch grows (`bench --batch-size`); this
             shrinks the trees as it does. "auto": the nodes per row are chosen before each round for the most
             tokens per second, from the target's measured verification cost and the rows' measured drafting cost
-            and acceptance (inference/round_budget.py; `stats["round_budget"]` says what it measured and chose).
+            and acceptance (inference/round_budget.py; `stats["round_budget"]` says what it measured and chose, each
+            time the engine empties).
             None there too: every row drafts its full tree.
         prefill_chunk: (default: the `SpeculativeLM`'s `prefill_chunk`) a joining prompt with more tokens to run than
             this prefills this many per round (inference/chunked_prefill.py), so running rows wait at most one chunk's
@@ -196,19 +153,17 @@ class BatchEngine:
             raise ValueError(f"batched decoding needs a drafter with fork(); {type(lm.drafter).__name__} has none")
         if prefill_chunk is None:
             prefill_chunk = getattr(lm, "prefill_chunk", None)
-        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an integer >= 1")
-        self.prefill_chunk = prefill_chunk
-        self.prefilling: list[ChunkedPrefill] = []  # long prompts joining a chunk per round, first come first
         if max_round_nodes is None:
             max_round_nodes = getattr(lm, "max_round_nodes", None)
-        self.auto: AutoRoundBudget | None = None
-        if max_round_nodes == "auto":
-            self.auto = lm.auto_round_budget()
-        elif isinstance(max_round_nodes, AutoRoundBudget):
-            self.auto = max_round_nodes
-        elif max_round_nodes is not None and (not isinstance(max_round_nodes, int) or max_round_nodes < 1):
-            raise ValueError(f"max_round_nodes={max_round_nodes!r}: expected None, 'auto' or an integer >= 1")
+        self.auto: AutoRoundBudget | None = max_round_nodes if isinstance(max_round_nodes, AutoRoundBudget) else None
+        if self.auto is None:
+            check_batching_options(max_round_nodes, prefill_chunk)
+            if max_round_nodes == "auto":
+                self.auto = lm.auto_round_budget()
+        else:
+            check_batching_options(None, prefill_chunk)
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: list[ChunkedPrefill] = []  # long prompts joining a chunk per round, first come first
         self.lm, self.isolate_errors = lm, isolate_errors
         self.max_round_nodes = None if self.auto is not None else max_round_nodes
         self.root_only = build_tree_buffers(torch.tensor([-1], device=lm.target.device), dtype=lm.target.dtype)
@@ -232,19 +187,17 @@ class BatchEngine:
         that already ended (EOS or a stop on the first token, max_new_tokens 0). With `prefill_chunk`, a prompt
         with more tokens to run than that joins a chunk per `step` instead."""
         start = time.perf_counter()
-        chunked = [r for r in requests if ChunkedPrefill.wanted(r, self.prefill_chunk)]
-        fresh = [r for r in requests if r.prompt_cache is None and r not in chunked]
+        # alone: a request with a prompt cache (only its tokens after the held ones run) or a prompt to chunk
+        alone = [r for r in requests if r.prompt_cache is not None or ChunkedPrefill.wanted(r, self.prefill_chunk)]
+        fresh = [r for r in requests if r not in alone]  # (requests compare by identity)
         ended: list[BatchRequest] = []
         if fresh:
             ended += self._join(*self._prefill_together(fresh))
-        for request in requests:
-            if request.prompt_cache is not None and request not in chunked:
-                ended += self._join(*self._prefill_from_cache(request))
-        for request in chunked:
+        for request in alone:
             job = ChunkedPrefill(request, self.lm, self.prefill_chunk)  # takes what its prompt cache holds
-            if request.prompt.shape[0] - job.done > self.prefill_chunk:
+            if job.remaining > job.chunk:
                 self.prefilling.append(job)
-            else:  # the cache held all but a chunk: one forward now, as any short prompt
+            else:  # all in one forward now, as any short prompt
                 ended += self._advance(job)
         self.stats["prefill_seconds"] = self.stats.get("prefill_seconds", 0.0) + time.perf_counter() - start
         return ended
@@ -260,20 +213,16 @@ class BatchEngine:
         if not job.finished:
             return []
         self.stats["target_forwards"] += 1  # the prompt counts one forward, as a prefill in one piece
-        self.stats["batched_forwards"] += 1
+        self.stats["batched_forwards"] += job.forwards
+        self.stats["reused_prompt_tokens"] = self.stats.get("reused_prompt_tokens", 0) + job.reused
         cache, last_logits, features = job.result()
         pad = torch.zeros(1, dtype=torch.long, device=self.lm.target.device)
         return self._join(cache, pad, [job.request], last_logits[None], [features])
 
     def _prefill_step(self) -> list[BatchRequest]:
         """One chunk of the first prompt prefilling (cancelled ones leave); returns the requests that ended."""
-        ended = []
-        for job in self.prefilling:
-            if job.request.cancelled:
-                job.give_back()
-                job.request.finished = True
-                ended.append(job.request)
-        self.prefilling = [job for job in self.prefilling if not job.request.cancelled]
+        ended = [job.leave() for job in self.prefilling if job.request.cancelled]
+        self.prefilling = [job for job in self.prefilling if not job.request.finished]
         if self.prefilling:
             start = time.perf_counter()
             job = self.prefilling[0]
@@ -305,18 +254,6 @@ class BatchEngine:
         self.stats["batched_forwards"] += 1
         features = self.lm.heads.select_features(out.hidden_states)  # (k, width, h)
         return cache, pad, requests, out.logits[:, -1:], [features[b, pad[b]:] for b in range(len(requests))]
-
-    def _prefill_from_cache(self, request: BatchRequest) -> tuple[Cache, torch.Tensor, list, torch.Tensor, list]:
-        """The prompt's tokens after those its `PromptCache` holds, alone; the same results as `_prefill_together`."""
-        lm = self.lm
-        verifier = DynamicTreeVerifier(lm.target, lm.heads.select_features)
-        last_logits, features, reused = request.prompt_cache.prefill(verifier, request.prompt, request.max_new_tokens,
-                                                                     lm.target, lm.heads)
-        request.reused_prompt_tokens += reused
-        self.stats["reused_prompt_tokens"] = self.stats.get("reused_prompt_tokens", 0) + reused
-        self.stats["target_forwards"] += 1
-        pad = torch.zeros(1, dtype=torch.long, device=lm.target.device)
-        return verifier.cache, pad, [request], last_logits[None], [features]
 
     def _join(self, cache: Cache, pad: torch.Tensor, requests: list[BatchRequest], last_logits: torch.Tensor,
               features: list[torch.Tensor]) -> list[BatchRequest]:
@@ -443,7 +380,10 @@ class BatchEngine:
         self.valid = compact_rows(self.cache, valid, paths, cache_width)
         if self.auto is not None:  # acceptance read the verdicts back: the forward has finished
             self._record_verify(budget, nodes, paths, _synchronized_since(start, device))
-        return ended + self._drop([b for b, row in enumerate(rows) if row.request.finished])
+        ended += self._drop([b for b, row in enumerate(rows) if row.request.finished])
+        if self.auto is not None and not self.occupied:  # what the budget measured, once the batch has emptied
+            self.stats["round_budget"] = self.auto.summary()
+        return ended
 
     def _nodes_per_row(self) -> int | None:
         """This round's node budget per row (None: full trees)."""
@@ -469,7 +409,6 @@ class BatchEngine:
         if size != 1:
             for row, path in zip(self.rows, paths):
                 self.auto.record_row(size, node_probs_of(row.drafter), path.shape[0] - 1)
-        self.stats["round_budget"] = self.auto.summary()
 
     def _draft(self, row: _Row, budget: int | None) -> tuple[torch.Tensor, TreeBuffers]:
         """The row's tree of at most `budget` nodes (None: its drafter's own); at 1, its root alone, undrafted."""

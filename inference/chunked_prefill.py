@@ -30,20 +30,21 @@ class ChunkedPrefill:
     Args:
         request: the `BatchRequest` whose (n,) prompt runs; its `prompt_cache`, if any, gives the first entries.
         lm: the `SpeculativeLM` (its target, and its heads' feature selection).
-        chunk: prompt tokens per `advance`.
+        chunk: prompt tokens per `advance`; None: the whole rest in one (how a prompt-cache join runs unchunked).
     """
 
-    def __init__(self, request: Any, lm: Any, chunk: int) -> None:
-        self.request, self.lm, self.chunk = request, lm, chunk
+    def __init__(self, request: Any, lm: Any, chunk: int | None) -> None:
+        self.request, self.lm = request, lm
         self.cache: Cache = tree_cache()
         self.features: list[torch.Tensor] = []  # (c, h) per chunk run (the held prefix's first)
-        self.done = 0  # prompt tokens whose entries the cache holds
+        self.done = self.reused = self.forwards = 0  # prompt tokens the cache holds; of those, reused; forwards run
         if request.prompt_cache is not None:
             held, features, reused = request.prompt_cache.take(request.prompt, lm.target, lm.heads)
             if held is not None:
-                self.cache, self.done = held, reused
+                self.cache, self.done, self.reused = held, reused, reused
                 self.features.append(features)
                 request.reused_prompt_tokens += reused
+        self.chunk = self.remaining if chunk is None else chunk  # None: the rest in one forward
         self.last_logits: torch.Tensor | None = None  # (1, V) at the prompt's last position, once finished
 
     @staticmethod
@@ -51,6 +52,11 @@ class ChunkedPrefill:
         """Whether `request` should prefill in chunks: more than `chunk` prompt tokens to run (not counting those its
         prompt cache may hold, which are known only when it is taken)."""
         return chunk is not None and request.prompt.shape[0] > chunk
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to run."""
+        return self.request.prompt.shape[0] - self.done
 
     @property
     def finished(self) -> bool:
@@ -66,16 +72,19 @@ class ChunkedPrefill:
             output_hidden_states=True, **last_logits_only(target),
         )
         self.features.append(self.lm.heads.select_features(out.hidden_states)[0])  # (end - done, h)
-        self.done = end
+        self.done, self.forwards = end, self.forwards + 1
         if end == prompt.shape[0]:
             self.last_logits = out.logits[0, -1:]
 
-    def give_back(self) -> None:
-        """A request that leaves before its prompt is done (cancelled): its prompt cache, if any, keeps the prompt
-        tokens run so far (the held ones included), so that the conversation's next request need not run them."""
+    def leave(self) -> Any:
+        """The request leaves before its prompt is done (cancelled): it ends, and its prompt cache, if any, keeps the
+        prompt tokens run so far (the held ones included), so that the conversation's next request need not run
+        them. Returns the request."""
         if self.request.prompt_cache is not None and self.done > 0:
             self.request.prompt_cache.store(self.request.prompt[: self.done], self.cache, torch.cat(self.features),
                                             self.lm.target, self.lm.heads)
+        self.request.finished = True
+        return self.request
 
     def result(self) -> tuple[Cache, torch.Tensor, torch.Tensor]:
         """Once finished: (its cache, the (1, V) last logits, the (n, h) features of the whole prompt)."""

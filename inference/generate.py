@@ -6,7 +6,6 @@ tree), accept (longest valid path + the target's bonus token), update (compact c
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -24,7 +23,8 @@ from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.loading import load_heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.accept import accept_greedy, accept_tree
-from specheads.inference.batched import BatchRequest, generate_batched
+from specheads.inference.batch_request import BatchRequest, build_batch_request, check_batching_options
+from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, constrain_drafts
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
@@ -33,6 +33,7 @@ from specheads.inference.generate_inputs import (
     decoding_settings,
     eos_ids,
     expand_for_return_sequences,
+    finish_stats,
     new_token_budget,
     split_prompts,
 )
@@ -120,13 +121,8 @@ class SpeculativeLM:
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
         self.graphed_rounds = graphed_rounds
         self.graphed_prefill = graphed_prefill
-        if max_round_nodes is not None and max_round_nodes != "auto" and (
-                not isinstance(max_round_nodes, int) or max_round_nodes < 1):
-            raise ValueError(f"max_round_nodes={max_round_nodes!r}: expected None, 'auto' or an integer >= 1")
-        self.max_round_nodes = max_round_nodes
-        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an integer >= 1")
-        self.prefill_chunk = prefill_chunk
+        check_batching_options(max_round_nodes, prefill_chunk)
+        self.max_round_nodes, self.prefill_chunk = max_round_nodes, prefill_chunk
         self.certified_argmax: CertifiedArgmax | None = None  # greedy verification's scorer (use_certified_argmax)
         self._verification_ms: dict[int, float] | None = None  # measured once (verification_ms_by_tokens)
         self._round_budget: AutoRoundBudget | None = None  # max_round_nodes="auto", kept across calls
@@ -459,52 +455,16 @@ class SpeculativeLM:
         if streamer is not None:
             streamer.end()
         seconds = time.perf_counter() - start
-        self.last_stats = self._finish_stats(stats, seconds)
+        self.last_stats = finish_stats(stats, seconds)
         sequences = assemble(input_ids, rows, pad_token_id, eos_list, config)
         if not return_dict_in_generate:
             return sequences
         return generate_output(sequences, recorders or [], output_scores, output_logits)
 
-    def batch_request(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int | None = None,
-        *,
-        max_length: int | None = None,
-        eos_token_id: int | list[int] | None = None,
-        streamer: Any | None = None,
-        prompt_cache: PromptCache | None = None,
-        record_logits: bool = False,
-        seed: int | None = None,
-        **options: Any,
-    ) -> BatchRequest:
-        """One prompt as a request for a `BatchEngine` (continuous batching: inference/batched.py), checked as
-        `generate` checks it.
-
-        Args:
-            input_ids: the (n,) or (1, n) prompt, without padding.
-            max_new_tokens, max_length, eos_token_id, streamer, prompt_cache: as `generate` takes them.
-            record_logits: keep the target's logits of every emitted token (`request.recorder.logits`).
-            seed: sampling draws from a generator of its own seeded with this (reproducible whatever else runs in the
-                batch); None: torch's global generator.
-            **options: `generate`'s decoding options (do_sample, temperature, top_p, top_k, logits_processor,
-                stop_strings, generation_config, acceptance, ...).
-        """
-        config = options.pop("generation_config", None) or self.target.generation_config
-        params, criteria = decoding_settings(config, self.tokenizer, **options)
-        if seed is not None:
-            params = dataclasses.replace(params, generator=torch.Generator(self.target.device).manual_seed(seed))
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise ValueError(f"batch_request takes one prompt, got input_ids of shape {tuple(input_ids.shape)}")
-        budget = new_token_budget(input_ids, max_new_tokens, max_length)
-        (prompt,) = split_prompts(input_ids, None, budget, self.target, self.heads.config.vocab_size)
-        if prompt_cache is not None:
-            check_prompt_cache_call(prompt_cache, 1, None)
-        return BatchRequest(
-            prompt, budget, params, set(eos_ids(eos_token_id, config)), options.get("acceptance", "exact"),
-            None if criteria is None else StopChecker(criteria, prompt), streamer,
-            StepRecorder(params) if record_logits else None, prompt_cache,
-        )
+    def batch_request(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **options: Any) -> BatchRequest:
+        """One prompt as a request for a `BatchEngine` (continuous batching), checked as `generate` checks it:
+        `batched.build_batch_request` (its options: generate's, and record_logits, seed)."""
+        return build_batch_request(self, input_ids, max_new_tokens, **options)
 
     # --- the loop ---------------------------------------------------------------------------------------
     def _generate_row(
@@ -613,18 +573,3 @@ class SpeculativeLM:
             prompt_cache.store_call(prompt, new_tokens, prefix_length, verifier.cache, torch.cat(committed_features),
                                     self.target, self.heads)
         return new_tokens
-
-    # --- stats ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _finish_stats(stats: dict[str, Any], seconds: float) -> dict[str, Any]:
-        counts = stats.pop("accepted_counts")
-        rounds = max(len(counts), 1)
-        max_depth = max(counts, default=0)
-        return {
-            **stats,
-            "mean_accepted": stats["new_tokens"] / max(stats["target_forwards"], 1),
-            "accepted_per_depth": [sum(c >= d for c in counts) / rounds for d in range(1, max_depth + 1)],
-            "seconds": seconds,
-            "tokens_per_second": stats["new_tokens"] / seconds if seconds > 0 else 0.0,
-            "ms_per_round": 1000 * (seconds - stats["prefill_seconds"]) / rounds,
-        }

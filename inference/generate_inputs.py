@@ -169,3 +169,19 @@ def decoding_settings(
     if acceptance == "typical" and not do_sample:
         raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
     return params, criteria
+
+
+def finish_stats(stats: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """`generate`'s `last_stats` from the counts a call gathered (its per-round `accepted_counts` become tau and the
+    acceptance rate by depth) and its wall seconds."""
+    counts = stats.pop("accepted_counts")
+    rounds = max(len(counts), 1)
+    max_depth = max(counts, default=0)
+    return {
+        **stats,
+        "mean_accepted": stats["new_tokens"] / max(stats["target_forwards"], 1),
+        "accepted_per_depth": [sum(c >= d for c in counts) / rounds for d in range(1, max_depth + 1)],
+        "seconds": seconds,
+        "tokens_per_second": stats["new_tokens"] / seconds if seconds > 0 else 0.0,
+        "ms_per_round": 1000 * (seconds - stats["prefill_seconds"]) / rounds,
+    }

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -187,7 +188,8 @@ class AutoRoundBudget:
             if size is FULL:
                 self.full_accepted = self._average(self.full_accepted, accepted)
             return
-        sums = [sum(node_probs[: m - 1]) for m in [*self.capped, self.full_nodes]]
+        prefix = list(accumulate(node_probs, initial=0.0))  # prefix[k]: the k best nodes' probabilities summed
+        sums = [prefix[min(m - 1, len(node_probs))] for m in [*self.capped, self.full_nodes]]
         self.predicted = sums if self.predicted is None else [
             old + self.smoothing * (new - old) for old, new in zip(self.predicted, sums)]
         ratio = self.full_ratio if size is FULL else self.capped_ratio

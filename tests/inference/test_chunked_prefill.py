@@ -40,6 +40,13 @@ def expected(target, prompt, n):
     return hf_greedy(target, torch.tensor([prompt]), n)[0, len(prompt):].tolist()
 
 
+def run(engine: BatchEngine, requests: list) -> None:
+    """Add `requests` and step until every row and prefill has ended."""
+    engine.add(requests)
+    while engine.occupied:
+        engine.step()
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: a sliding window of 8, prompts longer than it
 @pytest.mark.parametrize("head_type", ["medusa", "eagle", "eagle3"])
 def test_long_prompts_join_a_chunk_per_round_and_every_row_stays_exact(tiny_target_factory, family, head_type):
@@ -76,16 +83,13 @@ def test_a_prompt_cache_join_runs_only_its_new_tokens_in_chunks(tiny_target_fact
     cache = PromptCache()
     first = lm.batch_request(torch.tensor([LONG[0]]), max_new_tokens=8, prompt_cache=cache)
     engine = BatchEngine(lm)
-    engine.add([first])
-    while engine.occupied:
-        engine.step()
+    run(engine, [first])
     follow_up = LONG[0] + first.new_tokens + [9, 2, 14, 3, 6, 8, 10]
     second = lm.batch_request(torch.tensor([follow_up]), max_new_tokens=12, prompt_cache=cache)
     with ForwardLog(target) as log:
-        engine.add([second])
-        while engine.occupied:
-            engine.step()
+        run(engine, [second])
     assert second.reused_prompt_tokens >= len(LONG[0])
+    assert engine.stats["reused_prompt_tokens"] == second.reused_prompt_tokens  # counted by the engine too
     # the 8 prompt tokens after the held ones (the 7 new, after the last answer token, which the cache never held)
     assert [tokens for _, tokens in log.lengths[:3]] == [3, 3, 2]
     assert second.new_tokens == expected(target, follow_up, 12)
@@ -104,9 +108,7 @@ def test_a_prefill_cancelled_midway_leaves_its_prompt_cache_what_it_ran(tiny_tar
     assert engine.step() == [request] and not engine.occupied
     assert cache.shared_length(torch.tensor(LONG[0])) == 8  # the next request of the conversation reuses them
     again = lm.batch_request(torch.tensor([LONG[0]]), max_new_tokens=8, prompt_cache=cache)
-    engine.add([again])
-    while engine.occupied:
-        engine.step()
+    run(engine, [again])
     assert again.reused_prompt_tokens == 8 and again.new_tokens == expected(target, LONG[0], 8)
 
 
