@@ -44,6 +44,7 @@ from specheads.inference.kv_cache import (
     select_rows,
     tree_cache,
 )
+from specheads.inference.lookup import LookupDrafter
 from specheads.inference.round_budget import AutoRoundBudget, node_probs_of
 from specheads.inference.sampling import SamplingParams, choose_token
 from specheads.inference.sequence_processors import SequenceContext
@@ -480,6 +481,8 @@ class BatchEngine:
         if row.drafter is not None:
             constrain_drafts(row.drafter, None, 0)
         self.stats["new_tokens"] += len(request.new_tokens)
+        if isinstance(row.drafter, LookupDrafter) and not request.cancelled and request.error is None:
+            row.drafter.remember(request.prompt.tolist(), request.new_tokens)  # an online corpus learns the answer
         if request.prompt_cache is not None and not request.cancelled and request.error is None:
             request.prompt_cache.store_call(request.prompt, request.new_tokens, source.shape[0],
                                             row_cache(cache, b, source), torch.cat(row.committed_features),

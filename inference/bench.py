@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from specheads.inference.autotune import autotune_tree
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
 from specheads.inference.constraints import IndexConstraint, constraint_from_options
+from specheads.inference.corpus_lookup import corpus_from_options
 from specheads.inference.fast_path import StaticGreedyDecoder, aligned_length
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.generate_inputs import eos_ids
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-max-tokens", type=int, default=None,
                    help="let the guess double, up to N tokens, while whole guesses are accepted (copied passages take "
                    "fewer rounds); default: --lookup-tokens, a fixed length")
+    p.add_argument("--lookup-corpus", default=None, metavar="PATH",
+                   help="graft the continuations of the context's longest match in a corpus of the target's answers "
+                   "(`specheads data lookup-corpus`; never answers to the prompts benchmarked) onto each draft tree")
+    p.add_argument("--corpus-tokens", type=int, default=8, help="the corpus' guessed nodes per round, at most")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts decoded together: consecutive prompts in left-padded batches of N, plain "
@@ -358,7 +363,9 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     lookup_tokens, lookup_max_tokens = getattr(args, "lookup_tokens", 0), getattr(args, "lookup_max_tokens", None)
-    check_lookup_settings(lookup_tokens, lookup_max_tokens=lookup_max_tokens)  # before loading any model
+    corpus_tokens = getattr(args, "corpus_tokens", 8)
+    check_lookup_settings(lookup_tokens, lookup_max_tokens=lookup_max_tokens, corpus_tokens=corpus_tokens)  # before loading any model
+    corpus = corpus_from_options(getattr(args, "lookup_corpus", None))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -389,7 +396,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         assistant, _ = load_target(args.assistant, dtype=lm.target.dtype, device=lm.target.device)
     torch.manual_seed(args.seed)
-    lm.configure_lookup(lookup_tokens, lookup_max_tokens=lookup_max_tokens)
+    lm.configure_lookup(lookup_tokens, lookup_max_tokens=lookup_max_tokens, lookup_corpus=corpus,
+                        corpus_tokens=corpus_tokens)
     calibration = [p.input_ids for p in calibration_prompts(prompts, CALIBRATION_PROMPTS)]
     tree_report = _configure_tree(lm, args.tree, calibration, args.max_new_tokens)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

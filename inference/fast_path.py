@@ -70,7 +70,7 @@ def fixed_tree_slots(drafter: Drafter) -> int | None:
         return drafter.num_nodes + 1
     if isinstance(drafter, LookupDrafter):
         heads_slots = fixed_tree_slots(drafter.drafter)
-        return None if heads_slots is None else heads_slots + drafter.max_tokens
+        return None if heads_slots is None else heads_slots + drafter.max_grafted_nodes
     return None
 
 

@@ -26,6 +26,7 @@ from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.batch_request import BatchRequest, build_batch_request, check_batching_options
 from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
+from specheads.inference.corpus_lookup import CorpusLookup
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, constrain_drafts
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.generate_inputs import (
@@ -89,6 +90,11 @@ class SpeculativeLM:
         lookup_max_tokens: let the guess grow while whole guesses are accepted (doubling from `lookup_tokens` up to
             this; back to `lookup_tokens` after any other round): fewer rounds over copied passages. Default
             (None): `lookup_tokens`, a fixed length.
+        lookup_corpus: corpus lookup (inference/corpus_lookup.py): a `CorpusLookup`, or the path of a saved corpus
+            (`specheads data lookup-corpus`; a folder holding `lookup_corpus.npy`): each round, the continuations
+            of the context's longest match in the target's earlier answers are grafted onto the tree too, and a
+            lookup made with `online_tokens` learns every answer this SpeculativeLM finishes. Any heads; exact.
+        corpus_tokens: the corpus' guessed nodes per round, at most.
     """
 
     def __init__(
@@ -107,6 +113,8 @@ class SpeculativeLM:
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
         lookup_max_tokens: int | None = None,
+        lookup_corpus: CorpusLookup | str | os.PathLike | None = None,
+        corpus_tokens: int = 8,
         max_round_nodes: int | str | None = None,
         prefill_chunk: int | None = None,
     ) -> None:
@@ -116,7 +124,7 @@ class SpeculativeLM:
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
         self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob, tree_min_prob)
-        self.configure_lookup(lookup_tokens, lookup_max_ngram, lookup_max_tokens)
+        self.configure_lookup(lookup_tokens, lookup_max_ngram, lookup_max_tokens, lookup_corpus, corpus_tokens)
         self.last_stats: dict[str, Any] = {}
         self._fast_runner: FastPathRunner | None = None  # the GPU fast path's cache and graphs, reused across calls
         self.graphed_rounds = graphed_rounds
@@ -166,15 +174,26 @@ class SpeculativeLM:
         if isinstance(lookup, LookupDrafter):  # prompt lookup stays on, around the new heads' drafter
             self.drafter = lookup.around(self.drafter)
 
-    def configure_lookup(self, lookup_tokens: int, lookup_max_ngram: int = 3, lookup_max_tokens: int | None = None) -> None:
+    def configure_lookup(
+        self,
+        lookup_tokens: int,
+        lookup_max_ngram: int = 3,
+        lookup_max_tokens: int | None = None,
+        lookup_corpus: CorpusLookup | str | os.PathLike | None = None,
+        corpus_tokens: int = 8,
+    ) -> None:
         """Graft prompt lookup's guess of up to `lookup_tokens` tokens onto every draft tree (0 = off; see the class
         docstring and inference/lookup.py), growing up to `lookup_max_tokens` while whole guesses are accepted
-        (None: a fixed length). Kept when `configure_tree` changes the heads' tree."""
-        check_lookup_settings(lookup_tokens, lookup_max_ngram, lookup_max_tokens)
+        (None: a fixed length), and the guesses of `lookup_corpus` (up to `corpus_tokens` nodes; None = none).
+        Kept when `configure_tree` changes the heads' tree."""
+        check_lookup_settings(lookup_tokens, lookup_max_ngram, lookup_max_tokens, corpus_tokens)
+        if lookup_corpus is not None and not isinstance(lookup_corpus, CorpusLookup):
+            lookup_corpus = CorpusLookup.load(lookup_corpus)
         heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
         self.drafter = (
-            LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram, max_tokens=lookup_max_tokens)
-            if lookup_tokens
+            LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram, max_tokens=lookup_max_tokens,
+                          corpus=lookup_corpus, corpus_tokens=corpus_tokens)
+            if lookup_tokens or lookup_corpus is not None
             else heads_drafter
         )
 
@@ -184,6 +203,9 @@ class SpeculativeLM:
         if isinstance(drafter, LookupDrafter):
             lookup = {"lookup_tokens": drafter.num_tokens, "lookup_max_tokens": drafter.max_tokens,
                       "lookup_max_ngram": drafter.index.max_ngram}
+            if drafter.corpus is not None:
+                lookup.update(corpus_tokens=drafter.corpus_tokens, corpus_size=drafter.corpus.num_tokens,
+                              corpus_online_tokens=drafter.corpus.online_tokens)
             drafter = drafter.drafter
         if isinstance(drafter, MedusaDrafter):
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
@@ -569,6 +591,8 @@ class SpeculativeLM:
                 context.commit(accepted)
         constrain_drafts(drafter, None, 0)
         stats["new_tokens"] += len(new_tokens)
+        if isinstance(drafter, LookupDrafter):  # an online corpus learns the answer
+            drafter.remember(prompt.tolist(), new_tokens)
         if prompt_cache is not None:
             prompt_cache.store_call(prompt, new_tokens, prefix_length, verifier.cache, torch.cat(committed_features),
                                     self.target, self.heads)

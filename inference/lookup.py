@@ -8,13 +8,15 @@ it covers exactly the rounds they miss, long verbatim runs, and costs no model c
 any drafter and grafts the guess onto its tree like a word into a trie: the part the heads already drafted
 reuses their nodes, the rest becomes a chain of new nodes. The target verifies the merged tree in the same
 forward and the usual rules accept from it, so greedy outputs stay identical and sampling stays exact (both
-hold for any tree of deterministic candidates: inference/accept.py).
+hold for any tree of deterministic candidates: inference/accept.py). With a `CorpusLookup`
+(inference/corpus_lookup.py), the guesses of a store of the target's earlier answers are grafted the same way.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specheads.inference.corpus_lookup import ANSWER_LEAD, CorpusLookup
 from specheads.inference.drafting import Drafter
 from specheads.inference.tree import TreeBuffers, append_chain
 
@@ -92,9 +94,10 @@ def graft_chain(tokens: torch.Tensor, tree: TreeBuffers, chain: list[int]) -> tu
     return grafted, append_chain(tree, node, len(rest))
 
 
-def check_lookup_settings(lookup_tokens: int, lookup_max_ngram: int = 3, lookup_max_tokens: int | None = None) -> None:
-    """Raise a ValueError naming the bad value among `SpeculativeLM`'s prompt-lookup settings (the CLI calls it before
-    loading any model)."""
+def check_lookup_settings(lookup_tokens: int, lookup_max_ngram: int = 3, lookup_max_tokens: int | None = None,
+                          corpus_tokens: int = 8) -> None:
+    """Raise a ValueError naming the bad value among `SpeculativeLM`'s prompt-lookup and corpus-lookup settings (the
+    CLI calls it before loading any model)."""
     if not isinstance(lookup_tokens, int) or lookup_tokens < 0:
         raise ValueError(f"lookup_tokens={lookup_tokens!r} must be an integer >= 0 (0 = no prompt lookup)")
     if not isinstance(lookup_max_ngram, int) or lookup_max_ngram < 1:
@@ -106,6 +109,8 @@ def check_lookup_settings(lookup_tokens: int, lookup_max_ngram: int = 3, lookup_
             f"lookup_max_tokens={lookup_max_tokens!r} must be None or an integer >= lookup_tokens={lookup_tokens} "
             "with prompt lookup on (lookup_tokens >= 1)"
         )
+    if not isinstance(corpus_tokens, int) or corpus_tokens < 1:
+        raise ValueError(f"corpus_tokens={corpus_tokens!r} must be an integer >= 1 (the corpus' guessed nodes per round)")
 
 
 class LookupDrafter:
@@ -116,6 +121,9 @@ class LookupDrafter:
         num_tokens: the guess grafted per round, in tokens (its new nodes are verified with the tree).
         max_ngram, min_ngram: suffix lengths matched against the context, longest first (min_ngram default: 2, or
             max_ngram if smaller; single tokens recur too often to guess from).
+        corpus: also graft the guesses of this store of the target's answers (shared by forks: what one row's
+            answer teaches, the others use); None = prompt lookup alone.
+        corpus_tokens: the corpus' guessed nodes per round, at most.
         max_tokens: with a larger value, the guess grows while the target copies: after a round that accepted a
             whole guess of the current length, the next guess may be twice as long (up to `max_tokens`); any other
             round sets it back to `num_tokens`. Copied passages (code edits, quoted text, repeated lists) then cost
@@ -123,7 +131,7 @@ class LookupDrafter:
             of `max_tokens` extra nodes. Default `num_tokens`: a fixed length.
 
     The context is every token the drafter is told about: the prompt from its second token on (the first has no
-    feature before it) and everything generated.
+    feature before it) and everything generated. `num_tokens` = 0 with a corpus: the corpus' guesses alone.
     """
 
     def __init__(
@@ -133,16 +141,24 @@ class LookupDrafter:
         max_ngram: int = 3,
         min_ngram: int | None = None,
         max_tokens: int | None = None,
+        corpus: CorpusLookup | None = None,
+        corpus_tokens: int = 8,
     ) -> None:
-        if num_tokens < 1:
-            raise ValueError(f"lookup_tokens={num_tokens} must be >= 1 (0 turns prompt lookup off)")
-        check_lookup_settings(num_tokens, max_ngram, max_tokens)
+        if num_tokens < 1 and corpus is None:
+            raise ValueError(f"lookup_tokens={num_tokens} must be >= 1 without a corpus (0 turns prompt lookup off)")
+        check_lookup_settings(num_tokens, max_ngram, max_tokens, corpus_tokens)
         self.drafter = drafter
+        self.corpus, self.corpus_tokens = corpus, corpus_tokens
         self.num_tokens = num_tokens
         self.max_tokens = num_tokens if max_tokens is None else max_tokens
         self.index = NgramIndex(max_ngram, min(2, max_ngram) if min_ngram is None else min_ngram)  # validates them
         self.length = num_tokens  # this round's guess length (grows while whole guesses are accepted)
         self.guess: list[int] = []  # last round's grafted guess
+
+    @property
+    def max_grafted_nodes(self) -> int:
+        """Nodes a round's grafts add to the heads' tree at most (prompt lookup's guess, the corpus' guesses)."""
+        return (self.max_tokens if self.num_tokens else 0) + (self.corpus_tokens if self.corpus is not None else 0)
 
     def reset(self) -> None:
         self.drafter.reset()
@@ -151,7 +167,9 @@ class LookupDrafter:
 
     def around(self, drafter: Drafter) -> LookupDrafter:
         """The same prompt lookup around another drafter (with a fresh context)."""
-        return LookupDrafter(drafter, self.num_tokens, self.index.max_ngram, self.index.min_ngram, self.max_tokens)
+        grows = self.max_tokens if self.max_tokens != self.num_tokens else None
+        return LookupDrafter(drafter, self.num_tokens, self.index.max_ngram, self.index.min_ngram, grows,
+                             self.corpus, self.corpus_tokens)
 
     def fork(self) -> LookupDrafter:
         """An independent drafter for another row of a batch (the inner drafter forked, a fresh context)."""
@@ -162,8 +180,18 @@ class LookupDrafter:
         accepted = next_tokens.tolist()  # last round's accepted tokens and bonus (the first round: the prompt's)
         self.length = self.next_length(accepted)
         self.index.extend(accepted)  # its last token is this round's root
-        self.guess = self.index.continuation(self.length)
-        return graft_chain(tokens, tree, self.guess) if self.guess else (tokens, tree)
+        self.guess = self.index.continuation(self.length) if self.num_tokens else []
+        chains = [self.guess] if self.guess else []
+        if self.corpus is not None:
+            chains += self.corpus.guesses(self.index.tokens, self.corpus_tokens)
+        for chain in chains:  # each into the trie the tree already is: shared prefixes reuse nodes
+            tokens, tree = graft_chain(tokens, tree, chain)
+        return tokens, tree
+
+    def remember(self, prompt: list[int], new_tokens: list[int]) -> None:
+        """A finished answer to `prompt`: an online corpus learns it (with the prompt's last `ANSWER_LEAD` tokens)."""
+        if self.corpus is not None and new_tokens:
+            self.corpus.remember(prompt[-ANSWER_LEAD:] + new_tokens)
 
     def next_length(self, accepted: list[int]) -> int:
         """This round's guess length: doubled (up to `max_tokens`) when last round's guess was accepted whole

@@ -101,11 +101,14 @@ class ServingLoop:
         return self.submit(request).wait()
 
     def metrics(self) -> dict[str, int | dict[str, int]]:
-        """The lifetime `COUNTERS`, and now: running and waiting requests, the batch limit; with an automatic node
-        budget its `LABELED_COUNTERS` ({label value: count})."""
+        """The lifetime `COUNTERS`, and now: running and waiting requests, the batch limit, the tokens a corpus lookup
+        guesses from (if any); with an automatic node budget its `LABELED_COUNTERS` ({label value: count})."""
         metrics: dict[str, int | dict[str, int]] = {
             **self.totals, "running_requests": len(self._running), "waiting_requests": len(self._waiting),
             "max_batch": self.max_batch}
+        corpus = getattr(self.engine.lm.drafter, "corpus", None)  # a LookupDrafter's (inference/corpus_lookup.py)
+        if corpus is not None:
+            metrics["lookup_corpus_tokens"] = corpus.num_tokens  # grows with --corpus-learn
         if self.engine.auto is not None:
             metrics["rounds_by_nodes_per_row"] = dict(self.engine.auto.rounds)  # a copy: the loop thread adds to it
         return metrics

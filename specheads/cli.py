@@ -48,6 +48,14 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
                    help="graft a prompt-lookup guess of up to N tokens onto each draft tree (0: off)")
     p.add_argument("--lookup-max-tokens", type=int, default=None,
                    help="let the guess double, up to N tokens, while whole guesses are accepted (default: fixed length)")
+    p.add_argument("--lookup-corpus", default=None, metavar="PATH",
+                   help="graft the continuations of the context's longest match in a corpus of the target's answers "
+                   "onto each draft tree (`specheads data lookup-corpus` writes one; a file or a folder holding "
+                   "lookup_corpus.npy)")
+    p.add_argument("--corpus-tokens", type=int, default=8, help="the corpus' guessed nodes per round, at most (default 8)")
+    p.add_argument("--corpus-learn", type=int, default=0, metavar="N",
+                   help="corpus lookup learns every answer given, keeping the latest N tokens of them (with or without "
+                   "--lookup-corpus; repeated tasks get guessed whole; default 0: off)")
     p.add_argument("--max-round-nodes", type=parse_max_round_nodes, default=None,
                    help="batched decoding (serve, generate --prompts): tree nodes one round verifies at most, all rows "
                    "together; each row's tree shrinks to this // rows nodes, at 1 a plain step; 'auto': the nodes per "
@@ -154,15 +162,19 @@ def _load_lm(args: argparse.Namespace):
     """The SpeculativeLM the decoding options ask for, on the CPU kernels they choose: (lm, kernel choices)."""
     import torch
 
+    from specheads.inference.corpus_lookup import corpus_from_options
     from specheads.inference.generate import SpeculativeLM
     from specheads.inference.lookup import check_lookup_settings
 
-    check_lookup_settings(args.lookup_tokens, lookup_max_tokens=args.lookup_max_tokens)  # before loading any model
+    # before loading any model
+    check_lookup_settings(args.lookup_tokens, lookup_max_tokens=args.lookup_max_tokens, corpus_tokens=args.corpus_tokens)
+    corpus = corpus_from_options(args.lookup_corpus, args.corpus_learn)
     torch.manual_seed(args.seed)
     if args.prefill_chunk < 0:
         raise ValueError(f"--prefill-chunk {args.prefill_chunk}: expected 0 (off) or a number of tokens")
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
-                                      lookup_max_tokens=args.lookup_max_tokens, max_round_nodes=args.max_round_nodes,
+                                      lookup_max_tokens=args.lookup_max_tokens, lookup_corpus=corpus,
+                                      corpus_tokens=args.corpus_tokens, max_round_nodes=args.max_round_nodes,
                                       prefill_chunk=args.prefill_chunk or None)
     kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention, args.cpu_argmax)
     return lm, kernels

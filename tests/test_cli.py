@@ -83,6 +83,31 @@ def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, opt
     assert kernels in err  # the kernels in use are printed
 
 
+def test_generate_with_a_corpus_keeps_the_target_text(stories260k_eagle_dir, capfd, tmp_path):
+    """`--lookup-corpus` (a corpus of the target's answers, here its own story) and `--corpus-learn` keep the
+    target's greedy text; the known story is guessed whole, so far more is accepted per round."""
+    from specheads.inference.corpus_lookup import CorpusLookup
+
+    _, plain_err = _generate(stories260k_eagle_dir, capfd)
+    story = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+                  "--max-new-tokens", "40"])
+    assert story == 0
+    text = capfd.readouterr().out
+    from transformers import AutoTokenizer
+
+    from specheads.targets import resolve_target_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path("stories260K"))
+    CorpusLookup([tokenizer(text.removeprefix("<s>").lstrip()).input_ids]).save(tmp_path)
+    code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+                 "--max-new-tokens", "20", "--lookup-corpus", str(tmp_path), "--corpus-learn", "500"])
+    assert code == 0
+    out, err = capfd.readouterr()
+    assert out.removeprefix("<s>").lstrip().startswith("Once upon a time, there was a little girl named Lily")
+    tau = float(err.split("tau=")[1].split(",")[0])
+    assert tau > float(plain_err.split("tau=")[1].split(",")[0]) + 1
+
+
 def test_generate_repetition_penalty_gives_transformers_text(stories260k_eagle_dir, capfd, stories260k):
     """`--repetition-penalty 1.3 --no-repeat-ngram-size 3`: the text `target.generate` writes with them, not the
     plain one."""
@@ -210,6 +235,9 @@ def test_bad_lookup_settings_fail_before_any_loading(tmp_path, capsys, command):
     assert main([command, "--heads", str(missing), *args, "--lookup-max-tokens", "8"]) == 2
     err = capsys.readouterr().err
     assert "lookup_max_tokens=8 must be None or an integer >= lookup_tokens=0" in err and "does not exist" not in err
+    assert main([command, "--heads", str(missing), *args, "--lookup-corpus", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no lookup corpus at" in err and "specheads data lookup-corpus" in err and "does not exist" not in err
 
 
 def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch):

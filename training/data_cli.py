@@ -6,6 +6,7 @@
     specheads data dump-features --target T --data regenerated.jsonl --out features/
     specheads data draft-vocab --heads H --data regenerated.jsonl --size 8192 --out H-8k/   # EAGLE heads
     specheads data draft-vocab --heads H3 --data regenerated.jsonl --size 16384 --out H3-16k/   # widen EAGLE-3
+    specheads data lookup-corpus --target T --data regenerated.jsonl --out H/   # the target's answers, for lookup
 
 All are resumable after a crash (even kill -9): regeneration appends to the output JSONL and skips ids already
 there; prompt synthesis appends and goes on from its last batch (training/synth_prompts.py); a feature dump keeps
@@ -213,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--target", default=None, help="default: the heads' target_name_or_path")
     vocab.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
     vocab.add_argument("--max-length", type=int, default=768)
+    corpus = sub.add_parser("lookup-corpus", help="the target's answers as a corpus for corpus lookup (`--lookup-corpus`: "
+                            "their continuations of the context become draft branches)")
+    corpus.add_argument("--target", default="stories260K", help="whose tokenizer and chat template tokenize the answers")
+    corpus.add_argument("--data", required=True, help="the target's answers (JSON/JSONL or a dataset folder: "
+                        "`regenerate`'s output); never the prompts you benchmark on")
+    corpus.add_argument("--out", required=True, help="folder the corpus is written to (lookup_corpus.npy; a heads "
+                        "folder may hold it)")
+    corpus.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
+    corpus.add_argument("--max-length", type=int, default=4096, help="tokens per conversation at most")
     synth = sub.add_parser("synth-prompts", help="the target writes user prompts (Magpie) for regenerate to answer")
     synth.add_argument("--target", default="smollm2-135m-instruct", help="an instruction-tuned target (chat template)")
     synth.add_argument("--count", type=int, required=True, help="prompts the output should hold")
@@ -289,6 +299,9 @@ def data_main(argv: list[str]) -> int:
         check_writable_file(args.output, f"{args.tool} --output")
     else:
         check_writable_dir(args.out, f"{args.tool} --out")
+    if args.tool == "lookup-corpus":
+        print(json.dumps(write_lookup_corpus(args.target, args.data, args.out, args.format, args.max_length)))
+        return 0
     if args.tool == "draft-vocab":
         print(json.dumps(add_draft_vocab(args.heads, args.data, args.size, args.out, args.target, args.format,
                                          args.max_length)))
@@ -367,3 +380,21 @@ def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name
     reduced.model_card_metrics["draft_vocab_coverage"] = round(vocab.coverage, 4)
     reduced.save_pretrained(out)
     return {"out": out, "draft_vocab_size": size, "coverage": round(vocab.coverage, 4)}
+
+
+def write_lookup_corpus(target_name: str, data: str, out: str, fmt: str = "auto", max_length: int = 4096) -> dict[str, Any]:
+    """`specheads data lookup-corpus`: tokenize the answers of `data` as `target_name`'s chat template renders them
+    and save them as a corpus lookup's store in the folder `out`. Returns a summary (file, answers, tokens)."""
+    from transformers import AutoTokenizer
+
+    from specheads.inference.corpus_lookup import CorpusLookup, answer_spans
+    from specheads.targets import resolve_target_path
+    from specheads.training.data import build_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(target_name))
+    dataset = build_dataset(data, tokenizer, fmt, max_length)
+    answers = [span for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]) for span in answer_spans(ids, mask)]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    corpus = CorpusLookup(answers)
+    path = corpus.save(out)
+    return {"out": str(path), "answers": len(answers), "tokens": corpus.num_tokens}

@@ -73,3 +73,21 @@ def test_dump_features_shards_index_and_lazy_reads(tmp_path, stories_file, targe
     shard.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="sha256"):
         OfflineFeatures(out)[0]
+
+
+def test_lookup_corpus_holds_each_answer_with_its_header(tmp_path, chat_file, target_and_tokenizer, capsys):
+    """`specheads data lookup-corpus`: every assistant turn (2 conversations, 3 answers), as training tokenizes it,
+    with the 3 tokens before it."""
+    from specheads.inference.corpus_lookup import CorpusLookup, answer_spans
+
+    _, tokenizer = target_and_tokenizer
+    assert main(["data", "lookup-corpus", "--target", "stories260K", "--data", str(chat_file),
+                 "--out", str(tmp_path / "corpus")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    dataset = build_dataset(chat_file, tokenizer)
+    expected = [s for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]) for s in answer_spans(ids, mask)]
+    assert summary["answers"] == len(expected) == 3 and summary["tokens"] == sum(map(len, expected))
+    loaded = CorpusLookup.load(tmp_path / "corpus")
+    assert loaded.base.tokens.tolist() == [t for span in expected for t in [*span, -1]]
+    cat = tokenizer("Once upon a time there was a", add_special_tokens=False).input_ids
+    assert loaded.guesses(cat, 3) == [tokenizer(" cat.", add_special_tokens=False).input_ids[:3]]

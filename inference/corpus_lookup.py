@@ -1,0 +1,283 @@
+"""Corpus lookup: guesses from a store of the target's own earlier answers (REST / SuffixDecoding style).
+
+A chat model says the same things to different people ("Here are some tips to ...", "I hope this helps!"),
+word for word, since greedy decoding of the same weights repeats itself. Heads learn the common phrases but
+lose confidence a few tokens deep; a store of the target's answers to other prompts remembers them whole.
+Each round, the longest suffix of the context (up to `max_match` tokens) is found in the store, and the
+continuations that followed its occurrences are counted into a small trie: the continuations at least
+`min_probability` of the occurrences agree on become draft nodes (`CorpusLookup.guesses`). `LookupDrafter`
+grafts them onto the heads' tree next to prompt lookup's guess, so verification and acceptance are unchanged:
+greedy outputs stay identical and sampling stays exact (any tree of deterministic candidates is).
+
+With `online_tokens`, the lookup also learns: every answer the target finishes (`remember`) joins a second store of
+the latest answers, rebuilt before the next guess, so traffic that repeats itself (the same task over new inputs,
+an agent's loop, regenerated answers) is soon guessed whole; this is SuffixDecoding's global tree.
+
+A store is a suffix array over the reversed corpus, so the suffixes matching the context's last m tokens form one
+range of it that narrows as m grows (one binary search per added token). It is built once (numpy, prefix doubling
+up to `max_match` tokens: about 0.5 s for a million tokens on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CORPUS_FILE = "lookup_corpus.npy"  # the corpus a heads folder may carry (uint32 token ids, documents apart)
+SEPARATOR = -1  # between documents: never matched, never guessed
+SAVED_SEPARATOR = np.iinfo(np.uint32).max  # SEPARATOR as the saved uint32 file holds it
+ANSWER_LEAD = 3  # prompt tokens kept in front of an answer: a chat template's assistant header, so openings match
+
+
+def sorted_prefix_order(tokens: np.ndarray, length: int) -> np.ndarray:
+    """Start positions of `tokens`' suffixes sorted by their first `length` tokens (prefix doubling).
+
+    Args:
+        tokens: (n,) int64; a suffix reaching the end is shorter and sorts before its extensions.
+        length: how many leading tokens the order must respect (ties beyond them stay in an unspecified order).
+
+    Returns:
+        (n,) int64 positions.
+    """
+    n = len(tokens)
+    _, rank = np.unique(tokens, return_inverse=True)  # dense ranks 0..u-1 by token value
+    rank = rank.astype(np.int64) + 1  # 0 is kept for "past the end"
+    width = 1
+    order = np.argsort(rank, kind="stable")
+    while width < length:
+        # sort by (rank of the first `width` tokens, rank of the next `width`); both < n + 2
+        following = np.zeros(n, dtype=np.int64)
+        following[: n - width] = rank[width:]
+        key = rank * (n + 2) + following
+        order = np.argsort(key, kind="stable")
+        sorted_key = key[order]
+        new_rank = np.empty(n, dtype=np.int64)
+        new_rank[order] = np.concatenate([[1], 1 + np.cumsum(sorted_key[1:] != sorted_key[:-1])])
+        rank, width = new_rank, 2 * width
+        if rank.max() == n:  # every suffix already distinct
+            break
+    return order
+
+
+class SuffixStore:
+    """Token documents and the suffix array of their reversed concatenation, for longest-suffix matches.
+
+    Args:
+        documents: token id sequences (each ends the matches and continuations that reach it).
+        max_match: the suffix array orders suffixes by this many leading tokens: the longest match it can find.
+    """
+
+    def __init__(self, documents: Iterable[Sequence[int]], max_match: int) -> None:
+        pieces = []
+        for document in documents:
+            pieces.extend([np.asarray(document, dtype=np.int64).reshape(-1), np.array([SEPARATOR])])
+        self.tokens = np.concatenate(pieces) if pieces else np.array([SEPARATOR], dtype=np.int64)  # (n,)
+        if (self.tokens < SEPARATOR).any():
+            raise ValueError(f"corpus token ids must be >= 0, got {int(self.tokens.min())}")
+        # reversed_[j] = tokens[n - 1 - j]: a suffix of `reversed_` is the corpus read backwards from a position
+        self.reversed_ = self.tokens[::-1].copy()
+        self.order = sorted_prefix_order(self.reversed_, max_match)  # (n,)
+        self.max_match = max_match
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.tokens != SEPARATOR).sum())
+
+    def _narrow(self, lo: int, hi: int, offset: int, token: int) -> tuple[int, int]:
+        """The part of order[lo:hi] whose reversed suffix has `token` at `offset` (they agree before it, so the
+        part is contiguous): two binary searches."""
+        n, reversed_, order = len(self.reversed_), self.reversed_, self.order
+
+        def at(i: int) -> int:
+            position = order[i] + offset
+            return int(reversed_[position]) if position < n else -2  # past the end sorts first
+
+        low, high = lo, hi
+        while low < high:  # first index with value >= token
+            mid = (low + high) // 2
+            if at(mid) < token:
+                low = mid + 1
+            else:
+                high = mid
+        start, high = low, hi
+        while low < high:  # first index with value > token
+            mid = (low + high) // 2
+            if at(mid) <= token:
+                low = mid + 1
+            else:
+                high = mid
+        return start, low
+
+    def match(self, context: Sequence[int]) -> tuple[int, int, int]:
+        """(lo, hi, m): the longest suffix of `context` found here (m <= max_match tokens) ends where each of
+        order[lo:hi] starts in the reversed corpus; m = 0 when not even its last token occurs."""
+        lo, hi, matched = 0, len(self.order), 0
+        for m in range(1, min(self.max_match, len(context)) + 1):
+            new_lo, new_hi = self._narrow(lo, hi, m - 1, int(context[-m]))
+            if new_lo == new_hi:
+                break
+            lo, hi, matched = new_lo, new_hi, m
+        return lo, hi, matched
+
+    def continuations(self, lo: int, hi: int, count: int, length: int) -> list[list[int]]:
+        """Up to `length` tokens that follow `count` of the matches order[lo:hi] (evenly spread: deterministic),
+        each cut at its document's end."""
+        matches = hi - lo
+        picks = self.order[lo + (np.arange(count) * matches) // count]
+        # a match ending at reversed position p (its first token there) ends at original position n - 1 - p:
+        # its continuation starts at n - p
+        n, out = len(self.tokens), []
+        for start in (n - picks).tolist():
+            continuation = self.tokens[start : start + length].tolist()
+            if SEPARATOR in continuation:
+                continuation = continuation[: continuation.index(SEPARATOR)]
+            out.append(continuation)
+        return out
+
+
+class CorpusLookup:
+    """Guesses of what follows a context, from the continuations of its longest match in a corpus of answers.
+
+    Args:
+        documents: the corpus, token id sequences (the target's answers; never the prompts being measured).
+        max_match: the longest context suffix matched, in tokens.
+        min_match: a shorter match guesses nothing (a token or two is what heads predict best).
+        max_occurrences: continuations counted per round at most (evenly spread over the matches: deterministic).
+        min_probability: a guessed node's share of the counted continuations that pass through it, at least.
+        online_tokens: learn from finished answers (`remember`), keeping the latest this many tokens of them in a
+            second store (0 = the corpus as given).
+    """
+
+    def __init__(
+        self,
+        documents: Iterable[Sequence[int]] = (),
+        max_match: int = 16,
+        min_match: int = 2,
+        max_occurrences: int = 64,
+        min_probability: float = 0.3,
+        online_tokens: int = 0,
+    ) -> None:
+        check_corpus_settings(max_match, min_match, max_occurrences, min_probability, online_tokens)
+        self.max_match, self.min_match = max_match, min_match
+        self.max_occurrences, self.min_probability = max_occurrences, min_probability
+        self.base = SuffixStore(documents, max_match)
+        self.online_tokens = online_tokens
+        self.recent: list[list[int]] = []  # the latest remembered answers, oldest first
+        self._recent_store: SuffixStore | None = None  # their store; None = rebuild before the next guess
+
+    @classmethod
+    def load(cls, path: str | Path, **settings: Any) -> CorpusLookup:
+        """A lookup over the corpus `save` wrote (`CORPUS_FILE` in a heads folder, or the file itself)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / CORPUS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no lookup corpus at {path} (make one with `specheads data lookup-corpus`)")
+        try:
+            flat = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as error:
+            raise ValueError(f"{path} is not a lookup corpus (a .npy of uint32 token ids): {error}") from error
+        if flat.ndim != 1 or flat.dtype != np.uint32:
+            raise ValueError(f"{path} holds a {flat.dtype} array of shape {flat.shape}, expected 1-D uint32 token ids")
+        flat = flat.astype(np.int64)
+        flat[flat == SAVED_SEPARATOR] = SEPARATOR
+        pieces = np.split(flat, np.flatnonzero(flat == SEPARATOR) + 1)  # each document with its separator, then the rest
+        documents = [piece[:-1] for piece in pieces[:-1]] + ([pieces[-1]] if len(pieces[-1]) else [])
+        return cls(documents, **settings)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the corpus (uint32 token ids, documents apart) to `path` (a folder gets `CORPUS_FILE`); returns the
+        file. Remembered answers are not part of it."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / CORPUS_FILE
+        with open(path, "wb") as f:  # np.save(str) would append .npy to other names
+            np.save(f, self.base.tokens.astype(np.uint32))  # SEPARATOR wraps to SAVED_SEPARATOR
+        return path
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the guesses read from: the corpus and the remembered answers."""
+        return self.base.num_tokens + sum(len(answer) for answer in self.recent)
+
+    def remember(self, answer: Sequence[int]) -> None:
+        """Learn a finished answer (with `ANSWER_LEAD` prompt tokens in front: the chat template's assistant header);
+        the oldest remembered ones go once they hold more than `online_tokens` tokens. No-op unless online."""
+        if self.online_tokens <= 0 or len(answer) == 0:
+            return
+        self.recent.append([int(t) for t in answer][-self.online_tokens :])
+        held = sum(len(a) for a in self.recent)
+        while held > self.online_tokens:
+            held -= len(self.recent.pop(0))
+        self._recent_store = None
+
+    def _stores(self) -> list[SuffixStore]:
+        if self.recent and self._recent_store is None:
+            self._recent_store = SuffixStore(self.recent, self.max_match)  # ~5 ms per 10k tokens
+        return [self.base] + ([self._recent_store] if self._recent_store is not None else [])
+
+    def guesses(self, context: Sequence[int], max_tokens: int) -> list[list[int]]:
+        """Chains of guessed tokens after `context`: the root-to-leaf paths of the trie of counted continuations
+        (each node passed by at least `min_probability` of them), at most `max_tokens` nodes in all, likeliest
+        first. The store(s) with the longest match are counted; [] when it is shorter than `min_match`."""
+        if max_tokens < 1:
+            return []
+        matches = [(store, *store.match(context)) for store in self._stores()]
+        longest = max(matched for *_, matched in matches)
+        if longest < self.min_match:
+            return []
+        continuations: list[list[int]] = []
+        for store, lo, hi, matched in matches:
+            if matched == longest:
+                continuations += store.continuations(lo, hi, min(hi - lo, self.max_occurrences), max_tokens)
+        prefix_counts: Counter[tuple[int, ...]] = Counter()
+        for continuation in continuations:
+            for length in range(1, len(continuation) + 1):
+                prefix_counts[tuple(continuation[:length])] += 1
+        needed = self.min_probability * len(continuations)
+        # a prefix counts at least as much as its extensions, and sorts first on ties: kept prefixes form a trie
+        kept = sorted((prefix for prefix, count in prefix_counts.items() if count >= needed),
+                      key=lambda prefix: (-prefix_counts[prefix], len(prefix)))[:max_tokens]
+        inner = {prefix[:length] for prefix in kept for length in range(1, len(prefix))}
+        return [list(prefix) for prefix in kept if prefix not in inner]
+
+
+def answer_spans(input_ids: Sequence[int], loss_mask: Sequence[int], lead: int = ANSWER_LEAD) -> list[list[int]]:
+    """The answers of one tokenized conversation (`training.data.tokenize_record`: `loss_mask` 1 on assistant
+    tokens), each with the `lead` tokens before it (the assistant header), as corpus documents."""
+    spans, start = [], None
+    for i, trained in enumerate([*loss_mask, 0]):
+        if trained and start is None:
+            start = i
+        elif not trained and start is not None:
+            spans.append([int(t) for t in input_ids[max(start - lead, 0) : i]])
+            start = None
+    return spans
+
+
+def corpus_from_options(path: str | Path | None, online_tokens: int = 0) -> CorpusLookup | None:
+    """The corpus lookup of the CLI's `--lookup-corpus PATH` and `--corpus-learn N`: the saved corpus (learning
+    when N > 0), an empty one that learns (no path), or None (neither)."""
+    if not isinstance(online_tokens, int) or online_tokens < 0:
+        raise ValueError(f"--corpus-learn {online_tokens!r}: expected 0 (off) or a number of tokens")
+    if path is not None:
+        return CorpusLookup.load(path, online_tokens=online_tokens)
+    return CorpusLookup(online_tokens=online_tokens) if online_tokens else None
+
+
+def check_corpus_settings(max_match: int, min_match: int, max_occurrences: int, min_probability: float,
+                          online_tokens: int) -> None:
+    """Raise a ValueError naming the bad value among `CorpusLookup`'s settings."""
+    if not isinstance(min_match, int) or not isinstance(max_match, int) or not 1 <= min_match <= max_match:
+        raise ValueError(f"corpus lookup needs integers 1 <= min_match <= max_match, got min_match={min_match!r}, "
+                         f"max_match={max_match!r}")
+    if not isinstance(max_occurrences, int) or max_occurrences < 1:
+        raise ValueError(f"max_occurrences={max_occurrences!r} must be an integer >= 1")
+    if not 0.0 < min_probability <= 1.0:
+        raise ValueError(f"min_probability={min_probability!r} must be in (0, 1]")
+    if not isinstance(online_tokens, int) or online_tokens < 0:
+        raise ValueError(f"online_tokens={online_tokens!r} must be an integer >= 0 (0 = no learning from answers)")
