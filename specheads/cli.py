@@ -66,6 +66,8 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
                    help="batched decoding (serve, generate --prompts): a joining prompt with more tokens to run than "
                    "this prefills this many per round, so the answers already streaming wait at most one chunk's "
                    "forward (default: 256; 0: the whole prompt in one forward as it joins)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, one per core; set it when other work shares the machine)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -169,6 +171,10 @@ def _load_lm(args: argparse.Namespace):
     # before loading any model
     check_lookup_settings(args.lookup_tokens, lookup_max_tokens=args.lookup_max_tokens, corpus_tokens=args.corpus_tokens)
     corpus = corpus_from_options(args.lookup_corpus, args.corpus_learn)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads}: expected a number of CPU threads >= 1")
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.prefill_chunk < 0:
         raise ValueError(f"--prefill-chunk {args.prefill_chunk}: expected 0 (off) or a number of tokens")

@@ -347,3 +347,20 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
         assert process.wait(timeout=30) == 0
     log = process.stderr.read()
     assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in log and "node budget auto, verification 1 tokens" in log
+
+
+def test_threads_option_sets_torch_threads_and_is_checked(stories260k_eagle_dir, capfd, tmp_path):
+    """`--threads N` (generate, chat, serve) sets torch's CPU threads; 0 is refused by name before any loading."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+                     "--max-new-tokens", "4", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    capfd.readouterr()
+    assert main(["generate", "--heads", str(tmp_path / "missing"), "--prompt", "Once", "--threads", "0"]) == 2
+    err = capfd.readouterr().err
+    assert "--threads 0: expected a number of CPU threads >= 1" in err and "does not exist" not in err
