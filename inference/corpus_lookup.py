@@ -9,9 +9,12 @@ continuations that followed its occurrences are counted into a small trie: the c
 grafts them onto the heads' tree next to prompt lookup's guess, so verification and acceptance are unchanged:
 greedy outputs stay identical and sampling stays exact (any tree of deterministic candidates is).
 
-With `online_tokens`, the lookup also learns: every answer the target finishes (`remember`) joins a second store of
-the latest answers, rebuilt before the next guess, so traffic that repeats itself (the same task over new inputs,
-an agent's loop, regenerated answers) is soon guessed whole; this is SuffixDecoding's global tree.
+With `online_tokens`, the lookup also learns: every answer the target finishes (`remember`) joins the store of the
+latest answers, so traffic that repeats itself (the same task over new inputs, an agent's loop, regenerated
+answers) is soon guessed whole; this is SuffixDecoding's global tree. New answers go to a small store rebuilt per
+answer; once they hold `SETTLE_TOKENS` tokens (or an eighth of `online_tokens`), the large store of all learned
+answers is rebuilt with them, so a busy server rebuilds little per answer (answers past `online_tokens` leave the
+large store at its next rebuild).
 
 A store is a suffix array over the reversed corpus, so the suffixes matching the context's last m tokens form one
 range of it that narrows as m grows (one binary search per added token). It is built once (numpy, prefix doubling
@@ -31,6 +34,7 @@ CORPUS_FILE = "lookup_corpus.npy"  # the corpus a heads folder may carry (uint32
 SEPARATOR = -1  # between documents: never matched, never guessed
 SAVED_SEPARATOR = np.iinfo(np.uint32).max  # SEPARATOR as the saved uint32 file holds it
 ANSWER_LEAD = 3  # prompt tokens kept in front of an answer: a chat template's assistant header, so openings match
+SETTLE_TOKENS = 2048  # learned answers wait in a small store, rebuilt per answer, until they hold this many tokens
 
 
 def sorted_prefix_order(tokens: np.ndarray, length: int) -> np.ndarray:
@@ -167,7 +171,9 @@ class CorpusLookup:
         self.base = SuffixStore(documents, max_match)
         self.online_tokens = online_tokens
         self.recent: list[list[int]] = []  # the latest remembered answers, oldest first
-        self._recent_store: SuffixStore | None = None  # their store; None = rebuild before the next guess
+        self._settled_count = 0  # recent[:count] are in the large store (with answers evicted since its rebuild)
+        self._settled_store: SuffixStore | None = None
+        self._fresh_store: SuffixStore | None = None  # recent[count:]; None = rebuild before the next guess
 
     @classmethod
     def load(cls, path: str | Path, **settings: Any) -> CorpusLookup:
@@ -200,6 +206,11 @@ class CorpusLookup:
         return path
 
     @property
+    def max_token_id(self) -> int:
+        """The largest token id of the corpus (-1 when empty): a target's vocabulary must hold it."""
+        return int(self.base.tokens.max())
+
+    @property
     def num_tokens(self) -> int:
         """Tokens the guesses read from: the corpus and the remembered answers."""
         return self.base.num_tokens + sum(len(answer) for answer in self.recent)
@@ -213,12 +224,25 @@ class CorpusLookup:
         held = sum(len(a) for a in self.recent)
         while held > self.online_tokens:
             held -= len(self.recent.pop(0))
-        self._recent_store = None
+            self._settled_count = max(self._settled_count - 1, 0)  # an evicted settled answer stays until a rebuild
+        self._fresh_store = None
 
     def _stores(self) -> list[SuffixStore]:
-        if self.recent and self._recent_store is None:
-            self._recent_store = SuffixStore(self.recent, self.max_match)  # ~5 ms per 10k tokens
-        return [self.base] + ([self._recent_store] if self._recent_store is not None else [])
+        """The stores guesses read: the corpus, the learned answers' large store, the newest answers' small one."""
+        fresh = self.recent[self._settled_count :]
+        fresh_tokens = sum(len(a) for a in fresh)
+        if fresh and fresh_tokens >= min(SETTLE_TOKENS, max(self.online_tokens // 8, 1)):
+            # settle: one store of every learned answer (~65 ms per 200k tokens on 2 cores), the small one empty
+            self._settled_store = SuffixStore(self.recent, self.max_match)
+            self._settled_count, self._fresh_store, fresh = len(self.recent), None, []
+        elif fresh and self._fresh_store is None:
+            self._fresh_store = SuffixStore(fresh, self.max_match)
+        stores = [self.base]
+        if self._settled_store is not None:
+            stores.append(self._settled_store)
+        if fresh:
+            stores.append(self._fresh_store)
+        return stores
 
     def guesses(self, context: Sequence[int], max_tokens: int) -> list[list[int]]:
         """Chains of guessed tokens after `context`: the root-to-leaf paths of the trie of counted continuations

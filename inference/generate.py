@@ -189,6 +189,11 @@ class SpeculativeLM:
         check_lookup_settings(lookup_tokens, lookup_max_ngram, lookup_max_tokens, corpus_tokens)
         if lookup_corpus is not None and not isinstance(lookup_corpus, CorpusLookup):
             lookup_corpus = CorpusLookup.load(lookup_corpus)
+        vocab_size = self.target.get_input_embeddings().num_embeddings
+        if lookup_corpus is not None and lookup_corpus.max_token_id >= vocab_size:
+            raise ValueError(f"the lookup corpus holds token id {lookup_corpus.max_token_id}, but the target's vocabulary "
+                             f"has {vocab_size} tokens: the corpus was made with another tokenizer (make it with "
+                             "`specheads data lookup-corpus --target` this target)")
         heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
         self.drafter = (
             LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram, max_tokens=lookup_max_tokens,

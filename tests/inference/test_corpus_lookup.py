@@ -13,6 +13,7 @@ import torch
 from specheads import HEAD_TYPES, SpeculativeLM
 from specheads.inference.corpus_lookup import (
     CORPUS_FILE,
+    SETTLE_TOKENS,
     CorpusLookup,
     SuffixStore,
     answer_spans,
@@ -112,6 +113,26 @@ def test_online_lookup_learns_answers_and_forgets_the_oldest():
     assert fixed.guesses([1, 2], 4) == [[3]]
 
 
+def test_learned_answers_settle_into_one_store_now_and_then():
+    """A busy server: new answers wait in a small store rebuilt per answer; every SETTLE_TOKENS tokens (an eighth of
+    online_tokens when smaller) the large store is rebuilt with all learned answers, and evicted ones leave it then.
+    The newest answer is guessable at once, every kept one always, an evicted one not after the next rebuild."""
+    rng = random.Random(1)
+    answers = [[1000 + i, *(rng.randrange(900) for _ in range(99))] for i in range(200)]  # distinct first tokens
+    corpus = CorpusLookup(online_tokens=16000)  # 160 answers; settles every 2,000 new tokens (20 answers)
+    settled = []  # the large store after each answer
+    for answer in answers:
+        corpus.remember(answer)
+        assert corpus.guesses(answer[:2], 3) == [answer[2:5]]
+        settled.append(corpus._settled_store)
+    assert corpus.num_tokens == 16000 and len(corpus.recent) == 160
+    rebuilds = sum(1 for before, after in zip([None, *settled], settled) if after is not before)
+    assert rebuilds == 200 // 20  # not once per answer
+    assert max(store.num_tokens for store in settled if store is not None) <= 16000 + SETTLE_TOKENS
+    assert all(corpus.guesses(answer[:2], 3) == [answer[2:5]] for answer in answers[-160:])
+    assert corpus.guesses(answers[0][:2], 3) == []  # evicted, and the large store was rebuilt since
+
+
 def test_answer_spans_carry_the_assistant_header():
     ids = [10, 11, 12, 13, 14, 20, 21, 30, 31, 32, 40]
     mask = [0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1]
@@ -205,6 +226,9 @@ def test_corpus_settings_survive_tree_changes_and_are_checked(stories260k, tmp_p
     assert lm.drafter.max_grafted_nodes == 4 + 6
     with pytest.raises(ValueError, match="corpus_tokens=0 must be an integer >= 1"):
         SpeculativeLM(target, make_heads(target, "eagle"), lookup_corpus=tmp_path, corpus_tokens=0)
+    vocab = target.get_input_embeddings().num_embeddings  # 512
+    with pytest.raises(ValueError, match=f"holds token id {vocab}, but the target's vocabulary has {vocab} tokens"):
+        SpeculativeLM(target, make_heads(target, "eagle"), lookup_corpus=CorpusLookup([[1, vocab, 2]]))
 
 
 def test_the_serving_loop_learns_finished_answers_only(tiny_target_factory):
