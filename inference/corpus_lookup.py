@@ -150,7 +150,8 @@ class CorpusLookup:
         documents: the corpus, token id sequences (the target's answers; never the prompts being measured).
         max_match: the longest context suffix matched, in tokens.
         min_match: a shorter match guesses nothing (a token or two is what heads predict best).
-        max_occurrences: continuations counted per round at most (evenly spread over the matches: deterministic).
+        max_occurrences: continuations counted per store and round at most (evenly spread over the matches:
+            deterministic).
         min_probability: a guessed node's share of the counted continuations that pass through it, at least.
         online_tokens: learn from finished answers (`remember`), keeping the latest this many tokens of them in a
             second store (0 = the corpus as given).
