@@ -23,6 +23,7 @@ up to `max_match` tokens: about 0.5 s for a million tokens on 2 CPU cores).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -197,13 +198,15 @@ class CorpusLookup:
         return cls(documents, **settings)
 
     def save(self, path: str | Path) -> Path:
-        """Write the corpus (uint32 token ids, documents apart) to `path` (a folder gets `CORPUS_FILE`); returns the
-        file. Remembered answers are not part of it."""
+        """Write the corpus (uint32 token ids, documents apart) to `path` atomically (a folder gets `CORPUS_FILE`);
+        returns the file. Remembered answers are not part of it."""
         path = Path(path)
         if path.is_dir():
             path = path / CORPUS_FILE
-        with open(path, "wb") as f:  # np.save(str) would append .npy to other names
+        partial = path.with_name(path.name + ".partial")  # written whole, then renamed: never a torn corpus
+        with open(partial, "wb") as f:  # np.save(str) would append .npy to other names
             np.save(f, self.base.tokens.astype(np.uint32))  # SEPARATOR wraps to SAVED_SEPARATOR
+        os.replace(partial, path)
         return path
 
     @property

@@ -72,6 +72,7 @@ def test_save_and_load_keep_the_documents(tmp_path):
     corpus = CorpusLookup(documents)
     path = corpus.save(tmp_path)
     assert path == tmp_path / CORPUS_FILE and np.load(path).dtype == np.uint32
+    assert [p.name for p in tmp_path.iterdir()] == [CORPUS_FILE]  # written to a partial file, then renamed
     loaded = CorpusLookup.load(tmp_path, min_probability=0.9)
     assert np.array_equal(loaded.base.tokens, corpus.base.tokens) and loaded.min_probability == 0.9
     assert loaded.num_tokens == 8 and loaded.guesses([5, 1], 4) == [[2]]
