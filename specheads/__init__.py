@@ -9,7 +9,8 @@ from specheads.heads import HEAD_TYPES, HeadsConfig, create_heads, load_heads  #
 from specheads.targets import load_target  # noqa: E402
 
 __all__ = [
-    "HEAD_TYPES", "BatchEngine", "ChatSession", "HeadsConfig", "PromptCache", "ServingLoop", "SpeculativeLM",
+    "HEAD_TYPES", "BatchEngine", "ChatSession", "CorpusLookup", "HeadsConfig", "PromptCache", "ServingLoop",
+    "SpeculativeLM",
     "__version__", "create_heads", "load_heads", "load_target",
 ]
 
@@ -32,6 +33,10 @@ def __getattr__(name: str):
         from specheads.inference.batched import BatchEngine
 
         return BatchEngine
+    if name == "CorpusLookup":
+        from specheads.inference.corpus_lookup import CorpusLookup
+
+        return CorpusLookup
     if name == "ServingLoop":
         from specheads.inference.serving_loop import ServingLoop
 

@@ -58,6 +58,7 @@ def test_public_api():
         "ChatSession",
         "BatchEngine",
         "ServingLoop",
+        "CorpusLookup",
     ):
         assert hasattr(specheads, name), name
         assert name in specheads.__all__
