@@ -68,6 +68,21 @@ def test_bench_with_lookup_and_tree_auto_records_both(tmp_path, eagle_heads_dir)
     assert results["tree_autotune"]["calibration_max_new_tokens"] == 12
 
 
+def test_bench_with_a_lookup_corpus_records_it_and_stays_identical(tmp_path, eagle_heads_dir):
+    """--lookup-corpus: a corpus of the target's answers to other prompts; greedy runs identical, the corpus in the
+    recorded tree."""
+    from specheads.inference.corpus_lookup import CorpusLookup
+
+    target, tokenizer = load_target("stories260K")
+    other = tokenizer("Lily went to the park", return_tensors="pt").input_ids
+    answer = target.generate(other, max_new_tokens=40, do_sample=False)[0, other.shape[1]:].tolist()
+    CorpusLookup([answer]).save(tmp_path)
+    results, _ = run_bench(tmp_path, eagle_heads_dir, "Once upon a time\nThe cat sat\n", "--prompt-lookup", "0",
+                           "--lookup-corpus", str(tmp_path), "--corpus-tokens", "5")
+    assert results["greedy_identical"] is True
+    assert results["tree"]["corpus_tokens"] == 5 and results["tree"]["corpus_size"] == 40
+
+
 def test_bench_under_a_json_schema_constrains_every_run(tmp_path, eagle_heads_dir):
     """--json-schema: the baseline, the speculative run and transformers' prompt lookup all generate under it (each
     call a fresh processor over one compiled index); greedy stays identical, the schema is recorded; a bad schema
