@@ -175,7 +175,8 @@ class CorpusLookup:
         self.recent: list[list[int]] = []  # the latest remembered answers, oldest first
         self._settled_count = 0  # recent[:count] are in the large store (with answers evicted since its rebuild)
         self._settled_store: SuffixStore | None = None
-        self._fresh_store: SuffixStore | None = None  # recent[count:]; None = rebuild before the next guess
+        self._fresh_store: SuffixStore | None = None  # recent[count:] (None when empty)
+        self._stale = False  # answers were remembered since the stores were last built
 
     @classmethod
     def load(cls, path: str | Path, **settings: Any) -> CorpusLookup:
@@ -229,24 +230,20 @@ class CorpusLookup:
         while held > self.online_tokens:
             held -= len(self.recent.pop(0))
             self._settled_count = max(self._settled_count - 1, 0)  # an evicted settled answer stays until a rebuild
-        self._fresh_store = None
+        self._stale = True
 
     def _stores(self) -> list[SuffixStore]:
-        """The stores guesses read: the corpus, the learned answers' large store, the newest answers' small one."""
-        fresh = self.recent[self._settled_count :]
-        fresh_tokens = sum(len(a) for a in fresh)
-        if fresh and fresh_tokens >= min(SETTLE_TOKENS, max(self.online_tokens // 8, 1)):
-            # settle: one store of every learned answer (~65 ms per 200k tokens on 2 cores), the small one empty
-            self._settled_store = SuffixStore(self.recent, self.max_match)
-            self._settled_count, self._fresh_store, fresh = len(self.recent), None, []
-        elif fresh and self._fresh_store is None:
-            self._fresh_store = SuffixStore(fresh, self.max_match)
-        stores = [self.base]
-        if self._settled_store is not None:
-            stores.append(self._settled_store)
-        if fresh:
-            stores.append(self._fresh_store)
-        return stores
+        """The stores guesses read: the corpus, the learned answers' large store, the newest answers' small one
+        (rebuilt only after `remember`)."""
+        if self._stale:
+            fresh = self.recent[self._settled_count :]
+            if sum(len(a) for a in fresh) >= min(SETTLE_TOKENS, max(self.online_tokens // 8, 1)):
+                # settle: one store of every learned answer (~65 ms per 200k tokens on 2 cores), the small one empty
+                self._settled_store = SuffixStore(self.recent, self.max_match)
+                self._settled_count, fresh = len(self.recent), []
+            self._fresh_store = SuffixStore(fresh, self.max_match) if fresh else None
+            self._stale = False
+        return [store for store in (self.base, self._settled_store, self._fresh_store) if store is not None]
 
     def guesses(self, context: Sequence[int], max_tokens: int) -> list[list[int]]:
         """Chains of guessed tokens after `context`: the root-to-leaf paths of the trie of counted continuations
@@ -263,9 +260,9 @@ class CorpusLookup:
             if matched == longest:
                 continuations += store.continuations(lo, hi, min(hi - lo, self.max_occurrences), max_tokens)
         prefix_counts: Counter[tuple[int, ...]] = Counter()
-        for continuation in continuations:
+        for continuation, count in Counter(map(tuple, continuations)).items():  # repeats (learned answers) once
             for length in range(1, len(continuation) + 1):
-                prefix_counts[tuple(continuation[:length])] += 1
+                prefix_counts[continuation[:length]] += count
         needed = self.min_probability * len(continuations)
         # a prefix counts at least as much as its extensions, and sorts first on ties: kept prefixes form a trie
         kept = sorted((prefix for prefix, count in prefix_counts.items() if count >= needed),
@@ -285,6 +282,21 @@ def answer_spans(input_ids: Sequence[int], loss_mask: Sequence[int], lead: int =
             spans.append([int(t) for t in input_ids[max(start - lead, 0) : i]])
             start = None
     return spans
+
+
+def corpus_for_target(corpus: CorpusLookup | str | Path, vocab_size: int) -> CorpusLookup:
+    """`corpus`, loaded if it is a path, checked against a target's vocabulary of `vocab_size` tokens.
+
+    Raises:
+        ValueError: the corpus holds a token id past the vocabulary (it was made with another tokenizer).
+    """
+    if not isinstance(corpus, CorpusLookup):
+        corpus = CorpusLookup.load(corpus)
+    if corpus.max_token_id >= vocab_size:
+        raise ValueError(f"the lookup corpus holds token id {corpus.max_token_id}, but the target's vocabulary has "
+                         f"{vocab_size} tokens: the corpus was made with another tokenizer (make it with "
+                         "`specheads data lookup-corpus --target` this target)")
+    return corpus
 
 
 def corpus_from_options(path: str | Path | None, online_tokens: int = 0) -> CorpusLookup | None:

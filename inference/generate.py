@@ -26,7 +26,7 @@ from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.batch_request import BatchRequest, build_batch_request, check_batching_options
 from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
-from specheads.inference.corpus_lookup import CorpusLookup
+from specheads.inference.corpus_lookup import CorpusLookup, corpus_for_target
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, constrain_drafts
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.generate_inputs import (
@@ -187,13 +187,8 @@ class SpeculativeLM:
         (None: a fixed length), and the guesses of `lookup_corpus` (up to `corpus_tokens` nodes; None = none).
         Kept when `configure_tree` changes the heads' tree."""
         check_lookup_settings(lookup_tokens, lookup_max_ngram, lookup_max_tokens, corpus_tokens)
-        if lookup_corpus is not None and not isinstance(lookup_corpus, CorpusLookup):
-            lookup_corpus = CorpusLookup.load(lookup_corpus)
-        vocab_size = self.target.get_input_embeddings().num_embeddings
-        if lookup_corpus is not None and lookup_corpus.max_token_id >= vocab_size:
-            raise ValueError(f"the lookup corpus holds token id {lookup_corpus.max_token_id}, but the target's vocabulary "
-                             f"has {vocab_size} tokens: the corpus was made with another tokenizer (make it with "
-                             "`specheads data lookup-corpus --target` this target)")
+        if lookup_corpus is not None:
+            lookup_corpus = corpus_for_target(lookup_corpus, self.target.get_input_embeddings().num_embeddings)
         heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
         self.drafter = (
             LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram, max_tokens=lookup_max_tokens,
@@ -597,7 +592,7 @@ class SpeculativeLM:
         constrain_drafts(drafter, None, 0)
         stats["new_tokens"] += len(new_tokens)
         if isinstance(drafter, LookupDrafter):  # an online corpus learns the answer
-            drafter.remember(prompt.tolist(), new_tokens)
+            drafter.remember(prompt, new_tokens)
         if prompt_cache is not None:
             prompt_cache.store_call(prompt, new_tokens, prefix_length, verifier.cache, torch.cat(committed_features),
                                     self.target, self.heads)

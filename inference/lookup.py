@@ -68,30 +68,39 @@ class NgramIndex:
         return []
 
 
-def graft_chain(tokens: torch.Tensor, tree: TreeBuffers, chain: list[int]) -> tuple[torch.Tensor, TreeBuffers]:
-    """Insert `chain` (tokens that would follow the root) into a tree as into a trie.
+def graft_chains(tokens: torch.Tensor, tree: TreeBuffers, chains: list[list[int]]) -> tuple[torch.Tensor, TreeBuffers]:
+    """Insert `chains` (each: tokens that would follow the root) into a tree as into a trie, in order.
 
     Args:
         tokens: (N,) the tree's tokens (node 0 the root); tree: its buffers.
-        chain: the guessed continuation after the root.
+        chains: guessed continuations after the root (a later one reuses the nodes an earlier one added).
 
     Returns:
-        (tokens, tree) with N + m nodes: the same N first, then m new nodes for the part of the chain the tree lacks,
-        each the child of the one before (the inputs themselves when m = 0: the tree already holds the chain).
+        (tokens, tree) with N + m nodes: the same N first, then per chain the part the tree lacked, each new node the
+        child of the one before (the inputs themselves when m = 0). One read of the tree from the device in all.
     """
+    if not chains:
+        return tokens, tree
     tree_tokens, tree_parents = tokens.tolist(), tree.parents.tolist()
     children: dict[tuple[int, int], int] = {}  # (parent, token) -> node; the first one when siblings repeat
     for node in range(len(tree_tokens) - 1, 0, -1):
         children[(tree_parents[node], tree_tokens[node])] = node
-    node, matched = 0, 0
-    while matched < len(chain) and (node, chain[matched]) in children:
-        node = children[(node, chain[matched])]
-        matched += 1
-    rest = chain[matched:]
-    if not rest:
+    added: list[int] = []
+    for chain in chains:
+        node, matched = 0, 0
+        while matched < len(chain) and (node, chain[matched]) in children:
+            node = children[(node, chain[matched])]
+            matched += 1
+        if matched == len(chain):
+            continue
+        tree = append_chain(tree, node, len(chain) - matched)
+        for token in chain[matched:]:  # the new nodes, for the chains after this one
+            children[(node, token)] = new = len(tree_tokens) + len(added)
+            added.append(token)
+            node = new
+    if not added:
         return tokens, tree
-    grafted = torch.cat([tokens, torch.tensor(rest, dtype=tokens.dtype, device=tokens.device)])
-    return grafted, append_chain(tree, node, len(rest))
+    return torch.cat([tokens, torch.tensor(added, dtype=tokens.dtype, device=tokens.device)]), tree
 
 
 def check_lookup_settings(lookup_tokens: int, lookup_max_ngram: int = 3, lookup_max_tokens: int | None = None,
@@ -184,14 +193,13 @@ class LookupDrafter:
         chains = [self.guess] if self.guess else []
         if self.corpus is not None:
             chains += self.corpus.guesses(self.index.tokens, self.corpus_tokens)
-        for chain in chains:  # each into the trie the tree already is: shared prefixes reuse nodes
-            tokens, tree = graft_chain(tokens, tree, chain)
-        return tokens, tree
+        return graft_chains(tokens, tree, chains)  # into the trie the tree already is: shared prefixes reuse nodes
 
-    def remember(self, prompt: list[int], new_tokens: list[int]) -> None:
-        """A finished answer to `prompt`: an online corpus learns it (with the prompt's last `ANSWER_LEAD` tokens)."""
-        if self.corpus is not None and new_tokens:
-            self.corpus.remember(prompt[-ANSWER_LEAD:] + new_tokens)
+    def remember(self, prompt: torch.Tensor, new_tokens: list[int]) -> None:
+        """A finished answer to the (n,) `prompt`: an online corpus learns it, with the prompt's last `ANSWER_LEAD`
+        tokens (read only then)."""
+        if self.corpus is not None and self.corpus.online_tokens and new_tokens:
+            self.corpus.remember(prompt[-ANSWER_LEAD:].tolist() + new_tokens)
 
     def next_length(self, accepted: list[int]) -> int:
         """This round's guess length: doubled (up to `max_tokens`) when last round's guess was accepted whole
