@@ -33,6 +33,7 @@ class BatchRequest:
         recorder: collects each emitted token's logits and scores (inference/step_scores.py).
         prompt_cache: runs only the prompt's tokens after those it holds; holds this row's sequence at the end.
         row: the caller's batch index, given to a `prefix_allowed_tokens_fn` as its batch_id.
+        learn: an online corpus lookup learns the answer once it finishes (a server's warm-up request: False).
     """
 
     prompt: torch.Tensor
@@ -45,6 +46,7 @@ class BatchRequest:
     recorder: StepRecorder | None = None
     prompt_cache: PromptCache | None = None
     row: int = 0
+    learn: bool = True
     # filled in by the engine
     new_tokens: list[int] = field(default_factory=list)
     target_forwards: int = 0  # forwards this row took part in (its prefill counts one)

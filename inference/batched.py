@@ -481,7 +481,7 @@ class BatchEngine:
         if row.drafter is not None:
             constrain_drafts(row.drafter, None, 0)
         self.stats["new_tokens"] += len(request.new_tokens)
-        if isinstance(row.drafter, LookupDrafter) and not request.cancelled and request.error is None:
+        if isinstance(row.drafter, LookupDrafter) and request.learn and not request.cancelled and request.error is None:
             row.drafter.remember(request.prompt, request.new_tokens)  # an online corpus learns the answer
         if request.prompt_cache is not None and not request.cancelled and request.error is None:
             request.prompt_cache.store_call(request.prompt, request.new_tokens, source.shape[0],

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from specheads.inference.autotune import autotune_tree
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
 from specheads.inference.constraints import IndexConstraint, constraint_from_options
+from specheads.inference.corpus_gate import MIN_GAIN
 from specheads.inference.corpus_lookup import corpus_from_options
 from specheads.inference.fast_path import StaticGreedyDecoder, aligned_length
 from specheads.inference.generate import SpeculativeLM
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graft the continuations of the context's longest match in a corpus of the target's answers "
                    "(`specheads data lookup-corpus`; never answers to the prompts benchmarked) onto each draft tree")
     p.add_argument("--corpus-tokens", type=int, default=8, help="the corpus' guessed nodes per round, at most")
+    p.add_argument("--corpus-min-gain", type=float, default=MIN_GAIN,
+                   help="graft the corpus' guesses only while they earn this many accepted tokens per node, in the "
+                   "prompt or after matches of the same length (0: always)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts decoded together: consecutive prompts in left-padded batches of N, plain "
@@ -365,7 +369,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     lookup_tokens, lookup_max_tokens = getattr(args, "lookup_tokens", 0), getattr(args, "lookup_max_tokens", None)
     corpus_tokens = getattr(args, "corpus_tokens", 8)
     check_lookup_settings(lookup_tokens, lookup_max_tokens=lookup_max_tokens, corpus_tokens=corpus_tokens)  # before loading any model
-    corpus = corpus_from_options(getattr(args, "lookup_corpus", None))
+    corpus = corpus_from_options(getattr(args, "lookup_corpus", None), 0, getattr(args, "corpus_min_gain", MIN_GAIN))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,6 +16,10 @@ answer; once they hold `SETTLE_TOKENS` tokens (or an eighth of `online_tokens`),
 answers is rebuilt with them, so a busy server rebuilds little per answer (answers past `online_tokens` leave the
 large store at its next rebuild).
 
+Guessed nodes cost verification, so they are grafted only where they pay (inference/corpus_gate.py): while the
+request's own guesses, or the traffic's guesses after matches of the same length, earn `min_gain` accepted tokens per
+node.
+
 A store is a suffix array over the reversed corpus, so the suffixes matching the context's last m tokens form one
 range of it that narrows as m grows (one binary search per added token). It is built once (numpy, prefix doubling
 up to `max_match` tokens: about 0.5 s for a million tokens on 2 CPU cores).
@@ -30,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from specheads.inference.corpus_gate import MIN_GAIN, GainTally
 
 CORPUS_FILE = "lookup_corpus.npy"  # the corpus a heads folder may carry (uint32 token ids, documents apart)
 SEPARATOR = -1  # between documents: never matched, never guessed
@@ -156,6 +162,8 @@ class CorpusLookup:
         min_probability: a guessed node's share of the counted continuations that pass through it, at least.
         online_tokens: learn from finished answers (`remember`), keeping the latest this many tokens of them in a
             second store (0 = the corpus as given).
+        min_gain: the guesses are grafted only while they earn at least this many accepted tokens per node they add,
+            in the request or after matches of the same length (inference/corpus_gate.py; 0 = always graft).
     """
 
     def __init__(
@@ -166,9 +174,10 @@ class CorpusLookup:
         max_occurrences: int = 64,
         min_probability: float = 0.3,
         online_tokens: int = 0,
+        min_gain: float = MIN_GAIN,
     ) -> None:
-        check_corpus_settings(max_match, min_match, max_occurrences, min_probability, online_tokens)
-        self.max_match, self.min_match = max_match, min_match
+        check_corpus_settings(max_match, min_match, max_occurrences, min_probability, online_tokens, min_gain)
+        self.max_match, self.min_match, self.min_gain = max_match, min_match, min_gain
         self.max_occurrences, self.min_probability = max_occurrences, min_probability
         self.base = SuffixStore(documents, max_match)
         self.online_tokens = online_tokens
@@ -177,43 +186,37 @@ class CorpusLookup:
         self._settled_store: SuffixStore | None = None
         self._fresh_store: SuffixStore | None = None  # recent[count:] (None when empty)
         self._stale = False  # answers were remembered since the stores were last built
+        # what grafted guesses earned after matches of each length (bit length), over all requests: the gate's
+        self.gain_by_match: dict[int, GainTally] = {}
 
     @classmethod
     def load(cls, path: str | Path, **settings: Any) -> CorpusLookup:
         """A lookup over the corpus `save` wrote (`CORPUS_FILE` in a heads folder, or the file itself)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / CORPUS_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"no lookup corpus at {path} (make one with `specheads data lookup-corpus`)")
-        try:
-            flat = np.load(path, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as error:
-            raise ValueError(f"{path} is not a lookup corpus (a .npy of uint32 token ids): {error}") from error
-        if flat.ndim != 1 or flat.dtype != np.uint32:
-            raise ValueError(f"{path} holds a {flat.dtype} array of shape {flat.shape}, expected 1-D uint32 token ids")
-        flat = flat.astype(np.int64)
-        flat[flat == SAVED_SEPARATOR] = SEPARATOR
-        pieces = np.split(flat, np.flatnonzero(flat == SEPARATOR) + 1)  # each document with its separator, then the rest
-        documents = [piece[:-1] for piece in pieces[:-1]] + ([pieces[-1]] if len(pieces[-1]) else [])
-        return cls(documents, **settings)
+        return cls(read_corpus_file(path), **settings)
 
     def save(self, path: str | Path) -> Path:
         """Write the corpus (uint32 token ids, documents apart) to `path` atomically (a folder gets `CORPUS_FILE`);
-        returns the file. Remembered answers are not part of it."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / CORPUS_FILE
-        partial = path.with_name(path.name + ".partial")  # written whole, then renamed: never a torn corpus
-        with open(partial, "wb") as f:  # np.save(str) would append .npy to other names
-            np.save(f, self.base.tokens.astype(np.uint32))  # SEPARATOR wraps to SAVED_SEPARATOR
-        os.replace(partial, path)
-        return path
+        returns the file. Remembered answers are not part of it (`save_learned`)."""
+        return write_corpus_file(path, self.base.tokens)
+
+    def save_learned(self, path: str | Path) -> Path:
+        """Write the remembered answers, oldest first, to the corpus file `path` (atomically), for `load_learned`."""
+        pieces = [np.append(np.asarray(answer, dtype=np.int64), SEPARATOR) for answer in self.recent]
+        return write_corpus_file(path, np.concatenate(pieces) if pieces else np.array([], dtype=np.int64))
+
+    def load_learned(self, path: str | Path) -> None:
+        """Remember the answers `save_learned` wrote (a restarted server goes on from what it had learned)."""
+        if self.online_tokens <= 0:
+            raise ValueError(f"cannot load learned answers from {path} into a corpus that does not learn "
+                             "(online_tokens=0; CLI: --corpus-learn N)")
+        for answer in read_corpus_file(path):
+            self.remember(answer.tolist())
 
     @property
     def max_token_id(self) -> int:
-        """The largest token id of the corpus (-1 when empty): a target's vocabulary must hold it."""
-        return int(self.base.tokens.max())
+        """The largest token id of the corpus and the remembered answers (-1 when empty): a target's vocabulary must
+        hold it."""
+        return max([int(self.base.tokens.max())] + [max(answer) for answer in self.recent if answer])
 
     @property
     def num_tokens(self) -> int:
@@ -249,12 +252,16 @@ class CorpusLookup:
         """Chains of guessed tokens after `context`: the root-to-leaf paths of the trie of counted continuations
         (each node passed by at least `min_probability` of them), at most `max_tokens` nodes in all, likeliest
         first. The store(s) with the longest match are counted; [] when it is shorter than `min_match`."""
+        return self.lookup(context, max_tokens)[0]
+
+    def lookup(self, context: Sequence[int], max_tokens: int) -> tuple[list[list[int]], int]:
+        """(`guesses`, the length of the longest match they come from)."""
         if max_tokens < 1:
-            return []
+            return [], 0
         matches = [(store, *store.match(context)) for store in self._stores()]
         longest = max(matched for *_, matched in matches)
         if longest < self.min_match:
-            return []
+            return [], longest
         continuations: list[list[int]] = []
         for store, lo, hi, matched in matches:
             if matched == longest:
@@ -268,7 +275,43 @@ class CorpusLookup:
         kept = sorted((prefix for prefix, count in prefix_counts.items() if count >= needed),
                       key=lambda prefix: (-prefix_counts[prefix], len(prefix)))[:max_tokens]
         inner = {prefix[:length] for prefix in kept for length in range(1, len(prefix))}
-        return [list(prefix) for prefix in kept if prefix not in inner]
+        return [list(prefix) for prefix in kept if prefix not in inner], longest
+
+
+def read_corpus_file(path: str | Path) -> list[np.ndarray]:
+    """The documents of a corpus file (`write_corpus_file`; a folder: its `CORPUS_FILE`), int64 token ids each.
+
+    Raises:
+        FileNotFoundError: no such file; ValueError: not a 1-D uint32 .npy.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / CORPUS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no lookup corpus at {path} (make one with `specheads data lookup-corpus`)")
+    try:
+        flat = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as error:
+        raise ValueError(f"{path} is not a lookup corpus (a .npy of uint32 token ids): {error}") from error
+    if flat.ndim != 1 or flat.dtype != np.uint32:
+        raise ValueError(f"{path} holds a {flat.dtype} array of shape {flat.shape}, expected 1-D uint32 token ids")
+    flat = flat.astype(np.int64)
+    flat[flat == SAVED_SEPARATOR] = SEPARATOR
+    pieces = np.split(flat, np.flatnonzero(flat == SEPARATOR) + 1)  # each document with its separator, then the rest
+    return [piece[:-1] for piece in pieces[:-1]] + ([pieces[-1]] if len(pieces[-1]) else [])
+
+
+def write_corpus_file(path: str | Path, tokens: np.ndarray) -> Path:
+    """Write (n,) token ids, documents apart (`SEPARATOR`), as uint32 to `path` atomically (a folder gets
+    `CORPUS_FILE`); returns the file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CORPUS_FILE
+    partial = path.with_name(path.name + ".partial")  # written whole, then renamed: never a torn corpus
+    with open(partial, "wb") as f:  # np.save(str) would append .npy to other names
+        np.save(f, tokens.astype(np.uint32))  # SEPARATOR wraps to SAVED_SEPARATOR
+    os.replace(partial, path)
+    return path
 
 
 def answer_spans(input_ids: Sequence[int], loss_mask: Sequence[int], lead: int = ANSWER_LEAD) -> list[list[int]]:
@@ -299,18 +342,31 @@ def corpus_for_target(corpus: CorpusLookup | str | Path, vocab_size: int) -> Cor
     return corpus
 
 
-def corpus_from_options(path: str | Path | None, online_tokens: int = 0) -> CorpusLookup | None:
-    """The corpus lookup of the CLI's `--lookup-corpus PATH` and `--corpus-learn N`: the saved corpus (learning
-    when N > 0), an empty one that learns (no path), or None (neither)."""
+def corpus_from_options(path: str | Path | None, online_tokens: int = 0, min_gain: float = MIN_GAIN,
+                        learned_file: str | Path | None = None) -> CorpusLookup | None:
+    """The corpus lookup of the CLI's `--lookup-corpus PATH`, `--corpus-learn N`, `--corpus-min-gain G` and
+    `--corpus-learned FILE`: the saved corpus (learning when N > 0), an empty one that learns (no path), or None
+    (neither); a learning one first remembers the answers in FILE when it exists (`save_learned` wrote them)."""
     if not isinstance(online_tokens, int) or online_tokens < 0:
         raise ValueError(f"--corpus-learn {online_tokens!r}: expected 0 (off) or a number of tokens")
+    if not isinstance(min_gain, (int, float)) or not 0.0 <= min_gain < float("inf"):
+        raise ValueError(f"--corpus-min-gain {min_gain!r}: expected a number >= 0 (0 = always graft)")
+    if learned_file is not None and online_tokens == 0:
+        raise ValueError(f"--corpus-learned {learned_file}: keeps what the corpus learns, so it needs --corpus-learn N")
+    if learned_file is not None and Path(learned_file).is_dir():
+        raise ValueError(f"--corpus-learned {learned_file} is a folder: expected a file (e.g. learned.npy)")
+    corpus = None
     if path is not None:
-        return CorpusLookup.load(path, online_tokens=online_tokens)
-    return CorpusLookup(online_tokens=online_tokens) if online_tokens else None
+        corpus = CorpusLookup.load(path, online_tokens=online_tokens, min_gain=min_gain)
+    elif online_tokens:
+        corpus = CorpusLookup(online_tokens=online_tokens, min_gain=min_gain)
+    if learned_file is not None and Path(learned_file).exists():
+        corpus.load_learned(learned_file)
+    return corpus
 
 
 def check_corpus_settings(max_match: int, min_match: int, max_occurrences: int, min_probability: float,
-                          online_tokens: int) -> None:
+                          online_tokens: int, min_gain: float = MIN_GAIN) -> None:
     """Raise a ValueError naming the bad value among `CorpusLookup`'s settings."""
     if not isinstance(min_match, int) or not isinstance(max_match, int) or not 1 <= min_match <= max_match:
         raise ValueError(f"corpus lookup needs integers 1 <= min_match <= max_match, got min_match={min_match!r}, "
@@ -321,3 +377,6 @@ def check_corpus_settings(max_match: int, min_match: int, max_occurrences: int, 
         raise ValueError(f"min_probability={min_probability!r} must be in (0, 1]")
     if not isinstance(online_tokens, int) or online_tokens < 0:
         raise ValueError(f"online_tokens={online_tokens!r} must be an integer >= 0 (0 = no learning from answers)")
+    if not isinstance(min_gain, (int, float)) or not 0.0 <= min_gain < float("inf"):
+        raise ValueError(f"min_gain={min_gain!r} must be a number >= 0 (accepted tokens per grafted node; 0 = always "
+                         "graft)")

@@ -205,7 +205,7 @@ class SpeculativeLM:
                       "lookup_max_ngram": drafter.index.max_ngram}
             if drafter.corpus is not None:
                 lookup.update(corpus_tokens=drafter.corpus_tokens, corpus_size=drafter.corpus.num_tokens,
-                              corpus_online_tokens=drafter.corpus.online_tokens)
+                              corpus_online_tokens=drafter.corpus.online_tokens, corpus_min_gain=drafter.corpus.min_gain)
             drafter = drafter.drafter
         if isinstance(drafter, MedusaDrafter):
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,

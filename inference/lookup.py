@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from specheads.inference.corpus_gate import CorpusGate
 from specheads.inference.corpus_lookup import ANSWER_LEAD, CorpusLookup
 from specheads.inference.drafting import Drafter
 from specheads.inference.tree import TreeBuffers, append_chain
@@ -68,7 +69,9 @@ class NgramIndex:
         return []
 
 
-def graft_chains(tokens: torch.Tensor, tree: TreeBuffers, chains: list[list[int]]) -> tuple[torch.Tensor, TreeBuffers]:
+def graft_chains(
+    tokens: torch.Tensor, tree: TreeBuffers, chains: list[list[int]]
+) -> tuple[torch.Tensor, TreeBuffers, list[list[int]]]:
     """Insert `chains` (each: tokens that would follow the root) into a tree as into a trie, in order.
 
     Args:
@@ -76,31 +79,35 @@ def graft_chains(tokens: torch.Tensor, tree: TreeBuffers, chains: list[list[int]
         chains: guessed continuations after the root (a later one reuses the nodes an earlier one added).
 
     Returns:
-        (tokens, tree) with N + m nodes: the same N first, then per chain the part the tree lacked, each new node the
-        child of the one before (the inputs themselves when m = 0). One read of the tree from the device in all.
+        (tokens, tree, chain_nodes): N + m nodes, the same N first, then per chain the part the tree lacked, each new
+        node the child of the one before (the inputs themselves when m = 0); chain_nodes[i][j] is the node holding
+        chains[i][j]. One read of the tree from the device in all.
     """
     if not chains:
-        return tokens, tree
+        return tokens, tree, []
     tree_tokens, tree_parents = tokens.tolist(), tree.parents.tolist()
     children: dict[tuple[int, int], int] = {}  # (parent, token) -> node; the first one when siblings repeat
     for node in range(len(tree_tokens) - 1, 0, -1):
         children[(tree_parents[node], tree_tokens[node])] = node
     added: list[int] = []
+    chain_nodes: list[list[int]] = []
     for chain in chains:
-        node, matched = 0, 0
-        while matched < len(chain) and (node, chain[matched]) in children:
-            node = children[(node, chain[matched])]
-            matched += 1
-        if matched == len(chain):
-            continue
-        tree = append_chain(tree, node, len(chain) - matched)
+        node, path = 0, []
+        while len(path) < len(chain) and (node, chain[len(path)]) in children:
+            node = children[(node, chain[len(path)])]
+            path.append(node)
+        matched = len(path)
+        if matched < len(chain):
+            tree = append_chain(tree, node, len(chain) - matched)
         for token in chain[matched:]:  # the new nodes, for the chains after this one
             children[(node, token)] = new = len(tree_tokens) + len(added)
             added.append(token)
             node = new
+            path.append(node)
+        chain_nodes.append(path)
     if not added:
-        return tokens, tree
-    return torch.cat([tokens, torch.tensor(added, dtype=tokens.dtype, device=tokens.device)]), tree
+        return tokens, tree, chain_nodes
+    return torch.cat([tokens, torch.tensor(added, dtype=tokens.dtype, device=tokens.device)]), tree, chain_nodes
 
 
 def check_lookup_settings(lookup_tokens: int, lookup_max_ngram: int = 3, lookup_max_tokens: int | None = None,
@@ -131,7 +138,8 @@ class LookupDrafter:
         max_ngram, min_ngram: suffix lengths matched against the context, longest first (min_ngram default: 2, or
             max_ngram if smaller; single tokens recur too often to guess from).
         corpus: also graft the guesses of this store of the target's answers (shared by forks: what one row's
-            answer teaches, the others use); None = prompt lookup alone.
+            answer teaches, the others use) while they earn the corpus' `min_gain` accepted tokens per node in this
+            request or after matches of the same length (inference/corpus_gate.py); None = prompt lookup alone.
         corpus_tokens: the corpus' guessed nodes per round, at most.
         max_tokens: with a larger value, the guess grows while the target copies: after a round that accepted a
             whole guess of the current length, the next guess may be twice as long (up to `max_tokens`); any other
@@ -163,6 +171,7 @@ class LookupDrafter:
         self.index = NgramIndex(max_ngram, min(2, max_ngram) if min_ngram is None else min_ngram)  # validates them
         self.length = num_tokens  # this round's guess length (grows while whole guesses are accepted)
         self.guess: list[int] = []  # last round's grafted guess
+        self.gate = self._new_gate()  # this request's: whether the corpus' guesses pay
 
     @property
     def max_grafted_nodes(self) -> int:
@@ -173,6 +182,10 @@ class LookupDrafter:
         self.drafter.reset()
         self.index = NgramIndex(self.index.max_ngram, self.index.min_ngram)
         self.length, self.guess = self.num_tokens, []
+        self.gate = self._new_gate()
+
+    def _new_gate(self) -> CorpusGate | None:
+        return None if self.corpus is None else CorpusGate(self.corpus.min_gain, self.corpus.gain_by_match)
 
     def around(self, drafter: Drafter) -> LookupDrafter:
         """The same prompt lookup around another drafter (with a fresh context)."""
@@ -191,9 +204,19 @@ class LookupDrafter:
         self.index.extend(accepted)  # its last token is this round's root
         self.guess = self.index.continuation(self.length) if self.num_tokens else []
         chains = [self.guess] if self.guess else []
-        if self.corpus is not None:
-            chains += self.corpus.guesses(self.index.tokens, self.corpus_tokens)
-        return graft_chains(tokens, tree, chains)  # into the trie the tree already is: shared prefixes reuse nodes
+        corpus_chains: list[list[int]] = []
+        if self.gate is not None:
+            self.gate.observe(accepted[:-1])  # what last round's corpus nodes earned
+            found, match_length = self.corpus.lookup(self.index.tokens, self.corpus_tokens)
+            if found and self.gate.admits(match_length):
+                corpus_chains = found
+        # into the trie the tree already is: shared prefixes reuse nodes
+        grafted, grafted_tree, chain_nodes = graft_chains(tokens, tree, chains + corpus_chains)
+        if self.gate is not None:
+            # the heads' nodes, then prompt lookup's (its chain's deepest node is its last), then the corpus' own
+            first_corpus_node = max(tokens.shape[0], chain_nodes[0][-1] + 1) if self.guess else tokens.shape[0]
+            self.gate.grafted_round(corpus_chains, chain_nodes[len(chains) :], first_corpus_node, grafted.shape[0])
+        return grafted, grafted_tree
 
     def remember(self, prompt: torch.Tensor, new_tokens: list[int]) -> None:
         """A finished answer to the (n,) `prompt`: an online corpus learns it, with the prompt's last `ANSWER_LEAD`

@@ -80,9 +80,12 @@ class CompletionService:
         self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
 
     def warm_up(self) -> None:
-        """One short generation, so the first client does not pay for first-call allocations and kernel setup."""
+        """One short generation, so the first client does not pay for first-call allocations and kernel setup (its
+        answer is not one a corpus lookup should learn)."""
         ids = self.tokenizer("Hello", return_tensors="pt").input_ids.to(self.lm.target.device)
-        self.loop.run(self.lm.batch_request(ids, max_new_tokens=4))
+        request = self.lm.batch_request(ids, max_new_tokens=4)
+        request.learn = False
+        self.loop.run(request)
 
     def close(self) -> None:
         """Stop the serving loop (requests still running fail)."""

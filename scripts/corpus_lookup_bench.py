@@ -1,5 +1,6 @@
 """Corpus lookup on SmolLM2, side by side: plain `target.generate`, the heads' trees (+ prompt lookup), and the same
-with the corpus' branches grafted, alternating prompt by prompt in one process; greedy answers checked identical.
+with the corpus' branches grafted, gated per request (`--corpus-min-gain`, default the library's) and ungated (every
+round), alternating prompt by prompt in one process; greedy answers checked identical.
 
 Two workloads:
 - `--workload mt-bench` with `--corpus PATH`: MT-bench first turns and a fixed corpus of SmolLM2's answers to other
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from mt_bench_setup import add_model_options, load_lm_and_prompts, write_report
 
+from specheads.inference.corpus_gate import MIN_GAIN
 from specheads.inference.corpus_lookup import CorpusLookup
 
 NAMES = ["Maria", "John", "Aiko", "Pierre", "Fatima", "Liam", "Chen", "Olga", "Diego", "Amara", "Noah", "Priya"]
@@ -49,6 +51,20 @@ def task_prompts(task: str, count: int, seed: int = 0) -> list[str]:
     ]
 
 
+def count_tree_nodes(lm) -> list[int]:
+    """A counter ([total]) of the nodes of the trees `lm`'s drafter proposes from now on (what verification costs:
+    deterministic, where times are noisy)."""
+    total, propose = [0], lm.drafter.propose
+
+    def counting(*args):
+        tokens, tree = propose(*args)
+        total[0] += tree.num_nodes
+        return tokens, tree
+
+    lm.drafter.propose = counting  # this configuration's drafter only: configure_lookup builds a new one
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_options(parser)
@@ -57,6 +73,7 @@ def main() -> None:
     parser.add_argument("--corpus", default=None, help="mt-bench: the fixed corpus (a lookup_corpus.npy or its folder)")
     parser.add_argument("--corpus-learn", type=int, default=20000, help="task: tokens of answers the corpus keeps")
     parser.add_argument("--corpus-tokens", type=int, default=8)
+    parser.add_argument("--corpus-min-gain", type=float, default=MIN_GAIN, help="the gated run's gate (the other: 0)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     lm, kernels, prompts = load_lm_and_prompts(args)
@@ -64,14 +81,18 @@ def main() -> None:
         rows = [[{"role": "user", "content": text}] for text in task_prompts(args.task, args.prompts)]
         prompts = [lm.tokenizer.apply_chat_template(r, add_generation_prompt=True, return_tensors="pt",
                                                     return_dict=True)["input_ids"][0] for r in rows]
-        corpus = CorpusLookup(online_tokens=args.corpus_learn)
+
+        def make_corpus(min_gain: float) -> CorpusLookup:  # each learns the answers on its own
+            return CorpusLookup(online_tokens=args.corpus_learn, min_gain=min_gain)
     else:
         if args.corpus is None:
             parser.error("--workload mt-bench needs --corpus PATH")
-        corpus = CorpusLookup.load(args.corpus)
+
+        def make_corpus(min_gain: float) -> CorpusLookup:
+            return CorpusLookup.load(args.corpus, min_gain=min_gain)
     lookup = dict(lookup_max_tokens=args.lookup_max_tokens or None)
-    setups = {"heads": None, "heads+corpus": corpus}
-    totals = {name: {"seconds": 0.0, "new_tokens": 0, "rounds": 0} for name in ["plain", *setups]}
+    setups = {"heads": None, "heads+corpus": make_corpus(0.0), "heads+corpus gated": make_corpus(args.corpus_min_gain)}
+    totals = {name: {"seconds": 0.0, "new_tokens": 0, "rounds": 0, "tree_nodes": 0} for name in ["plain", *setups]}
     per_prompt = []
     for i, ids in enumerate(prompts):
         ids = ids[None]
@@ -80,11 +101,13 @@ def main() -> None:
         totals["plain"]["seconds"] += time.perf_counter() - start
         totals["plain"]["new_tokens"] += reference.shape[1] - ids.shape[1]
         row = {"prompt": i, "new_tokens": reference.shape[1] - ids.shape[1]}
-        for name in (setups if i % 2 == 0 else reversed(setups)):  # alternate which speculative run goes first
+        for name in (list(setups) if i % 2 == 0 else reversed(setups)):  # alternate which speculative run goes first
             lm.configure_lookup(args.lookup_tokens, lookup_corpus=setups[name], corpus_tokens=args.corpus_tokens, **lookup)
+            tree_nodes = count_tree_nodes(lm)
             start = time.perf_counter()
             out = lm.generate(ids, max_new_tokens=args.max_new_tokens)
             totals[name]["seconds"] += time.perf_counter() - start
+            totals[name]["tree_nodes"] += tree_nodes[0]
             if not torch.equal(out, reference):
                 raise SystemExit(f"prompt {i}: {name} differs from target.generate")
             totals[name]["new_tokens"] += out.shape[1] - ids.shape[1]
@@ -99,12 +122,13 @@ def main() -> None:
         summary[name] = {"tokens_per_second": round(speed, 2), "speedup_vs_plain": round(speed / plain_speed, 3)}
         if t["rounds"]:  # tau counts the prefill as a forward, as lm.last_stats does
             summary[name]["tau"] = round(t["new_tokens"] / (t["rounds"] + len(prompts)), 3)
-    summary["heads+corpus"]["speedup_vs_heads"] = round(
-        summary["heads+corpus"]["tokens_per_second"] / summary["heads"]["tokens_per_second"], 3)
+            summary[name]["nodes_per_round"] = round(t["tree_nodes"] / t["rounds"], 2)  # verified, the root included
+    for name in ("heads+corpus", "heads+corpus gated"):
+        summary[name]["speedup_vs_heads"] = round(summary[name]["tokens_per_second"] / summary["heads"]["tokens_per_second"], 3)
     report = {"workload": args.workload, "task": args.task if args.workload == "task" else None, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "threads": args.threads, "tree": args.tree, "lookup_tokens": args.lookup_tokens,
               "lookup_max_tokens": args.lookup_max_tokens, "corpus_tokens": args.corpus_tokens,
-              "corpus_size_at_end": corpus.num_tokens, "kernels": kernels, "identical": True,
+              "corpus_min_gain": args.corpus_min_gain, "corpus_size_at_end": setups["heads+corpus"].num_tokens, "kernels": kernels, "identical": True,
               "summary": summary, "per_prompt": per_prompt}
     print(summary)
     write_report(args.out, report)

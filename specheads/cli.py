@@ -12,6 +12,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     """The model, decoding and CPU-kernel options `generate` and `chat` share."""
     # torch is loaded by now (the package imports it)
     from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
+    from specheads.inference.corpus_gate import MIN_GAIN, PROBE_EVERY
     from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES
     from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
     from specheads.inference.onednn import CPU_LINEAR_CHOICES
@@ -56,6 +57,13 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus-learn", type=int, default=0, metavar="N",
                    help="corpus lookup learns every answer given, keeping the latest N tokens of them (with or without "
                    "--lookup-corpus; repeated tasks get guessed whole; default 0: off)")
+    p.add_argument("--corpus-min-gain", type=float, default=MIN_GAIN, metavar="G",
+                   help="graft the corpus' guesses only while they earn G accepted tokens per node they add, in the "
+                   f"request or after matches of the same length (a closed gate lets one round in {PROBE_EVERY} "
+                   f"through; default {MIN_GAIN}; 0: always)")
+    p.add_argument("--corpus-learned", default=None, metavar="FILE",
+                   help="with --corpus-learn: keep the learned answers in FILE, read at start when it exists and "
+                   "written (atomically) when the command ends (serve: on Ctrl-C or SIGTERM)")
     p.add_argument("--max-round-nodes", type=parse_max_round_nodes, default=None,
                    help="batched decoding (serve, generate --prompts): tree nodes one round verifies at most, all rows "
                    "together; each row's tree shrinks to this // rows nodes, at 1 a plain step; 'auto': the nodes per "
@@ -149,14 +157,24 @@ def build_server(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    import signal
+
     server = build_server(args)
+    service = server.RequestHandlerClass.service
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM (a service manager's stop) ends the server as Ctrl-C does
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         server.server_close()
-        server.RequestHandlerClass.service.close()  # the serving loop's thread
+        service.close()  # the serving loop's thread
+        _save_learned(service.lm, args)
     return 0
 
 
@@ -170,7 +188,7 @@ def _load_lm(args: argparse.Namespace):
 
     # before loading any model
     check_lookup_settings(args.lookup_tokens, lookup_max_tokens=args.lookup_max_tokens, corpus_tokens=args.corpus_tokens)
-    corpus = corpus_from_options(args.lookup_corpus, args.corpus_learn)
+    corpus = corpus_from_options(args.lookup_corpus, args.corpus_learn, args.corpus_min_gain, args.corpus_learned)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads}: expected a number of CPU threads >= 1")
@@ -184,6 +202,15 @@ def _load_lm(args: argparse.Namespace):
                                       prefill_chunk=args.prefill_chunk or None)
     kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention, args.cpu_argmax)
     return lm, kernels
+
+
+def _save_learned(lm, args: argparse.Namespace) -> None:
+    """`--corpus-learned FILE`: write what the corpus lookup learned (the command is ending)."""
+    corpus = getattr(lm.drafter, "corpus", None)
+    if args.corpus_learned is not None and corpus is not None:
+        path = corpus.save_learned(args.corpus_learned)
+        print(f"[specheads] {sum(len(a) for a in corpus.recent)} learned corpus tokens written to {path}",
+              file=sys.stderr, flush=True)
 
 
 def _generate_options(args: argparse.Namespace) -> dict:
@@ -222,6 +249,7 @@ def run_generate(args: argparse.Namespace) -> int:
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
     lm.generate(input_ids, logits_processor=processors, streamer=streamer, **_generate_options(args))
     print("\n" + _stats_line(lm.last_stats, kernels), file=sys.stderr)
+    _save_learned(lm, args)
     return 0
 
 
@@ -237,7 +265,10 @@ def run_generate_file(args: argparse.Namespace) -> int:
     lm, kernels = _load_lm(args)
     prompts = tokenize_prompts(rows, lm.tokenizer, chat=args.chat)
     constraint = constraint_from_options(lm.tokenizer, args.json_schema, args.regex)
-    totals = generate_file(lm, prompts, args.out, args.max_batch, args.seed, constraint, **_generate_options(args))
+    try:
+        totals = generate_file(lm, prompts, args.out, args.max_batch, args.seed, constraint, **_generate_options(args))
+    finally:  # an interrupted job keeps what it learned, as it keeps the answers written
+        _save_learned(lm, args)
     print(f"[specheads] {totals['answered']} answers ({totals['skipped']} already in {args.out}), "
           f"{totals['new_tokens']} tokens, tau={totals['mean_accepted']:.2f}, {totals['tokens_per_second']:.1f} "
           f"tokens/s ({', '.join(f'{k}={v}' for k, v in kernels.items())})", file=sys.stderr)
@@ -247,8 +278,6 @@ def run_generate_file(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     """The chat loop: one user message per stdin line; `/reset` starts over, `/exit` (or end of input) quits, Ctrl-C
     during an answer drops that turn."""
-    from transformers import TextStreamer
-
     from specheads.inference.chat import ChatSession, read_chat_template
 
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
@@ -257,13 +286,24 @@ def run_chat(args: argparse.Namespace) -> int:
                           **_generate_options(args))
     print(f"[specheads] chat with {args.target} ({', '.join(f'{k}={v}' for k, v in kernels.items())}); "
           "/reset starts over, /exit quits", file=sys.stderr)
+    try:
+        _chat_loop(session)
+    finally:
+        _save_learned(lm, args)
+    return 0
+
+
+def _chat_loop(session) -> None:
+    """Answer stdin's lines until /exit or the end of input."""
+    from transformers import TextStreamer
+
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
             print("> ", end="", flush=True)
         line = sys.stdin.readline()
         if not line or line.strip() in ("/exit", "/quit"):
-            return 0
+            return
         text = line.strip()
         if not text:
             continue

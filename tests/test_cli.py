@@ -99,13 +99,23 @@ def test_generate_with_a_corpus_keeps_the_target_text(stories260k_eagle_dir, cap
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target_path("stories260K"))
     CorpusLookup([tokenizer(text.removeprefix("<s>").lstrip()).input_ids]).save(tmp_path)
+    learned = tmp_path / "learned.npy"
     code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
-                 "--max-new-tokens", "20", "--lookup-corpus", str(tmp_path), "--corpus-learn", "500"])
+                 "--max-new-tokens", "20", "--lookup-corpus", str(tmp_path), "--corpus-learn", "500",
+                 "--corpus-learned", str(learned)])
     assert code == 0
     out, err = capfd.readouterr()
     assert out.removeprefix("<s>").lstrip().startswith("Once upon a time, there was a little girl named Lily")
     tau = float(err.split("tau=")[1].split(",")[0])
     assert tau > float(plain_err.split("tau=")[1].split(",")[0]) + 1
+    assert f"learned corpus tokens written to {learned}" in err
+    # a later run without the fixed corpus starts from what the first one learned: the answer is guessed whole
+    code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+                 "--max-new-tokens", "20", "--corpus-learn", "500", "--corpus-learned", str(learned)])
+    assert code == 0
+    out, err = capfd.readouterr()
+    assert out.removeprefix("<s>").lstrip().startswith("Once upon a time, there was a little girl named Lily")
+    assert float(err.split("tau=")[1].split(",")[0]) > float(plain_err.split("tau=")[1].split(",")[0]) + 1
 
 
 def test_generate_repetition_penalty_gives_transformers_text(stories260k_eagle_dir, capfd, stories260k):
@@ -238,6 +248,9 @@ def test_bad_lookup_settings_fail_before_any_loading(tmp_path, capsys, command):
     assert main([command, "--heads", str(missing), *args, "--lookup-corpus", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no lookup corpus at" in err and "specheads data lookup-corpus" in err and "does not exist" not in err
+    assert main([command, "--heads", str(missing), *args, "--corpus-min-gain", "-0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--corpus-min-gain -0.5: expected a number >= 0" in err and "does not exist" not in err
 
 
 def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
@@ -301,8 +314,8 @@ def test_chat_without_a_template_is_a_clear_error(stories260k_eagle_dir, capsys,
 def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_dir, stories260k, tmp_path):
     """`specheads serve` as a user starts it: a process listening on the port, the model under its served name, the
     command line's decoding options as the defaults of a request that leaves them out, the node budget chosen per
-    round (its verification cost measured at the start), the prompt prefilled 4 tokens a round; Ctrl-C ends it
-    cleanly."""
+    round (its verification cost measured at the start), the prompt prefilled 4 tokens a round; SIGTERM ends it
+    cleanly, writing what the corpus lookup learned (the answer, not the warm-up's) to `--corpus-learned`."""
     import os
     import signal
     import socket
@@ -318,7 +331,8 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
     process = subprocess.Popen(
         [sys.executable, "-m", "specheads", "serve", "--heads", str(stories260k_eagle_dir), "--chat-template",
          str(template), "--port", str(port), "--served-model-name", "tiny", "--max-new-tokens", "12", "--quiet",
-         "--max-round-nodes", "auto", "--prefill-chunk", "4"],
+         "--max-round-nodes", "auto", "--prefill-chunk", "4", "--corpus-learn", "500", "--corpus-learned",
+         str(tmp_path / "learned.npy")],
         stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "SPECHEADS_API_KEY"},
         # a suite started in the background inherits SIGINT ignored, and Python keeps it so: Ctrl-C must reach it
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -343,10 +357,15 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
         assert body["model"] == "tiny" and body["usage"]["completion_tokens"] == 12
         assert body["choices"][0]["message"]["content"] == expected
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     log = process.stderr.read()
     assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in log and "node budget auto, verification 1 tokens" in log
+    from specheads.inference.corpus_lookup import read_corpus_file
+
+    learned = read_corpus_file(tmp_path / "learned.npy")
+    assert [a.tolist() for a in learned] == [ids[0, -3:].tolist() + target.generate(ids, max_new_tokens=12,
+                                                                                     do_sample=False)[0, -12:].tolist()]
 
 
 def test_threads_option_sets_torch_threads_and_is_checked(stories260k_eagle_dir, capfd, tmp_path):

@@ -18,6 +18,7 @@ from specheads.inference.corpus_lookup import (
     SuffixStore,
     answer_spans,
     corpus_from_options,
+    read_corpus_file,
     sorted_prefix_order,
 )
 from specheads.inference.lookup import LookupDrafter
@@ -76,6 +77,34 @@ def test_save_and_load_keep_the_documents(tmp_path):
     loaded = CorpusLookup.load(tmp_path, min_probability=0.9)
     assert np.array_equal(loaded.base.tokens, corpus.base.tokens) and loaded.min_probability == 0.9
     assert loaded.num_tokens == 8 and loaded.guesses([5, 1], 4) == [[2]]
+
+
+def test_learned_answers_are_saved_and_learned_again(tmp_path):
+    """`save_learned` / `load_learned` (the CLI's --corpus-learned): a restarted corpus guesses what the first had
+    learned, oldest evicted first as before; the fixed corpus is not part of the file."""
+    corpus = CorpusLookup([[7, 7, 7]], online_tokens=8)
+    for answer in ([1, 2, 3], [4, 5, 6], [1, 2, 9]):
+        corpus.remember(answer)
+    path = corpus.save_learned(tmp_path / "learned.npy")
+    assert not (tmp_path / "learned.npy.partial").exists()
+    again = CorpusLookup(online_tokens=8)
+    again.load_learned(path)
+    assert again.recent == [[4, 5, 6], [1, 2, 9]] == corpus.recent  # [1, 2, 3] had been evicted
+    assert again.guesses([0, 1, 2], 2) == [[9]]
+    smaller = CorpusLookup(online_tokens=3)
+    smaller.load_learned(path)
+    assert smaller.recent == [[1, 2, 9]]  # the newest that fit
+    assert corpus_from_options(None, 8, learned_file=path).recent == corpus.recent
+    assert corpus_from_options(None, 8, learned_file=tmp_path / "new.npy").recent == []  # not there yet: empty
+    with pytest.raises(ValueError, match="does not learn"):
+        CorpusLookup().load_learned(path)
+    with pytest.raises(ValueError, match="--corpus-learned .* needs --corpus-learn N"):
+        corpus_from_options(None, 0, learned_file=path)
+    with pytest.raises(ValueError, match="is a folder: expected a file"):
+        corpus_from_options(None, 8, learned_file=tmp_path)
+    assert again.max_token_id == 9  # learned answers count: a file of another tokenizer's answers is refused
+    CorpusLookup(online_tokens=8).save_learned(path)  # nothing learned: an empty file
+    assert read_corpus_file(path) == []
 
 
 def test_bad_corpus_files_and_settings_are_refused(tmp_path):
@@ -140,6 +169,12 @@ def test_answer_spans_carry_the_assistant_header():
     assert answer_spans(ids, mask, lead=2) == [[13, 14, 20, 21], [31, 32, 40]]
 
 
+def heads_tree_nodes(lm: SpeculativeLM) -> int:
+    """Nodes of the heads' own trees (EAGLE's: its node budget and the root; Medusa's: its static tree)."""
+    heads = lm.drafter.drafter
+    return heads.buffers.num_nodes if hasattr(heads, "buffers") else heads.num_nodes + 1
+
+
 # --- decoding -------------------------------------------------------------------------------------------------
 def other_answers(target, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
     """The target's greedy answers to other prompts: a corpus that shares its habits, not the answer asked for."""
@@ -150,19 +185,22 @@ def other_answers(target, prompts: list[list[int]], num_tokens: int) -> list[lis
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_greedy_output_is_the_targets_and_the_corpus_pays(tiny_target_factory, family, head_type):
     """Tiny random targets say the same things after different prompts: the corpus of their answers to other
-    prompts is grafted in some rounds, accepts more, and the output stays the target's greedy one."""
+    prompts is grafted in some rounds, accepts more, and the output stays the target's greedy one (ungated: on some
+    of these targets it earns less than the default gain per node, so the gate would close)."""
     target, ids = tiny_target_factory(family), torch.tensor([TINY_PROMPT])
     heads = make_heads(target, head_type)
     expected = hf_greedy(target, ids, 40)
     plain = SpeculativeLM(target, heads)
     assert torch.equal(plain.generate(ids, max_new_tokens=40), expected)
-    corpus = CorpusLookup(other_answers(target, [[1, 8, 2], [1, 40, 41, 42], [1, 3], [1, 17, 5, 60]], 60))
+    corpus = CorpusLookup(other_answers(target, [[1, 8, 2], [1, 40, 41, 42], [1, 3], [1, 17, 5, 60]], 60), min_gain=0)
     lm = SpeculativeLM(target, heads, lookup_corpus=corpus, corpus_tokens=8)
     sizes = record_tree_sizes(lm)
     assert torch.equal(lm.generate(ids, max_new_tokens=40), expected)
     assert max(sizes) > min(sizes)  # guesses were grafted in some rounds
     assert lm.last_stats["mean_accepted"] > plain.last_stats["mean_accepted"]
-    assert lm.tree_description()["corpus_tokens"] == 8 and lm.tree_description()["corpus_size"] == corpus.num_tokens
+    description = lm.tree_description()
+    assert description["corpus_tokens"] == 8 and description["corpus_size"] == corpus.num_tokens
+    assert description["corpus_min_gain"] == 0
 
 
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
@@ -189,16 +227,15 @@ def test_an_online_corpus_learns_each_answer(tiny_target_factory, head_type):
         assert rounds[1] * 2 < rounds[0], (mode, rounds)
         assert lm.drafter.corpus.num_tokens > 48
         if mode == "fast_path":  # trees padded to the heads' nodes + the corpus' (no prompt lookup here)
-            heads = lm.drafter.drafter
-            heads_nodes = heads.num_nodes + 1 if head_type != "medusa" else heads.buffers.num_nodes
-            assert lm._fast_runner.fixed_slots == heads_nodes + 16
+            assert lm._fast_runner.fixed_slots == heads_tree_nodes(lm) + 16
 
 
 @pytest.mark.parametrize("head_type", ["eagle", "medusa"])
 def test_sampling_with_a_corpus_follows_the_exact_joint_law(tiny_target_factory, chi_square, head_type):
     """Corpus guesses are deterministic candidates (a function of the committed tokens): the first 3 sampled tokens
     still follow the target's exact law. A corpus over the 6-token vocabulary with single-token matches grafts in
-    most rounds; it also learns every sampled answer, so its guesses change from sample to sample."""
+    many rounds; it also learns every sampled answer, so its guesses change from sample to sample, and the gate opens
+    and closes with what each sample accepted (the trees stay a function of the committed tokens)."""
     harness = load_sampling_harness("sampling_harness_for_corpus")
     target = copy.deepcopy(tiny_target_factory("llama", seed=1, vocab_size=harness.V, num_hidden_layers=1))
     with torch.no_grad():
@@ -213,7 +250,8 @@ def test_sampling_with_a_corpus_follows_the_exact_joint_law(tiny_target_factory,
     samples = harness.sample_first_three(lm, 1200, seed=3, temperature=1.0)
     result = chi_square(samples, law.joint())
     assert result.passed, result
-    assert sum(size > min(sizes) for size in sizes) > 0.3 * len(sizes), "guesses were rarely grafted"
+    grafted = sum(size > heads_tree_nodes(lm) for size in sizes)
+    assert 0.2 * len(sizes) < grafted < len(sizes), "guesses were rarely grafted, or the gate never closed"
 
 
 def test_corpus_settings_survive_tree_changes_and_are_checked(stories260k, tmp_path):

@@ -57,13 +57,14 @@ def test_bad_ngram_sizes_are_refused(max_ngram, min_ngram):
 def test_the_guess_reuses_drafted_nodes_and_extends_the_deepest_match():
     # root 10 -> {11 -> {13}, 12}
     tokens, tree = torch.tensor([10, 11, 12, 13]), build_tree_buffers(torch.tensor([-1, 0, 0, 1]))
-    new_tokens, new_tree = graft_chains(tokens, tree, [[11, 13, 14, 15]])
-    assert new_tokens.tolist() == [10, 11, 12, 13, 14, 15]
+    new_tokens, new_tree, nodes = graft_chains(tokens, tree, [[11, 13, 14, 15]])
+    assert new_tokens.tolist() == [10, 11, 12, 13, 14, 15] and nodes == [[1, 3, 4, 5]]
     assert new_tree.parents.tolist() == [-1, 0, 0, 1, 3, 4]  # 14 hangs under the drafted 13
     build_tree_buffers(new_tree.parents)  # a valid topologically ordered tree (check=True raises otherwise)
-    new_tokens, new_tree = graft_chains(tokens, tree, [[12, 11]])
+    new_tokens, new_tree, nodes = graft_chains(tokens, tree, [[12, 11]])
+    assert nodes == [[2, 4]]
     assert new_tokens.tolist() == [10, 11, 12, 13, 11] and new_tree.parents.tolist() == [-1, 0, 0, 1, 2]
-    new_tokens, new_tree = graft_chains(tokens, tree, [[16]])
+    new_tokens, new_tree, _ = graft_chains(tokens, tree, [[16]])
     assert new_tokens.tolist() == [10, 11, 12, 13, 16] and new_tree.parents.tolist() == [-1, 0, 0, 1, 0]
 
 
@@ -71,8 +72,9 @@ def test_several_chains_share_the_nodes_earlier_ones_added():
     """Prompt lookup's guess and the corpus' chains in one graft: a later chain walks the nodes an earlier one added
     (the trie the tree is, grown), and the buffers equal those built from scratch."""
     tokens, tree = torch.tensor([10, 11, 12, 13]), build_tree_buffers(torch.tensor([-1, 0, 0, 1]))
-    new_tokens, new_tree = graft_chains(tokens, tree, [[12, 20, 21], [12, 20, 22], [11, 13], [30]])
+    new_tokens, new_tree, nodes = graft_chains(tokens, tree, [[12, 20, 21], [12, 20, 22], [11, 13], [30]])
     assert new_tokens.tolist() == [10, 11, 12, 13, 20, 21, 22, 30]
+    assert nodes == [[2, 4, 5], [2, 4, 6], [1, 3], [7]]  # where each chain's tokens sit
     assert new_tree.parents.tolist() == [-1, 0, 0, 1, 2, 4, 4, 0]
     rebuilt = build_tree_buffers(new_tree.parents)
     assert torch.equal(new_tree.ancestors, rebuilt.ancestors) and torch.equal(new_tree.depth, rebuilt.depth)
@@ -80,8 +82,8 @@ def test_several_chains_share_the_nodes_earlier_ones_added():
 
 def test_a_guess_the_heads_drafted_adds_nothing():
     tokens, tree = torch.tensor([10, 11, 12, 13]), build_tree_buffers(torch.tensor([-1, 0, 0, 1]))
-    new_tokens, new_tree = graft_chains(tokens, tree, [[11, 13]])
-    assert new_tokens is tokens and new_tree is tree
+    new_tokens, new_tree, nodes = graft_chains(tokens, tree, [[11, 13]])
+    assert new_tokens is tokens and new_tree is tree and nodes == [[1, 3]]
 
 
 @pytest.mark.parametrize(("parents", "parent", "length"), [
