@@ -83,10 +83,8 @@ class SuffixStore:
     """
 
     def __init__(self, documents: Iterable[Sequence[int]], max_match: int) -> None:
-        pieces = []
-        for document in documents:
-            pieces.extend([np.asarray(document, dtype=np.int64).reshape(-1), np.array([SEPARATOR])])
-        self.tokens = np.concatenate(pieces) if pieces else np.array([SEPARATOR], dtype=np.int64)  # (n,)
+        tokens = documents_array(documents)
+        self.tokens = tokens if len(tokens) else np.array([SEPARATOR], dtype=np.int64)  # (n,)
         if (self.tokens < SEPARATOR).any():
             raise ValueError(f"corpus token ids must be >= 0, got {int(self.tokens.min())}")
         # reversed_[j] = tokens[n - 1 - j]: a suffix of `reversed_` is the corpus read backwards from a position
@@ -201,8 +199,7 @@ class CorpusLookup:
 
     def save_learned(self, path: str | Path) -> Path:
         """Write the remembered answers, oldest first, to the corpus file `path` (atomically), for `load_learned`."""
-        pieces = [np.append(np.asarray(answer, dtype=np.int64), SEPARATOR) for answer in self.recent]
-        return write_corpus_file(path, np.concatenate(pieces) if pieces else np.array([], dtype=np.int64))
+        return write_corpus_file(path, documents_array(self.recent))
 
     def load_learned(self, path: str | Path) -> None:
         """Remember the answers `save_learned` wrote (a restarted server goes on from what it had learned)."""
@@ -219,9 +216,14 @@ class CorpusLookup:
         return max([int(self.base.tokens.max())] + [max(answer) for answer in self.recent if answer])
 
     @property
+    def learned_tokens(self) -> int:
+        """Tokens of the remembered answers."""
+        return sum(len(answer) for answer in self.recent)
+
+    @property
     def num_tokens(self) -> int:
         """Tokens the guesses read from: the corpus and the remembered answers."""
-        return self.base.num_tokens + sum(len(answer) for answer in self.recent)
+        return self.base.num_tokens + self.learned_tokens
 
     def remember(self, answer: Sequence[int]) -> None:
         """Learn a finished answer (with `ANSWER_LEAD` prompt tokens in front: the chat template's assistant header);
@@ -229,7 +231,7 @@ class CorpusLookup:
         if self.online_tokens <= 0 or len(answer) == 0:
             return
         self.recent.append([int(t) for t in answer][-self.online_tokens :])
-        held = sum(len(a) for a in self.recent)
+        held = self.learned_tokens
         while held > self.online_tokens:
             held -= len(self.recent.pop(0))
             self._settled_count = max(self._settled_count - 1, 0)  # an evicted settled answer stays until a rebuild
@@ -252,20 +254,23 @@ class CorpusLookup:
         """Chains of guessed tokens after `context`: the root-to-leaf paths of the trie of counted continuations
         (each node passed by at least `min_probability` of them), at most `max_tokens` nodes in all, likeliest
         first. The store(s) with the longest match are counted; [] when it is shorter than `min_match`."""
-        return self.lookup(context, max_tokens)[0]
+        return self.guesses_after(self.match(context), max_tokens)
 
-    def lookup(self, context: Sequence[int], max_tokens: int) -> tuple[list[list[int]], int]:
-        """(`guesses`, the length of the longest match they come from)."""
-        if max_tokens < 1:
-            return [], 0
+    def match(self, context: Sequence[int]) -> tuple[int, list[tuple[SuffixStore, int, int]]]:
+        """(m, ranges): the longest suffix of `context` found in a store, m tokens, and each store holding it with
+        its range of matches (`SuffixStore.match`); what `guesses_after` counts (a gate may look at m first)."""
         matches = [(store, *store.match(context)) for store in self._stores()]
         longest = max(matched for *_, matched in matches)
-        if longest < self.min_match:
-            return [], longest
+        return longest, [(store, lo, hi) for store, lo, hi, matched in matches if matched == longest]
+
+    def guesses_after(self, match: tuple[int, list[tuple[SuffixStore, int, int]]], max_tokens: int) -> list[list[int]]:
+        """`guesses` from the `match` of the context."""
+        longest, ranges = match
+        if max_tokens < 1 or longest < self.min_match:
+            return []
         continuations: list[list[int]] = []
-        for store, lo, hi, matched in matches:
-            if matched == longest:
-                continuations += store.continuations(lo, hi, min(hi - lo, self.max_occurrences), max_tokens)
+        for store, lo, hi in ranges:
+            continuations += store.continuations(lo, hi, min(hi - lo, self.max_occurrences), max_tokens)
         prefix_counts: Counter[tuple[int, ...]] = Counter()
         for continuation, count in Counter(map(tuple, continuations)).items():  # repeats (learned answers) once
             for length in range(1, len(continuation) + 1):
@@ -275,7 +280,13 @@ class CorpusLookup:
         kept = sorted((prefix for prefix, count in prefix_counts.items() if count >= needed),
                       key=lambda prefix: (-prefix_counts[prefix], len(prefix)))[:max_tokens]
         inner = {prefix[:length] for prefix in kept for length in range(1, len(prefix))}
-        return [list(prefix) for prefix in kept if prefix not in inner], longest
+        return [list(prefix) for prefix in kept if prefix not in inner]
+
+
+def documents_array(documents: Iterable[Sequence[int]]) -> np.ndarray:
+    """(n,) int64: the documents' token ids, each followed by `SEPARATOR` (empty for no documents)."""
+    pieces = [np.append(np.asarray(document, dtype=np.int64).reshape(-1), SEPARATOR) for document in documents]
+    return np.concatenate(pieces) if pieces else np.array([], dtype=np.int64)
 
 
 def read_corpus_file(path: str | Path) -> list[np.ndarray]:

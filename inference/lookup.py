@@ -207,9 +207,9 @@ class LookupDrafter:
         corpus_chains: list[list[int]] = []
         if self.gate is not None:
             self.gate.observe(accepted[:-1])  # what last round's corpus nodes earned
-            found, match_length = self.corpus.lookup(self.index.tokens, self.corpus_tokens)
-            if found and self.gate.admits(match_length):
-                corpus_chains = found
+            match = self.corpus.match(self.index.tokens)
+            if match[0] >= self.corpus.min_match and self.gate.admits(match[0]):  # a closed gate counts nothing
+                corpus_chains = self.corpus.guesses_after(match, self.corpus_tokens)
         # into the trie the tree already is: shared prefixes reuse nodes
         grafted, grafted_tree, chain_nodes = graft_chains(tokens, tree, chains + corpus_chains)
         if self.gate is not None:

@@ -209,7 +209,7 @@ def _save_learned(lm, args: argparse.Namespace) -> None:
     corpus = getattr(lm.drafter, "corpus", None)
     if args.corpus_learned is not None and corpus is not None:
         path = corpus.save_learned(args.corpus_learned)
-        print(f"[specheads] {sum(len(a) for a in corpus.recent)} learned corpus tokens written to {path}",
+        print(f"[specheads] {corpus.learned_tokens} learned corpus tokens written to {path}",
               file=sys.stderr, flush=True)
 
 

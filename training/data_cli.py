@@ -387,7 +387,7 @@ def write_lookup_corpus(target_name: str, data: str, out: str, fmt: str = "auto"
     and save them as a corpus lookup's store in the folder `out`. Returns a summary (file, answers, tokens)."""
     from transformers import AutoTokenizer
 
-    from specheads.inference.corpus_lookup import CorpusLookup, answer_spans
+    from specheads.inference.corpus_lookup import answer_spans, documents_array, write_corpus_file
     from specheads.targets import resolve_target_path
     from specheads.training.data import build_dataset
 
@@ -395,6 +395,5 @@ def write_lookup_corpus(target_name: str, data: str, out: str, fmt: str = "auto"
     dataset = build_dataset(data, tokenizer, fmt, max_length)
     answers = [span for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]) for span in answer_spans(ids, mask)]
     Path(out).mkdir(parents=True, exist_ok=True)
-    corpus = CorpusLookup(answers)
-    path = corpus.save(out)
-    return {"out": str(path), "answers": len(answers), "tokens": corpus.num_tokens}
+    path = write_corpus_file(out, documents_array(answers))  # no suffix array: it is built where the corpus is used
+    return {"out": str(path), "answers": len(answers), "tokens": sum(len(answer) for answer in answers)}
