@@ -23,8 +23,12 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/specheads demo --out demo_out
 
+# Tests run in one pytest-xdist worker per core (at most 4; tests/conftest.py gives each worker one torch thread,
+# so two workers fill a 2-core machine); `make test TEST_WORKERS=0` runs them in this process, one after another.
+TEST_WORKERS ?= auto
+
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal
 
 HEADS_SMOLLM2 := checkpoints/smollm2-135m-instruct-eagle3
 
