@@ -67,3 +67,39 @@ def test_argmax_label_weight_is_a_weight_on_the_target_labels():
         load_run_config(CONFIGS / "eagle_stories260k.yaml", ["loss.argmax_label_weight=1.5"])
     with pytest.raises(ValueError, match="needs loss.labels='target', got 'tokens'"):
         load_run_config(CONFIGS / "eagle_stories260k.yaml", ["loss.argmax_label_weight=0.5", "loss.labels=tokens"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trackers=[tensorboard, mlflow]"], r"trackers contains 'mlflow'; expected 'tensorboard' and/or 'wandb'"),
+        (["save_steps=0"], r"save_steps=0 is invalid; expected a positive integer"),
+        (["data.max_length=-5"], r"data\.max_length=-5 is invalid; expected a positive integer"),
+        (["eval_steps=-1"], r"eval_steps=-1 is invalid; expected steps >= 0"),
+        (["data.eval_fraction=1.0"], r"data\.eval_fraction=1\.0 is invalid; expected a fraction in \[0, 1\)"),
+        (["data.eval_fraction=0.1", "data.eval_source=held_out.jsonl"], r"both set; hold out a fraction OR name a file"),
+        (["time_limit_minutes=0"], r"time_limit_minutes=0\.0 is invalid; expected minutes > 0"),
+        (["global_batch_size=4", "micro_batch_size=8"], r"micro_batch_size=8 is larger than global_batch_size=4"),
+        (["feature_mode=offline", "data.features_dir=null"], r"feature_mode=offline needs data\.features_dir"),
+        (["data.source="], r"data\.source is empty"),
+        (["joint.enabled=true"], r"joint\.enabled=true \(Medusa-2\) trains Medusa heads; head\.type='eagle'"),
+        (["init_heads=[a, b]"], r"config key 'init_heads': value \['a', 'b'\] has type list; expected"),
+        (["optim=3"], r"config section 'optim' must be a mapping, got 3"),
+        (["max_steps.inner=3"], r"override 'max_steps\.inner=3': 'max_steps' is not a section"),
+        (["trackers=tensorboard"], r"config key 'trackers': value 'tensorboard' has type str; expected list"),
+    ],
+)
+def test_each_invalid_value_is_named_with_what_was_expected(overrides, message):
+    """Every check of `RunConfig.validate` and of the schema raises a ValueError naming the value (no stack trace
+    from deep inside training)."""
+    with pytest.raises(ValueError, match=message):
+        load_run_config(CONFIGS / "eagle_stories260k.yaml", overrides)
+
+
+def test_a_missing_or_non_mapping_config_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run config '.*nope.yaml' does not exist"):
+        load_run_config(tmp_path / "nope.yaml")
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- max_steps: 3\n")
+    with pytest.raises(ValueError, match="run config '.*list.yaml' must be a YAML mapping, got list"):
+        load_run_config(listing)
