@@ -153,13 +153,16 @@ def _read_pickle(path: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
     return state
 
 
-def tensor_names(path: Path) -> set[str] | None:
-    """Tensor names of a safetensors file without loading it; None if unreadable."""
+def tensor_names(path: Path) -> set[str]:
+    """Tensor names of a safetensors file without loading it; empty when there is no such file (a ValueError naming
+    the file when it is unreadable: a truncated download must not pass for a folder of unknown format)."""
+    if not path.is_file():
+        return set()
     try:
         with safe_open(str(path), framework="pt") as f:
             return set(f.keys())
-    except (SafetensorError, OSError, RuntimeError):
-        return None
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"{path} is corrupt or not a safetensors file: {err}") from err
 
 
 # --- detection ----------------------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ def detect_format(folder: str | os.PathLike) -> str:
         return "speculators"
     if "medusa_num_heads" in config or medusa_files:
         return "medusa"
-    names = tensor_names(folder / "model.safetensors") or set()
+    names = tensor_names(folder / "model.safetensors")
     eagle3_arch = "LlamaForCausalLMEagle3" in (config.get("architectures") or [])
     if eagle3_arch or "draft_vocab_size" in config or {"d2t", "t2d"} & names:
         midlayer = any(n.startswith("midlayer.") for n in names)

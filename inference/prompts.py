@@ -43,15 +43,21 @@ def read_prompts(
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number} is not valid JSON: {err}") from err
-            text = record["turns"][0] if "turns" in record else record.get("prompt") or record.get("text")
-            if not text:
-                raise ValueError(f"{path}:{number} has no 'turns', 'prompt' or 'text' field")
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number} is a JSON {type(record).__name__}; expected an object with "
+                                 "'turns', 'prompt' or 'text'")
+            turns = record.get("turns")
+            if turns is not None and not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+                raise ValueError(f"{path}:{number} has turns={turns!r}; expected a non-empty list of strings")
+            text = turns[0] if turns else record.get("prompt") or record.get("text")
+            if not text or not isinstance(text, str):
+                raise ValueError(f"{path}:{number} has no 'turns', 'prompt' or 'text' field holding text")
             rows.append(
                 {
                     "prompt_id": str(record.get("question_id", number)),
                     "category": str(record.get("category", "default")),
                     "text": text,
-                    "turns": [str(t) for t in record["turns"]] if "turns" in record else [text],
+                    "turns": list(turns) if turns else [text],
                 }
             )
         else:

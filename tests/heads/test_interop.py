@@ -428,6 +428,39 @@ def test_pickled_weights_are_refused_unless_allowed(stories, tmp_path, eagle_inp
     assert torch.equal(heads.fc.weight, eagle_tensors["fc.weight"])
 
 
+def test_corrupt_files_are_named_with_what_is_wrong(stories, tmp_path):
+    """A foreign folder's broken config or weights raise an error naming the file (not a stack trace from deep inside
+    json, safetensors or torch.load)."""
+    folder, config, tensors = _eagle_folder(tmp_path / "eagle", stories)
+    (folder / "config.json").write_text('{"hidden_size": 64,')  # cut off
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        import_heads(folder, format="eagle", target=stories)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json must hold a JSON object, got list"):
+        import_heads(folder, format="eagle", target=stories)
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a truncated download
+    with pytest.raises(ValueError, match=r"model\.safetensors is corrupt or not a safetensors file"):
+        import_heads(folder, target=stories)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="has none of the weight files"):
+        import_heads(folder, format="eagle", target=stories)
+
+    folder, _ = _medusa_folder(tmp_path / "medusa", stories, weights="medusa_lm_head.pt")
+    medusa_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(medusa_config, medusa_num_heads="3")))
+    with pytest.raises(ValueError, match=r"field medusa_num_heads='3' should be a int"):
+        import_heads(folder, target=stories, allow_pickle=True)
+    (folder / "config.json").write_text(json.dumps(medusa_config))
+    torch.save({"0.0.linear.weight": [1.0, 2.0]}, folder / "medusa_lm_head.pt")  # not name -> tensor
+    with pytest.raises(ValueError, match=r"medusa_lm_head\.pt does not hold a flat state dict"):
+        import_heads(folder, target=stories, allow_pickle=True)
+    (folder / "medusa_lm_head.pt").write_bytes(b"not a pickle at all")
+    with pytest.raises(ValueError, match=r"medusa_lm_head\.pt could not be read with torch\.load\(weights_only=True\)"):
+        import_heads(folder, target=stories, allow_pickle=True)
+
+
 # --- detection ------------------------------------------------------------------------------------------------------
 def test_detection_of_every_format(stories, tmp_path):
     torch.manual_seed(0)

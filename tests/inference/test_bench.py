@@ -213,6 +213,34 @@ def test_prompts_per_category_keeps_the_first_of_each(tmp_path):
         read_prompts(path, per_category=0)
 
 
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"turns": ["a"],', r"q\.jsonl:2 is not valid JSON"),
+        ('["a", "b"]', r"q\.jsonl:2 is a JSON list; expected an object with 'turns', 'prompt' or 'text'"),
+        ('{"turns": []}', r"q\.jsonl:2 has turns=\[\]; expected a non-empty list of strings"),
+        ('{"turns": "hello"}', r"q\.jsonl:2 has turns='hello'; expected a non-empty list of strings"),
+        ('{"question_id": 7}', r"q\.jsonl:2 has no 'turns', 'prompt' or 'text' field holding text"),
+        ('{"prompt": 42}', r"q\.jsonl:2 has no 'turns', 'prompt' or 'text' field holding text"),
+    ],
+)
+def test_a_bad_prompt_line_is_named_with_its_line_number(tmp_path, line, message):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "turns": ["fine"]}) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        read_prompts(path)
+
+
+def test_unknown_categories_and_a_missing_file_are_named(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "math", "prompt": "2 + 2?"}) + "\n")
+    assert read_prompts(path)[0]["turns"] == ["2 + 2?"]
+    with pytest.raises(ValueError, match=r"categories \['poetry'\] not in .*q\.jsonl; known: \['math'\]"):
+        read_prompts(path, categories=["math", "poetry"])
+    with pytest.raises(FileNotFoundError, match="prompts file .*nope.jsonl does not exist"):
+        read_prompts(tmp_path / "nope.jsonl")
+
+
 def test_calibration_prompts_spread_over_categories_first():
     prompts = [Prompt(str(i), c, f"q{i}", torch.tensor([[i]])) for i, c in enumerate("aabbbcab")]
     assert [p.prompt_id for p in calibration_prompts(prompts)] == ["0", "2", "5", "1"]
