@@ -41,7 +41,7 @@ def server(stories260k):
     httpd.server_close()
 
 
-def post(url: str, body: dict | bytes) -> tuple[int, dict | list]:
+def post(url: str, body: dict | list | bytes) -> tuple[int, dict | list]:
     """(status, JSON body) of a POST; a streamed answer comes back as the list of its events."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -118,6 +118,9 @@ def test_completion_stops_before_a_stop_string_streamed_or_not(server):
     assert body["usage"]["completion_tokens"] < 30
     _, events = post(url + "/v1/completions", {**request, "stream": True})
     assert "".join(e["choices"][0]["text"] for e in events) == expected
+    for prompt in (["Once upon a time"], ids[0].tolist(), [ids[0].tolist()]):  # a batch of one; token ids
+        status, body = post(url + "/v1/completions", {**request, "prompt": prompt})
+        assert status == 200 and body["choices"][0]["text"] == expected, prompt
 
 
 def test_response_format_json_schema_gives_the_constrained_targets_json(server):
@@ -314,6 +317,17 @@ def test_sampling_with_a_seed_repeats(server):
         ("/v1/completions", {"prompt": ""}, 400, "prompt=''"),
         ("/v1/completions", {"prompt": "hi " * 600, "max_tokens": 8}, 400, "512"),  # stories260K's context
         ("/v1/embeddings", {"input": "hi"}, 404, "no route"),
+        ("/v1/completions", [{"prompt": "hi"}], 400, "must be a JSON object, got list"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["a", ""]}, 400, "stop=['a', '']"),
+        ("/v1/completions", {"prompt": ["hi", "there"]}, 400, "one prompt per request"),
+        ("/v1/completions", {"prompt": [3, 99999]}, 400, "[99999] outside the vocabulary [0, 512)"),
+        ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream='yes'"),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": 3}, 400, "stream_options=3"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content=5"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "only 'text' parts"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, 400,
+         "logprobs='yes'"),
     ],
 )
 def test_bad_requests_get_an_openai_error_naming_the_field(server, path, body, status, needle):
