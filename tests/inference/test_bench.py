@@ -108,6 +108,34 @@ def test_bench_under_a_json_schema_constrains_every_run(tmp_path, eagle_heads_di
         run_bench(tmp_path, eagle_heads_dir, "x\n", "--json-schema", "{oops")
 
 
+def test_bench_times_transformers_assisted_generation_as_a_peer(tmp_path, eagle_heads_dir):
+    """--assistant: transformers `generate(assistant_model=...)` timed on each greedy prompt beside the baseline, its
+    speedup in the JSON and the table (the target as its own draft model: a valid, if pointless, pair)."""
+    results, out = run_bench(tmp_path, eagle_heads_dir, "Once upon a time\nThe cat sat\n", "--assistant", "stories260K")
+    assert results["greedy_identical"] is True
+    assert all(r["assisted_tokens_per_second"] > 0 for r in results["per_prompt"])
+    overall = results["greedy"]["overall"]
+    assert overall["assisted_speedup"] == pytest.approx(
+        overall["assisted_tokens_per_second"] / overall["baseline_tokens_per_second"])
+    assert "| assisted speedup |" in (out.parent / "results.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (("--turns", "0"), "--turns 0: expected at least 1"),
+        (("--turns", "2"), "--turns 2 needs the target's chat template .* the tokenizer has none"),
+        (("--batch-size", "0"), "--batch-size 0: expected at least 1"),
+        (("--batch-size", "2", "--json-schema", '{"type": "string"}'), "--batch-size 2 runs first turns without "
+                                                                         "constraints"),
+        (("--modes", "greedy,beam"), r"--modes \['beam'\] unknown; expected greedy and/or sample"),
+    ],
+)
+def test_bench_options_that_cannot_run_are_named(tmp_path, eagle_heads_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        run_bench(tmp_path, eagle_heads_dir, "Once upon a time\n", *options)
+
+
 class _CorruptingLM:
     """A SpeculativeLM stand-in whose greedy output differs from the target's at the third new token."""
 

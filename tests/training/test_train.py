@@ -18,7 +18,13 @@ from safetensors.torch import load_file
 from specheads import create_heads, load_heads
 from specheads.cli import main
 from specheads.training.config import load_run_config
-from specheads.training.train import _HeadsView, check_world_size, latest_checkpoint
+from specheads.training.train import (
+    _HeadsView,
+    check_world_size,
+    latest_checkpoint,
+    lr_lambda,
+    make_accelerator,
+)
 
 from .conftest import CONFIGS, REPO, depth1_accuracy, overrides
 
@@ -101,7 +107,7 @@ def test_stop_after_steps_then_resume_is_exact(tmp_path, stories_file, recipe):
         assert torch.equal(ref[name], got[name]), name
 
 
-def test_time_limit_ends_the_run_with_final_heads_and_a_rerun_continues(tmp_path, stories_file):
+def test_time_limit_ends_the_run_with_final_heads_and_a_rerun_continues(tmp_path, stories_file, capsys):
     config = str(CONFIGS / "medusa_stories260k.yaml")
     out = tmp_path / "timed"
     # a limit of ~0 s: the run stops after its first step, saves a checkpoint and the final heads
@@ -115,6 +121,12 @@ def test_time_limit_ends_the_run_with_final_heads_and_a_rerun_continues(tmp_path
     ref, got = load_file(tmp_path / "ref" / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
+    # the finished run, run again: it reports the recorded metrics and trains nothing
+    written = (out / "final" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["train", config, *overrides(stories_file, out, max_steps=6, save_steps=6)]) == 0
+    assert "is already trained to max_steps=6" in capsys.readouterr().out
+    assert (out / "final" / "model.safetensors").stat().st_mtime_ns == written
     assert main(["train", config, *overrides(stories_file, tmp_path / "bad", time_limit_minutes=-1)]) == 2
 
 
@@ -281,3 +293,21 @@ def test_init_heads_continues_from_trained_heads(tmp_path, stories_file, target_
         initial_heads(replace(run, head=replace(run.head, type="eagle")), target)
     with pytest.raises(ValueError, match=r"head.options.draft_vocab_size=128 .* has draft_vocab_size=256"):
         initial_heads(replace(run, head=replace(run.head, options={"draft_vocab_size": 128})), target)
+
+
+def test_learning_rate_schedules_warm_up_then_decay_or_hold():
+    """Linear warmup over optim.warmup_steps, then cosine down to optim.min_lr_ratio at max_steps, or constant."""
+    cosine = lr_lambda(load_run_config(None, ["data.source=x.jsonl", "max_steps=12", "optim.warmup_steps=2",
+                                              "optim.min_lr_ratio=0.1"]))
+    assert [cosine(s) for s in (0, 1)] == [0.5, 1.0]
+    assert cosine(2) == pytest.approx(1.0) and cosine(7) == pytest.approx(0.55) and cosine(12) == pytest.approx(0.1)
+    assert all(cosine(s) >= cosine(s + 1) for s in range(2, 20)) and cosine(40) == pytest.approx(0.1)
+    constant = lr_lambda(load_run_config(None, ["data.source=x.jsonl", "optim.warmup_steps=4", "optim.schedule=constant"]))
+    assert [constant(s) for s in (0, 3, 4, 500)] == [0.25, 1.0, 1.0, 1.0]
+
+
+def test_a_wandb_tracker_without_wandb_names_the_pip_command(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, installed or not
+    config = load_run_config(None, ["data.source=x.jsonl", f"output_dir={tmp_path}", "trackers=[tensorboard, wandb]"])
+    with pytest.raises(ValueError, match=r"trackers contains 'wandb' but wandb is not installed \(pip install specheads\[wandb\]\)"):
+        make_accelerator(config)
