@@ -35,13 +35,28 @@ def read_records(source: str | Path) -> list[dict[str, Any]]:
         return [dict(row) for row in load_from_disk(str(path))]
     text = path.read_text()
     if path.suffix == ".jsonl" or (text.lstrip()[:1] == "{" and "\n{" in text.strip()):
-        return [json.loads(line) for line in text.split("\n") if line.strip()]  # not splitlines(): U+2028 may be inside a string
-    data = json.loads(text)
+        # not splitlines(): U+2028 may be inside a string
+        numbered = [(f"{path}:{n}", line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
+        return [_record(_parse_json(line, where), where) for where, line in numbered]
+    data = _parse_json(text, str(path))
     if isinstance(data, dict):
         data = data.get("data", data.get("train", [data]))
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-    return data
+    return [_record(record, f"{path} record {i}") for i, record in enumerate(data)]
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where} is not valid JSON: {err}") from err
+
+
+def _record(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} is a JSON {type(value).__name__}; expected an object (one record)")
+    return value
 
 
 FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "text": "text"}  # the field each format reads

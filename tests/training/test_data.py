@@ -124,3 +124,32 @@ def test_batch_order_is_deterministic_and_world_size_free():
     assert sorted(map(tuple, one)) == sorted(map(tuple, two))
     with pytest.raises(ValueError, match="fewer than global_batch_size"):
         BatchOrder([3, 4], 8, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("cut.jsonl", '{"text": "a story"}\n{"text": "another st', r"cut\.jsonl:2 is not valid JSON"),
+        ("list.jsonl", '{"text": "a story"}\n["a", "b"]\n', r"list\.jsonl:2 is a JSON list; expected an object"),
+        ("bad.json", '[{"text": "a story"},', r"bad\.json is not valid JSON"),
+        ("scalar.json", "42", r"scalar\.json: expected a JSON list of records, got int"),
+        ("strings.json", '["a story", "another"]', r"strings\.json record 0 is a JSON str; expected an object"),
+        ("empty.jsonl", "\n\n", r"data source '.*empty\.jsonl' holds no records"),
+        ("speaker.jsonl", json.dumps({"conversations": [{"from": "robot", "value": "hi"}]}),
+         r"unknown speaker from='robot'"),
+    ],
+)
+def test_a_broken_data_file_is_named_with_the_line_or_record(tmp_path, target_and_tokenizer, name, content, message):
+    """A cut-off or malformed training file fails naming the file (and the line of a JSONL), not deep inside json."""
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        build_dataset(path, target_and_tokenizer[1])
+
+
+def test_json_files_may_wrap_their_records(tmp_path, target_and_tokenizer):
+    """A .json file holds a list of records, {"data": [...]}, {"train": [...]} or one record."""
+    for name, content in {"list": [{"text": "a story"}], "data": {"data": [{"text": "a story"}]},
+                          "train": {"train": [{"text": "a story"}]}, "one": {"text": "a story"}}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+        assert read_records(tmp_path / f"{name}.json") == [{"text": "a story"}], name
