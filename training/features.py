@@ -299,9 +299,13 @@ class OfflineFeatures:
         index_file = self.folder / INDEX_NAME
         if not index_file.is_file():
             raise FileNotFoundError(f"{self.folder} has no {INDEX_NAME}; write one with `specheads data dump-features`")
-        self.index = json.loads(index_file.read_text())
-        if self.index.get("format") != FORMAT_NAME:
-            raise ValueError(f"{index_file} is not a specheads feature index (format={self.index.get('format')!r})")
+        try:
+            self.index = json.loads(index_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{index_file} is not valid JSON ({err}); dump the features again") from err
+        if not isinstance(self.index, dict) or self.index.get("format") != FORMAT_NAME:
+            found = self.index.get("format") if isinstance(self.index, dict) else type(self.index).__name__
+            raise ValueError(f"{index_file} is not a specheads feature index (format={found!r})")
         self.verify = verify
         self._open: dict[str, Any] = {}
         self._lengths: list[int] | None = None

@@ -73,6 +73,18 @@ def test_dump_features_shards_index_and_lazy_reads(tmp_path, stories_file, targe
     shard.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="sha256"):
         OfflineFeatures(out)[0]
+    with pytest.raises(IndexError, match="example 64 is outside the feature dump"):
+        OfflineFeatures(out)[64]
+    # a broken or foreign index, or none, is named
+    (out / "index.json").write_text('{"format": ')
+    with pytest.raises(ValueError, match=r"index\.json is not valid JSON .*dump the features again"):
+        OfflineFeatures(out)
+    (out / "index.json").write_text(json.dumps({"format": "safetensors-shards"}))
+    with pytest.raises(ValueError, match="is not a specheads feature index \\(format='safetensors-shards'\\)"):
+        OfflineFeatures(out)
+    (out / "index.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no index.json; write one with `specheads data dump-features`"):
+        OfflineFeatures(out)
 
 
 def test_lookup_corpus_holds_each_answer_with_its_header(tmp_path, chat_file, target_and_tokenizer, capsys):
