@@ -292,6 +292,21 @@ class FailsAfter:
         return scores
 
 
+class StreamerFailsAfter:
+    """A streamer whose `puts`-th `put` raises (a client gone mid-answer), after acceptance, inside a round."""
+
+    def __init__(self, puts: int) -> None:
+        self.puts = puts
+
+    def put(self, value) -> None:
+        self.puts -= 1
+        if self.puts <= 0:
+            raise RuntimeError("client went away")
+
+    def end(self) -> None:
+        pass
+
+
 def test_a_row_whose_own_work_fails_ends_alone_when_errors_are_isolated(tiny_target_factory):
     target = tiny_target_factory("llama")
     lm = SpeculativeLM(target, batched_test_heads(target, "eagle"))
@@ -306,11 +321,14 @@ def test_a_row_whose_own_work_fails_ends_alone_when_errors_are_isolated(tiny_tar
     with pytest.raises(RuntimeError, match="dead state"):  # by default an error is the caller's
         drive(BatchEngine(lm), {0: [healthy[0], failing], 1: [healthy[1]]})
     healthy, failing, first_token = requests()
+    # its 3rd put: the prompt, the first token (prefill), then the first round's accepted tokens
+    streaming = lm.batch_request(torch.tensor([PROMPTS[1]]), max_new_tokens=20, streamer=StreamerFailsAfter(3))
     engine = BatchEngine(lm, isolate_errors=True)
-    drive(engine, {0: [healthy[0], failing], 1: [healthy[1], first_token]})
-    for request in (failing, first_token):
+    drive(engine, {0: [healthy[0], failing, streaming], 1: [healthy[1], first_token]})
+    for request in (failing, first_token, streaming):
         assert request.finished and isinstance(request.error, RuntimeError)
     assert first_token.new_tokens == []  # it failed on its first token, in the prefill
+    assert str(streaming.error) == "client went away" and len(streaming.new_tokens) > 1  # failed in a round
     for request, prompt in zip(healthy, PROMPTS):
         assert request.error is None
         assert request.new_tokens == hf_greedy(target, torch.tensor([prompt]), 20)[0, len(prompt):].tolist()
