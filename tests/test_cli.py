@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from specheads.cli import main
 from specheads.inference.certified_argmax import wants_certified_argmax
@@ -383,3 +384,23 @@ def test_threads_option_sets_torch_threads_and_is_checked(stories260k_eagle_dir,
     assert main(["generate", "--heads", str(tmp_path / "missing"), "--prompt", "Once", "--threads", "0"]) == 2
     err = capfd.readouterr().err
     assert "--threads 0: expected a number of CPU threads >= 1" in err and "does not exist" not in err
+
+
+def test_export_then_import_through_the_command_line(stories260k_eagle_dir, tmp_path, capsys):
+    """`specheads export --format eagle` writes the EAGLE-1 layout, `specheads import` (format detected, target read
+    from the folder or given) brings the same weights back; a bad export format is a usage error."""
+    from safetensors.torch import load_file
+
+    from specheads.heads.interop import detect_format
+
+    exported = tmp_path / "eagle"
+    assert main(["export", "--heads", str(stories260k_eagle_dir), "--format", "eagle", "--out", str(exported)]) == 0
+    assert f"wrote {exported}" in capsys.readouterr().out and detect_format(exported) == "eagle"
+    back = tmp_path / "back"
+    assert main(["import", str(exported), "--target", "stories260K", "--out", str(back)]) == 0
+    assert f"imported eagle heads into {back}" in capsys.readouterr().out
+    ours, theirs = load_file(stories260k_eagle_dir / "model.safetensors"), load_file(back / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with pytest.raises(SystemExit):
+        main(["export", "--heads", str(stories260k_eagle_dir), "--format", "gguf", "--out", str(tmp_path / "x")])
+    assert "invalid choice: 'gguf'" in capsys.readouterr().err
