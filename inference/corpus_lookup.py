@@ -41,6 +41,7 @@ CORPUS_FILE = "lookup_corpus.npy"  # the corpus a heads folder may carry (uint32
 SEPARATOR = -1  # between documents: never matched, never guessed
 SAVED_SEPARATOR = np.iinfo(np.uint32).max  # SEPARATOR as the saved uint32 file holds it
 ANSWER_LEAD = 3  # prompt tokens kept in front of an answer: a chat template's assistant header, so openings match
+SAVE_EVERY = 32  # `--corpus-learned FILE` is written again after this many learned answers (`--corpus-save-every`)
 SETTLE_TOKENS = 2048  # learned answers wait in a small store, rebuilt per answer, until they hold this many tokens
 
 
@@ -186,6 +187,10 @@ class CorpusLookup:
         self._stale = False  # answers were remembered since the stores were last built
         # what grafted guesses earned after matches of each length (bit length), over all requests: the gate's
         self.gain_by_match: dict[int, GainTally] = {}
+        # `keep_learned_in`: the file `remember` writes the learned answers to, every `save_every` answers
+        self.learned_file: Path | None = None
+        self.save_every = 0
+        self._unsaved = 0  # answers remembered since the last `save_learned`
 
     @classmethod
     def load(cls, path: str | Path, **settings: Any) -> CorpusLookup:
@@ -199,7 +204,16 @@ class CorpusLookup:
 
     def save_learned(self, path: str | Path) -> Path:
         """Write the remembered answers, oldest first, to the corpus file `path` (atomically), for `load_learned`."""
+        self._unsaved = 0
         return write_corpus_file(path, documents_array(self.recent))
+
+    def keep_learned_in(self, path: str | Path, every: int) -> None:
+        """Have `remember` write the learned answers to `path` (`save_learned`) after every `every` answers, so that
+        a process killed without a clean end loses fewer than `every` of them (0: only when `save_learned` is
+        called; the CLI also writes them when the command ends)."""
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise ValueError(f"--corpus-save-every {every!r}: expected 0 (only at the end) or a number of answers")
+        self.learned_file, self.save_every = Path(path), every
 
     def load_learned(self, path: str | Path) -> None:
         """Remember the answers `save_learned` wrote (a restarted server goes on from what it had learned)."""
@@ -236,6 +250,9 @@ class CorpusLookup:
             held -= len(self.recent.pop(0))
             self._settled_count = max(self._settled_count - 1, 0)  # an evicted settled answer stays until a rebuild
         self._stale = True
+        self._unsaved += 1
+        if self.learned_file is not None and self.save_every and self._unsaved >= self.save_every:
+            self.save_learned(self.learned_file)  # ~7 ms per 100k learned tokens (2 cores): fine once per K answers
 
     def _stores(self) -> list[SuffixStore]:
         """The stores guesses read: the corpus, the learned answers' large store, the newest answers' small one
@@ -354,14 +371,17 @@ def corpus_for_target(corpus: CorpusLookup | str | Path, vocab_size: int) -> Cor
 
 
 def corpus_from_options(path: str | Path | None, online_tokens: int = 0, min_gain: float = MIN_GAIN,
-                        learned_file: str | Path | None = None) -> CorpusLookup | None:
-    """The corpus lookup of the CLI's `--lookup-corpus PATH`, `--corpus-learn N`, `--corpus-min-gain G` and
-    `--corpus-learned FILE`: the saved corpus (learning when N > 0), an empty one that learns (no path), or None
-    (neither); a learning one first remembers the answers in FILE when it exists (`save_learned` wrote them)."""
+                        learned_file: str | Path | None = None, save_every: int = SAVE_EVERY) -> CorpusLookup | None:
+    """The corpus lookup of the CLI's `--lookup-corpus PATH`, `--corpus-learn N`, `--corpus-min-gain G`,
+    `--corpus-learned FILE` and `--corpus-save-every K`: the saved corpus (learning when N > 0), an empty one that
+    learns (no path), or None (neither); a learning one first remembers the answers in FILE when it exists
+    (`save_learned` wrote them), then writes FILE again every K answers it learns (`keep_learned_in`)."""
     if not isinstance(online_tokens, int) or online_tokens < 0:
         raise ValueError(f"--corpus-learn {online_tokens!r}: expected 0 (off) or a number of tokens")
     if not isinstance(min_gain, (int, float)) or not 0.0 <= min_gain < float("inf"):
         raise ValueError(f"--corpus-min-gain {min_gain!r}: expected a number >= 0 (0 = always graft)")
+    if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
+        raise ValueError(f"--corpus-save-every {save_every!r}: expected 0 (only at the end) or a number of answers")
     if learned_file is not None and online_tokens == 0:
         raise ValueError(f"--corpus-learned {learned_file}: keeps what the corpus learns, so it needs --corpus-learn N")
     if learned_file is not None and Path(learned_file).is_dir():
@@ -371,8 +391,10 @@ def corpus_from_options(path: str | Path | None, online_tokens: int = 0, min_gai
         corpus = CorpusLookup.load(path, online_tokens=online_tokens, min_gain=min_gain)
     elif online_tokens:
         corpus = CorpusLookup(online_tokens=online_tokens, min_gain=min_gain)
-    if learned_file is not None and Path(learned_file).exists():
-        corpus.load_learned(learned_file)
+    if learned_file is not None:
+        if Path(learned_file).exists():
+            corpus.load_learned(learned_file)
+        corpus.keep_learned_in(learned_file, save_every)
     return corpus
 
 

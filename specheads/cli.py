@@ -13,6 +13,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     # torch is loaded by now (the package imports it)
     from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
     from specheads.inference.corpus_gate import MIN_GAIN, PROBE_EVERY
+    from specheads.inference.corpus_lookup import SAVE_EVERY
     from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES
     from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
     from specheads.inference.onednn import CPU_LINEAR_CHOICES
@@ -63,7 +64,11 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
                    f"through; default {MIN_GAIN}; 0: always)")
     p.add_argument("--corpus-learned", default=None, metavar="FILE",
                    help="with --corpus-learn: keep the learned answers in FILE, read at start when it exists and "
-                   "written (atomically) when the command ends (serve: on Ctrl-C or SIGTERM)")
+                   "written (atomically) when the command ends (serve: on Ctrl-C or SIGTERM) and every "
+                   "--corpus-save-every answers")
+    p.add_argument("--corpus-save-every", type=int, default=SAVE_EVERY, metavar="K",
+                   help="with --corpus-learned: write FILE again after every K answers learned, so that a process "
+                   f"killed without a clean end loses fewer than K (default {SAVE_EVERY}; 0: only at the end)")
     p.add_argument("--max-round-nodes", type=parse_max_round_nodes, default=None,
                    help="batched decoding (serve, generate --prompts): tree nodes one round verifies at most, all rows "
                    "together; each row's tree shrinks to this // rows nodes, at 1 a plain step; 'auto': the nodes per "
@@ -188,7 +193,8 @@ def _load_lm(args: argparse.Namespace):
 
     # before loading any model
     check_lookup_settings(args.lookup_tokens, lookup_max_tokens=args.lookup_max_tokens, corpus_tokens=args.corpus_tokens)
-    corpus = corpus_from_options(args.lookup_corpus, args.corpus_learn, args.corpus_min_gain, args.corpus_learned)
+    corpus = corpus_from_options(args.lookup_corpus, args.corpus_learn, args.corpus_min_gain, args.corpus_learned,
+                                 args.corpus_save_every)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads}: expected a number of CPU threads >= 1")

@@ -179,6 +179,25 @@ def test_generate_prompts_file_answers_every_prompt_batched_and_resumes(stories2
         assert record["finish_reason"] == ("length" if record["new_tokens"] == 30 else "stop")
 
 
+def test_generate_prompts_writes_the_learned_corpus_every_k_answers(stories260k_eagle_dir, tmp_path, capfd,
+                                                                     monkeypatch):
+    """`--corpus-learned FILE --corpus-save-every 2` over 3 prompts: FILE is written after the 2nd answer learned
+    (a kill -9 then would keep those two) and when the command ends."""
+    from specheads.inference.corpus_lookup import CorpusLookup, read_corpus_file
+
+    writes: list[int] = []
+    save_learned = CorpusLookup.save_learned
+    monkeypatch.setattr(CorpusLookup, "save_learned", lambda self, path: writes.append(len(self.recent))
+                        or save_learned(self, path))
+    prompts, learned = tmp_path / "prompts.txt", tmp_path / "learned.npy"
+    prompts.write_text("\n".join(STORY_STARTS[:3]) + "\n")
+    assert main(["generate", "--heads", str(stories260k_eagle_dir), "--prompts", str(prompts), "--out",
+                 str(tmp_path / "out.jsonl"), "--max-new-tokens", "8", "--max-batch", "1", "--corpus-learn", "500",
+                 "--corpus-learned", str(learned), "--corpus-save-every", "2"]) == 0
+    capfd.readouterr()
+    assert writes == [2, 3] and len(read_corpus_file(learned)) == 3
+
+
 def test_generate_prompts_file_samples_the_same_answers_whatever_the_batch(stories260k_eagle_dir, tmp_path, capfd):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(STORY_STARTS) + "\n")
@@ -252,6 +271,10 @@ def test_bad_lookup_settings_fail_before_any_loading(tmp_path, capsys, command):
     assert main([command, "--heads", str(missing), *args, "--corpus-min-gain", "-0.5"]) == 2
     err = capsys.readouterr().err
     assert "--corpus-min-gain -0.5: expected a number >= 0" in err and "does not exist" not in err
+    if command == "generate":  # bench keeps no learned corpus
+        assert main([command, "--heads", str(missing), *args, "--corpus-save-every", "-1"]) == 2
+        err = capsys.readouterr().err
+        assert "--corpus-save-every -1: expected 0 (only at the end)" in err and "does not exist" not in err
 
 
 def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch):

@@ -107,6 +107,33 @@ def test_learned_answers_are_saved_and_learned_again(tmp_path):
     assert read_corpus_file(path) == []
 
 
+def test_learned_answers_are_written_every_k_answers(tmp_path):
+    """`keep_learned_in(FILE, every=K)` (the CLI's --corpus-learned FILE --corpus-save-every K): `remember` writes
+    FILE after every K answers, so a process killed without a clean end loses fewer than K; 0 leaves it to the end."""
+    path = tmp_path / "learned.npy"
+    corpus = corpus_from_options(None, 100, learned_file=path, save_every=2)
+    corpus.remember([1, 2, 3])
+    assert not path.exists()
+    corpus.remember([4, 5, 6])
+    assert read_corpus_file(path) and [a.tolist() for a in read_corpus_file(path)] == [[1, 2, 3], [4, 5, 6]]
+    corpus.remember([7, 8])
+    assert len(read_corpus_file(path)) == 2  # the third waits for the fourth
+    corpus.save_learned(path)  # the command's end writes it, and the count starts again
+    corpus.remember([9])
+    assert len(read_corpus_file(path)) == 3
+    corpus.remember([10])
+    assert [a.tolist() for a in read_corpus_file(path)][-2:] == [[9], [10]]
+    at_the_end = corpus_from_options(None, 100, learned_file=tmp_path / "end.npy", save_every=0)
+    for answer in ([1], [2], [3]):
+        at_the_end.remember(answer)
+    assert not (tmp_path / "end.npy").exists()
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match=f"--corpus-save-every {bad}: expected 0 .*or a number of answers"):
+            corpus_from_options(None, 100, save_every=bad)
+    with pytest.raises(ValueError, match="--corpus-save-every True"):
+        CorpusLookup(online_tokens=8).keep_learned_in(path, True)
+
+
 def test_bad_corpus_files_and_settings_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no lookup corpus at .*specheads data lookup-corpus"):
         CorpusLookup.load(tmp_path)
