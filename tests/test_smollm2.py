@@ -8,11 +8,13 @@ where the `smollm2` extra is installed (as `make bench` installs it).
 from __future__ import annotations
 
 import importlib.util
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from specheads import load_target
+from specheads import load_target, smollm2
 from specheads.smollm2 import GGUF_NAME, smollm2_folder, smollm2_gguf
 
 FOLDER_NAME = "smollm2-135m-instruct"
@@ -62,6 +64,26 @@ def test_converting_without_the_gguf_package_names_the_pip_command(fake_package,
     hidden_modules("gguf")
     with pytest.raises(ImportError, match=r"converting the SmolLM2 GGUF needs the gguf package: pip install"):
         smollm2_folder(tmp_path / "converted")
+
+
+def test_processes_converting_at_once_convert_once(fake_package, tmp_path, monkeypatch):
+    """Two loaders at once (a multi-process run's ranks on first use): one converts under the lock, the other waits
+    and takes its folder, never removing it under the first one's feet."""
+    (fake_package / GGUF_NAME).write_bytes(b"GGUF")
+    conversions = []
+
+    def slow_conversion(gguf_path, folder):
+        conversions.append(folder)
+        time.sleep(0.5)  # the other loader arrives meanwhile
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(smollm2, "convert_gguf", slow_conversion)
+    folder = tmp_path / "cache" / FOLDER_NAME
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: smollm2_folder(folder), range(2)))
+    assert results == [folder, folder] and conversions == [folder]
 
 
 @pytest.fixture()
@@ -114,7 +136,7 @@ def test_the_gguf_is_converted_once_atomically(tmp_path, monkeypatch, capsys):
 
     model, tokenizer = load_target("smollm2-135m-instruct")
     assert "converting" in capsys.readouterr().out
-    assert sorted(path.name for path in tmp_path.iterdir()) == [FOLDER_NAME]  # no staging folder left
+    assert not [path for path in tmp_path.iterdir() if ".tmp-" in path.name]  # no staging folder left
     assert (stale / "model.safetensors").is_file() and (stale / "tokenizer.json").is_file()
 
     gguf = smollm2_gguf()
