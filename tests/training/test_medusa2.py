@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,13 @@ def test_unadapted_target_is_refused(joint_run, target_and_tokenizer):
     torch.manual_seed(0)
     create_heads(base, "medusa", num_heads=2).save_pretrained(plain)
     assert apply_target_adapter(base, plain) is base
+    # a copy of the heads without the adapter their config names, and a folder that is no checkpoint, are named
+    partial = joint_run / "partial_copy"
+    shutil.copytree(final, partial, ignore=shutil.ignore_patterns("adapter_config.json"))
+    with pytest.raises(FileNotFoundError, match=r"target_adapter=.* has no adapter_config\.json"):
+        apply_target_adapter(load_target("stories260K")[0], partial)
+    with pytest.raises(FileNotFoundError, match="has no config.json; is it a specheads checkpoint"):
+        apply_target_adapter(base, partial / ADAPTER_DIRNAME)
 
 
 @pytest.mark.slow
