@@ -363,6 +363,27 @@ def test_speculators_folder_imports_and_drafts_as_its_tensors_say(fusion_bias, s
 
 
 # --- broken folders --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"speculators_model_type": "mlp"}, r"speculators_model_type='mlp' is not supported; expected 'eagle' or "
+                                            r"'eagle3'"),
+        ({"layernorms": True}, r"layernorms=true .* has no specheads equivalent"),
+        ({"draft_vocab_size": 100}, r"draft_vocab_size=100 differs from transformer_layer_config\.vocab_size=512"),
+        ({"transformer_layer_config": "llama"}, r"field transformer_layer_config='llama' should be a dict"),
+        ({"transformer_layer_config": None}, r"missing field 'transformer_layer_config'"),
+    ],
+)
+def test_speculators_variants_without_a_specheads_equivalent_are_refused(stories, tmp_path, change, message):
+    """A speculators folder specheads cannot reproduce exactly is refused naming the field, never imported as
+    something it is not."""
+    folder, _, _ = _speculators_folder(tmp_path / "spec", stories)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        import_heads(folder, format="speculators", target=stories)
+
+
 def test_a_folder_missing_one_tensor_fails_naming_it(stories, tmp_path):
     folder, _, _ = _eagle_folder(tmp_path / "eagle", stories, drop="layers.0.mlp.up_proj.weight")
     with pytest.raises(ValueError, match=r"missing tensor 'layers\.0\.mlp\.up_proj\.weight'"):
