@@ -211,8 +211,7 @@ class CorpusLookup:
         """Have `remember` write the learned answers to `path` (`save_learned`) after every `every` answers, so that
         a process killed without a clean end loses fewer than `every` of them (0: only when `save_learned` is
         called; the CLI also writes them when the command ends)."""
-        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-            raise ValueError(f"--corpus-save-every {every!r}: expected 0 (only at the end) or a number of answers")
+        check_save_every(every)
         self.learned_file, self.save_every = Path(path), every
 
     def load_learned(self, path: str | Path) -> None:
@@ -380,8 +379,7 @@ def corpus_from_options(path: str | Path | None, online_tokens: int = 0, min_gai
         raise ValueError(f"--corpus-learn {online_tokens!r}: expected 0 (off) or a number of tokens")
     if not isinstance(min_gain, (int, float)) or not 0.0 <= min_gain < float("inf"):
         raise ValueError(f"--corpus-min-gain {min_gain!r}: expected a number >= 0 (0 = always graft)")
-    if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
-        raise ValueError(f"--corpus-save-every {save_every!r}: expected 0 (only at the end) or a number of answers")
+    check_save_every(save_every)  # before any loading, with or without a learned file
     if learned_file is not None and online_tokens == 0:
         raise ValueError(f"--corpus-learned {learned_file}: keeps what the corpus learns, so it needs --corpus-learn N")
     if learned_file is not None and Path(learned_file).is_dir():
@@ -413,3 +411,9 @@ def check_corpus_settings(max_match: int, min_match: int, max_occurrences: int, 
     if not isinstance(min_gain, (int, float)) or not 0.0 <= min_gain < float("inf"):
         raise ValueError(f"min_gain={min_gain!r} must be a number >= 0 (accepted tokens per grafted node; 0 = always "
                          "graft)")
+
+
+def check_save_every(every: int) -> None:
+    """Raise a ValueError naming a bad `--corpus-save-every` / `keep_learned_in` count (0 or more answers)."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ValueError(f"--corpus-save-every {every!r}: expected 0 (only at the end) or a number of answers")

@@ -36,7 +36,7 @@ def read_records(source: str | Path) -> list[dict[str, Any]]:
     text = path.read_text()
     if path.suffix == ".jsonl" or (text.lstrip()[:1] == "{" and "\n{" in text.strip()):
         # not splitlines(): U+2028 may be inside a string
-        numbered = [(f"{path}:{n}", line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
+        numbered = ((f"{path}:{n}", line) for n, line in enumerate(text.split("\n"), start=1) if line.strip())
         return [_record(_parse_json(line, where), where) for where, line in numbered]
     data = _parse_json(text, str(path))
     if isinstance(data, dict):
