@@ -40,7 +40,7 @@ SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-p
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specheads bench", description=__doc__)
-    p.add_argument("--target", default="stories260K", help="target path, Hub id or alias")
+    p.add_argument("--target", default="stories260K", help="target path, Hub id, alias or peft adapter")
     p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
     p.add_argument("--prompts", required=True, help="MT-bench style JSONL (first turn) or a text file, one prompt a line")
     p.add_argument("--turns", type=int, default=1,

@@ -19,7 +19,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     from specheads.inference.onednn import CPU_LINEAR_CHOICES
     from specheads.inference.round_budget import parse_max_round_nodes
 
-    p.add_argument("--target", default="stories260K", help="target path, Hub id or alias (default: stories260K)")
+    p.add_argument("--target", default="stories260K", help="target path, Hub id, alias or peft adapter (default: stories260K)")
     p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--do-sample", action="store_true")

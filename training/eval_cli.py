@@ -29,7 +29,7 @@ from specheads.training.config import RunConfig
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specheads eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="stories260K", help="target path, Hub id or alias (default: stories260K)")
+    p.add_argument("--target", default="stories260K", help="target path, Hub id, alias or peft adapter (default: stories260K)")
     p.add_argument("--heads", required=True,
                    help="heads checkpoint folder or Hub id; a comma list scores each on the same rows")
     source = p.add_mutually_exclusive_group(required=True)
