@@ -136,6 +136,7 @@ class RunConfig:
     feature_mode: str = "online"  # online (target runs in the step) | offline (read dumped features)
     log_steps: int = 10
     eval_steps: int = 0  # evaluate the held-out data every this many steps (0: once, at the end)
+    save_best: bool = True  # with eval_steps > 0: also keep output_dir/best, the heads of the best held-out sim_tau
     trackers: list[str] = field(default_factory=list)  # tensorboard, wandb
     project_name: str = "specheads"
     stop_after_steps: int | None = None  # stop (without a final save) after this step: simulates a crash

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from specheads import create_heads, load_heads, load_target
 from specheads.heads.base import DraftHeads
 from specheads.targets import logit_transforms
+from specheads.training.best_heads import BEST_DIR, BEST_METRIC, BestHeads, save_heads
 from specheads.training.chain_attention import use_ttt_chain_attention, wants_ttt_chain_attention
 from specheads.training.config import RunConfig, config_to_dict, load_run_config
 from specheads.training.data import BatchOrder, build_dataset, collate, micro_batches_for_process
@@ -356,7 +357,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     """Train heads as `config` says; resume from the latest checkpoint in output_dir if there is one.
 
     Returns:
-        Final metrics (also written to output_dir/final/README.md and output_dir/metrics.json).
+        Final metrics (also written to output_dir/final/README.md and output_dir/metrics.json); with periodic
+        held-out evaluation and `save_best`, the best heads are in output_dir/best (best_step, best_eval_sim_tau).
     """
     # setup (output_dir is checked first: an unwritable folder fails now, not at the first save)
     check_writable_dir(config.output_dir, "output_dir")
@@ -440,6 +442,9 @@ def train(config: RunConfig) -> dict[str, Any]:
         if start_step >= config.max_steps and done_metrics.is_file():
             accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
             return json.loads(done_metrics.read_text())
+    # output_dir/best: heads of the best periodic held-out evaluation (the main process writes it)
+    keep_best = config.save_best and eval_examples is not None and config.eval_steps > 0
+    best = BestHeads(config.output_dir, fresh_run=resume is None) if keep_best and accelerator.is_main_process else None
     if config.trackers:
         init_kwargs = {"wandb": {"mode": os.environ.get("WANDB_MODE", "offline")}} if "wandb" in config.trackers else {}
         accelerator.init_trackers(config.project_name, config=flat_hparams(config), init_kwargs=init_kwargs)
@@ -492,6 +497,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                               f"sim_tau {held_out['eval_sim_tau']:.2f}")
             if config.trackers:
                 accelerator.log({f"eval/{k[5:]}": v for k, v in held_out.items()}, step=done)
+            if best is not None and best.offer(accelerator.unwrap_model(model), done, {**last, **held_out}):
+                accelerator.print(f"[specheads] best held-out sim_tau so far: saved to {Path(config.output_dir) / BEST_DIR}")
         out_of_time = False
         if config.time_limit_minutes is not None:  # decided together: every process must stop at the same step
             late = float(time.time() - started > 60 * config.time_limit_minutes)
@@ -524,8 +531,12 @@ def train(config: RunConfig) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final = accelerator.unwrap_model(model)
-        final.model_card_metrics = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()}
-        final.save_pretrained(Path(config.output_dir) / "final")
+        if best is not None:
+            best.offer(final, done, metrics)
+            metrics.update({"best_step": best.record["step"], f"best_{BEST_METRIC}": best.record[BEST_METRIC]})
+            accelerator.print(f"[specheads] best held-out sim_tau {best.record[BEST_METRIC]:.3f} at step "
+                              f"{best.record['step']}: {Path(config.output_dir) / BEST_DIR}")
+        save_heads(final, Path(config.output_dir) / "final", metrics)
         (Path(config.output_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
         (Path(config.output_dir) / "run_config.json").write_text(json.dumps(config_to_dict(config), indent=2))
     accelerator.wait_for_everyone()

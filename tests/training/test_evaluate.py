@@ -83,6 +83,19 @@ def test_training_reports_held_out_metrics_of_the_final_heads(tmp_path, stories_
     assert metrics["eval_tokens"] == again["tokens"] > 0
     assert metrics["eval_acc"] == pytest.approx(again["acc"], abs=1e-5)
     assert "eval_acc" in (out / "final" / "README.md").read_text()
+    # save_best (default): output_dir/best holds the heads of the best of the step-6 and final evaluations
+    record = json.loads((out / "best" / "best.json").read_text())
+    assert record["step"] in (6, 12) and (metrics["best_step"], metrics["best_eval_sim_tau"]) == (
+        record["step"], record["eval_sim_tau"])
+    assert record["eval_sim_tau"] >= metrics["eval_sim_tau"]
+    best_heads = load_heads(out / "best", target=target).eval()
+    rescored = evaluate(lambda b: compute_loss(config, best_heads, best_heads, target, b, []), held_out, collate,
+                        config.micro_batch_size, "cpu", progress=False)
+    assert rescored["sim_tau"] == pytest.approx(record["eval_sim_tau"], abs=1e-5)
+    if record["step"] == 12:
+        assert rescored["sim_tau"] == pytest.approx(again["sim_tau"], abs=1e-6)
+    else:  # the step-6 heads won: the final ones scored lower
+        assert again["sim_tau"] < record["eval_sim_tau"]
 
 
 def test_held_out_data_without_answers_fails_before_training(tmp_path, stories_file, capsys):
@@ -187,3 +200,27 @@ def eagle_heads(tmp_path_factory, target_and_tokenizer):
     folder = tmp_path_factory.mktemp("heads") / "eagle"
     create_heads(target, "eagle").save_pretrained(folder)
     return folder
+
+
+def test_best_heads_keeps_only_improvements_whole(tmp_path, target_and_tokenizer):
+    """BestHeads saves on a strictly better eval_sim_tau only; the folder holds the heads and record of the best."""
+    from specheads import create_heads
+    from specheads.training.best_heads import BEST_FILE, BestHeads
+
+    eagle_heads = create_heads(target_and_tokenizer[0], "eagle")
+    best = BestHeads(tmp_path, fresh_run=True)
+    saved = []
+    for step, score in [(2, 1.5), (4, 1.4), (6, 1.8), (8, 1.8), (10, 1.1)]:
+        with torch.no_grad():  # each offer's heads differ, so the folder shows which one was kept
+            next(eagle_heads.parameters()).fill_(step)
+        if best.offer(eagle_heads, step, {"eval_sim_tau": score, "eval_acc": 0.5}):
+            saved.append(step)
+    assert saved == [2, 6]
+    assert json.loads((tmp_path / "best" / BEST_FILE).read_text()) == {"step": 6, "eval_sim_tau": 1.8}
+    kept = load_heads(tmp_path / "best")
+    assert torch.all(next(kept.parameters()) == 6)
+    assert "eval_sim_tau" in (tmp_path / "best" / "README.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]  # no temp or old folders left
+    # a resumed run must beat the recorded score; a fresh run in the same folder starts over
+    assert not BestHeads(tmp_path, fresh_run=False).offer(eagle_heads, 12, {"eval_sim_tau": 1.7})
+    assert BestHeads(tmp_path, fresh_run=True).record is None and not (tmp_path / "best").exists()

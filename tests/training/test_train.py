@@ -107,6 +107,26 @@ def test_stop_after_steps_then_resume_is_exact(tmp_path, stories_file, recipe):
         assert torch.equal(ref[name], got[name]), name
 
 
+def test_best_heads_survive_a_stop_and_resume_exactly(tmp_path, stories_file):
+    """output_dir/best after a stop at step 8 and a rerun = after an uninterrupted run (record and weights)."""
+    config = str(CONFIGS / "medusa_stories260k.yaml")
+    steps = {"max_steps": 12, "save_steps": 4, "eval_steps": 4, "data.eval_fraction": 0.25, "optim.learning_rate": 0.02}
+    assert main(["train", config, *overrides(stories_file, tmp_path / "ref", **steps)]) == 0
+    out = tmp_path / "stopped"
+    assert main(["train", config, *overrides(stories_file, out, stop_after_steps=8, **steps)]) == 0
+    assert json.loads((out / "best" / "best.json").read_text())["step"] in (4, 8)
+    assert main(["train", config, *overrides(stories_file, out, **steps)]) == 0
+    record = (tmp_path / "ref" / "best" / "best.json").read_text()
+    assert (out / "best" / "best.json").read_text() == record
+    ref, got = load_file(tmp_path / "ref" / "best" / "model.safetensors"), load_file(out / "best" / "model.safetensors")
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+    # save_best=false: no best folder
+    assert main(["train", config, *overrides(stories_file, tmp_path / "off", save_best="false", **steps)]) == 0
+    assert not (tmp_path / "off" / "best").exists()
+    assert "best_step" not in json.loads((tmp_path / "off" / "metrics.json").read_text())
+
+
 def test_time_limit_ends_the_run_with_final_heads_and_a_rerun_continues(tmp_path, stories_file, capsys):
     config = str(CONFIGS / "medusa_stories260k.yaml")
     out = tmp_path / "timed"
