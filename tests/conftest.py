@@ -115,11 +115,11 @@ class OfflineHubCache:
     def __init__(self, root) -> None:
         self.root = root
 
-    def publish(self, folder, repo_id: str, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+    def publish(self, folder, repo_id: str, commit: str = "0123456789abcdef0123456789abcdef01234567", repo_type: str = "model"):
         """Copy `folder`'s files into the cache as `repo_id` at `commit` (refs/main points at it); return the snapshot."""
         import shutil
 
-        repo = self.root / ("models--" + repo_id.replace("/", "--"))
+        repo = self.root / (f"{repo_type}s--" + repo_id.replace("/", "--"))
         snapshot = repo / "snapshots" / commit
         shutil.copytree(folder, snapshot)
         (repo / "refs").mkdir(parents=True)

@@ -33,7 +33,7 @@ class HeadSection:
 class DataSection:
     """Where the training text comes from and how it is cut into batches."""
 
-    source: str = ""  # a JSON/JSONL file or a saved HF dataset folder (load_from_disk)
+    source: str = ""  # a JSON/JSONL/Parquet file, a dataset folder, or a Hub dataset id (org/name[:split])
     format: str = "auto"  # auto | sharegpt | openai | text
     max_length: int = 512  # tokens per example (longer examples are truncated)
     bucket_by_length: bool = True  # group examples of similar length into the same batches

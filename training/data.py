@@ -1,6 +1,7 @@
 """Training data: conversations or plain text -> token ids + a loss mask, and a deterministic batch order.
 
-Sources: a local JSON / JSONL file or a saved Hugging Face dataset folder (`datasets.load_from_disk`).
+Sources: a local JSON / JSONL / Parquet file, a dataset folder (`save_to_disk`, or data files) or a Hub dataset id
+(`org/name`, `org/name:split`: data_sources.py).
 Formats (one record each):
 
     sharegpt: {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}
@@ -19,20 +20,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset, load_from_disk
+from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
+
+from specheads.training.data_sources import read_dataset_source, read_parquet
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 
 
 def read_records(source: str | Path) -> list[dict[str, Any]]:
-    """Read raw records from a .json (a list, or {"data": [...]}) / .jsonl file or a saved dataset folder."""
+    """Read raw records from a .json (a list, or {"data": [...]}) / .jsonl / .parquet file, a dataset folder
+    (`save_to_disk`, or a folder of data files) or a Hub dataset id; `SOURCE:SPLIT` picks a split (data_sources.py)."""
     path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"data source {str(path)!r} does not exist (expected a JSON/JSONL file or a dataset folder)")
-    if path.is_dir():
-        return [dict(row) for row in load_from_disk(str(path))]
+    if not path.is_file():
+        return read_dataset_source(str(source))
+    if path.suffix == ".parquet":
+        return [_record(row, f"{path} row {i}") for i, row in enumerate(read_parquet(path))]
     text = path.read_text()
     if path.suffix == ".jsonl" or (text.lstrip()[:1] == "{" and "\n{" in text.strip()):
         # not splitlines(): U+2028 may be inside a string

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="tool", required=True)
     regen = sub.add_parser("regenerate", help="the target writes the responses (or stories) to train on")
     regen.add_argument("--target", default="stories260K")
-    regen.add_argument("--input", help="conversations (JSON/JSONL, ShareGPT or OpenAI format, or a dataset folder)")
+    regen.add_argument("--input", help="conversations (ShareGPT or OpenAI format: JSON/JSONL/Parquet, a dataset folder, or a Hub dataset id[:split])")
     regen.add_argument("--stories", type=int, default=0, help="instead of --input: N stories from seed openings")
     regen.add_argument("--output", required=True, help="JSONL written (appended to; done ids are skipped)")
     regen.add_argument("--max-new-tokens", type=int, default=256)
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     dump = sub.add_parser("dump-features", help="write the target's features as safetensors shards + index")
     dump.add_argument("--target", default="stories260K")
-    dump.add_argument("--data", required=True, help="training data (JSON/JSONL or a dataset folder)")
+    dump.add_argument("--data", required=True, help="training data (JSON/JSONL/Parquet, a dataset folder, or a Hub dataset id[:split])")
     dump.add_argument("--out", required=True, help="output folder")
     dump.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
     dump.add_argument("--max-length", type=int, default=512)
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(a cheaper draft projection on large vocabularies; outputs stay exact); EAGLE-3 heads: widen "
                            "their draft vocabulary to N (then train on from them)")
     vocab.add_argument("--heads", required=True, help="trained eagle heads (folder or Hub id)")
-    vocab.add_argument("--data", required=True, help="their training data (JSON/JSONL or a dataset folder)")
+    vocab.add_argument("--data", required=True, help="their training data (JSON/JSONL/Parquet, a dataset folder, or a Hub dataset id[:split])")
     vocab.add_argument("--size", type=int, required=True, help="draft vocabulary size (e.g. 8192)")
     vocab.add_argument("--out", required=True, help="folder the heads with the draft vocabulary are saved to")
     vocab.add_argument("--target", default=None, help="default: the heads' target_name_or_path")
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     corpus = sub.add_parser("lookup-corpus", help="the target's answers as a corpus for corpus lookup (`--lookup-corpus`: "
                             "their continuations of the context become draft branches)")
     corpus.add_argument("--target", default="stories260K", help="whose tokenizer and chat template tokenize the answers")
-    corpus.add_argument("--data", required=True, help="the target's answers (JSON/JSONL or a dataset folder: "
+    corpus.add_argument("--data", required=True, help="the target's answers (JSON/JSONL/Parquet, a dataset folder or Hub dataset id: "
                         "`regenerate`'s output); never the prompts you benchmark on")
     corpus.add_argument("--out", required=True, help="folder the corpus is written to (lookup_corpus.npy; a heads "
                         "folder may hold it)")

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", required=True,
                    help="heads checkpoint folder or Hub id; a comma list scores each on the same rows")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", help="conversations (JSON/JSONL in the training formats, or a saved dataset folder)")
+    source.add_argument("--data", help="conversations in the training formats (JSON/JSONL/Parquet, a dataset folder, or a Hub dataset id[:split])")
     source.add_argument("--prompts", help="prompts (MT-bench JSONL or text lines): the target answers them first")
     p.add_argument("--max-new-tokens", type=int, default=128, help="--prompts: length of the target's greedy answers")
     p.add_argument("--category", action="append", default=None, help="--prompts: only these categories (repeatable)")

@@ -1,0 +1,116 @@
+"""Data sources beyond JSON / JSONL: Parquet files, folders of data files, saved DatasetDicts, Hub dataset ids."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from datasets import Dataset, DatasetDict
+
+from specheads.cli import main
+from specheads.training.data import build_dataset, read_records
+from specheads.training.data_sources import split_suffix
+
+from .conftest import CONFIGS, overrides
+
+
+def _chat(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Question {i}?"},
+                         {"role": "assistant", "content": f"Once upon a time, answer {i}."}], "prompt_id": str(i)}
+
+
+TRAIN, TEST = [_chat(i) for i in range(6)], [_chat(100 + i) for i in range(3)]
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    """load_dataset's arrow cache in the test's folder, not the user's."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets_cache")
+
+
+def _hub_layout(folder):
+    """A dataset repo as the Hub lays one out: data/{split}-00000-of-00001.parquet and a card."""
+    (folder / "data").mkdir(parents=True)
+    for split, rows in (("train", TRAIN), ("test", TEST)):
+        pq.write_table(pa.Table.from_pylist(rows), folder / "data" / f"{split}-00000-of-00001.parquet")
+    (folder / "README.md").write_text("# chats\n")
+    return folder
+
+
+def test_parquet_file_reads_like_the_same_jsonl(tmp_path, target_and_tokenizer):
+    _, tok = target_and_tokenizer
+    pq.write_table(pa.Table.from_pylist(TRAIN), tmp_path / "chats.parquet")
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in TRAIN))
+    assert read_records(tmp_path / "chats.parquet") == TRAIN
+    as_parquet, as_jsonl = build_dataset(tmp_path / "chats.parquet", tok), build_dataset(tmp_path / "chats.jsonl", tok)
+    assert as_parquet["input_ids"] == as_jsonl["input_ids"] and sum(map(sum, as_parquet["loss_mask"])) > 0
+
+
+def test_a_broken_parquet_file_is_named(tmp_path):
+    (tmp_path / "cut.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"cut\.parquet is not a readable Parquet file"):
+        read_records(tmp_path / "cut.parquet")
+
+
+def test_folder_of_data_files_and_its_splits(tmp_path):
+    folder = _hub_layout(tmp_path / "chats")
+    assert read_records(folder) == TRAIN  # default split: train
+    assert read_records(f"{folder}:test") == TEST
+    with pytest.raises(ValueError, match=r"Unknown split \"validation\"(.|\n)*pick a split as SOURCE:SPLIT"):
+        read_records(f"{folder}:validation")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no data files"):
+        read_records(tmp_path / "empty")
+
+
+def test_saved_dataset_dict_and_its_splits(tmp_path):
+    DatasetDict({"train": Dataset.from_list(TRAIN), "test": Dataset.from_list(TEST)}).save_to_disk(tmp_path / "dd")
+    assert read_records(tmp_path / "dd") == TRAIN and read_records(f"{tmp_path / 'dd'}:test") == TEST
+    with pytest.raises(ValueError, match=r"has no split 'dev'; its splits are \['test', 'train'\]"):
+        read_records(f"{tmp_path / 'dd'}:dev")
+    Dataset.from_list(TEST).save_to_disk(tmp_path / "one")
+    with pytest.raises(ValueError, match="one saved Dataset, without splits"):
+        read_records(f"{tmp_path / 'one'}:test")
+
+
+def test_hub_dataset_id_from_the_offline_cache(tmp_path, offline_hub_cache):
+    offline_hub_cache.publish(_hub_layout(tmp_path / "repo"), "test-org/chats", repo_type="dataset")
+    assert read_records("test-org/chats") == TRAIN
+    assert read_records("test-org/chats:test") == TEST
+    with pytest.raises(FileNotFoundError, match=r"Hub dataset 'test-org/missing' could not be fetched"):
+        read_records("test-org/missing")
+
+
+@pytest.mark.parametrize("source", ["./no/such.jsonl", "data/answers.jsonl", "answers.parquet"])
+def test_a_missing_file_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, source):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"does not exist \(expected a JSON / JSONL / Parquet file"):
+        read_records(source)
+
+
+def test_a_split_of_a_single_file_is_refused(tmp_path):
+    (tmp_path / "chats.jsonl").write_text(json.dumps(TRAIN[0]))
+    with pytest.raises(ValueError, match="is one file"):
+        read_records(f"{tmp_path / 'chats.jsonl'}:test")
+
+
+def test_split_suffix():
+    assert split_suffix("org/name:train_sft") == ("org/name", "train_sft")
+    assert split_suffix("org/name") == ("org/name", None)
+    assert split_suffix("weird:na/me") == ("weird:na/me", None)
+
+
+def test_training_on_a_hub_dataset_with_a_held_out_split(tmp_path, offline_hub_cache, stories_file):
+    """data.source and data.eval_source as Hub ids with splits: a training run reads both."""
+    offline_hub_cache.publish(_hub_layout(tmp_path / "repo"), "test-org/chats", repo_type="dataset")
+    out = tmp_path / "run"
+    extra = {"data.source": "test-org/chats:train", "data.eval_source": "test-org/chats:test", "data.format": "auto",
+             "global_batch_size": 4, "max_steps": 2,
+             "save_steps": 2}
+    assert main(["train", str(CONFIGS / "medusa_stories260k.yaml"), *overrides(stories_file, out, **extra)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval_tokens"] > 0 and metrics["steps"] == 2
