@@ -62,6 +62,10 @@ class BestHeads:
         record = self.folder / BEST_FILE
         self.record: dict[str, Any] | None = json.loads(record.read_text()) if record.is_file() else None
 
+    def evaluations_since_best(self, step: int, eval_steps: int) -> int:
+        """How many periodic evaluations (every `eval_steps`) up to `step` came after the best one."""
+        return (step - self.record["step"]) // eval_steps if self.record is not None else 0
+
     def offer(self, module: nn.Module, step: int, metrics: dict[str, Any]) -> bool:
         """Save `module` as the best heads when `metrics[BEST_METRIC]` beats the best so far; True when saved."""
         score = float(metrics[BEST_METRIC])

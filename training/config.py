@@ -137,6 +137,7 @@ class RunConfig:
     log_steps: int = 10
     eval_steps: int = 0  # evaluate the held-out data every this many steps (0: once, at the end)
     save_best: bool = True  # with eval_steps > 0: also keep output_dir/best, the heads of the best held-out sim_tau
+    early_stopping_patience: int = 0  # end the run after this many evaluations in a row without a better best (0: never)
     trackers: list[str] = field(default_factory=list)  # tensorboard, wandb
     project_name: str = "specheads"
     stop_after_steps: int | None = None  # stop (without a final save) after this step: simulates a crash
@@ -199,6 +200,20 @@ class RunConfig:
             )
         if self.eval_steps < 0:
             raise ValueError(f"eval_steps={self.eval_steps!r} is invalid; expected steps >= 0 (0: evaluate at the end)")
+        if self.early_stopping_patience < 0:
+            raise ValueError(f"early_stopping_patience={self.early_stopping_patience!r} is invalid; expected evaluations "
+                             ">= 0 (0: never stop early)")
+        if self.early_stopping_patience and not (self.eval_steps and self.save_best):
+            raise ValueError(
+                f"early_stopping_patience={self.early_stopping_patience} counts periodic evaluations against the best "
+                f"heads: it needs eval_steps > 0 (got {self.eval_steps}) and save_best=true (got {self.save_best}), and "
+                "held-out data (data.eval_fraction or data.eval_source)"
+            )
+        if self.early_stopping_patience and not (self.data.eval_fraction or self.data.eval_source):
+            raise ValueError(
+                f"early_stopping_patience={self.early_stopping_patience} needs held-out data to evaluate: set "
+                "data.eval_fraction (e.g. 0.01) or data.eval_source"
+            )
         if not 0 <= self.data.eval_fraction < 1:
             raise ValueError(f"data.eval_fraction={self.data.eval_fraction!r} is invalid; expected a fraction in [0, 1)")
         if self.data.eval_fraction > 0 and self.data.eval_source:
@@ -212,7 +227,7 @@ class RunConfig:
         if self.feature_mode == "offline" and not self.data.features_dir:
             raise ValueError("feature_mode=offline needs data.features_dir (see `specheads data dump-features`)")
         if self.feature_mode == "online" and not self.data.source:
-            raise ValueError("data.source is empty; set it to a JSON/JSONL file or a saved dataset folder")
+            raise ValueError("data.source is empty; set it to a JSON/JSONL/Parquet file, a dataset folder or a Hub dataset id")
         self.joint.check(self.head.type, self.feature_mode)
 
 

@@ -439,9 +439,16 @@ def train(config: RunConfig) -> dict[str, Any]:
         start_step = json.loads((resume / STATE_FILE).read_text())["step"]
         accelerator.print(f"[specheads] resuming from {resume} (step {start_step})")
         done_metrics = Path(config.output_dir) / "metrics.json"
-        if start_step >= config.max_steps and done_metrics.is_file():
+        recorded = json.loads(done_metrics.read_text()) if done_metrics.is_file() else None
+        if recorded is not None and start_step >= config.max_steps:
             accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
-            return json.loads(done_metrics.read_text())
+            return recorded
+        if (recorded is not None and recorded.get("early_stopped") and recorded.get("steps") == start_step
+                and 0 < config.early_stopping_patience <= recorded["early_stopping_patience"]):
+            accelerator.print(f"[specheads] {config.output_dir} stopped early at step {start_step} "
+                              f"(early_stopping_patience={recorded['early_stopping_patience']}); raise the patience, "
+                              "or set it to 0, to train on")
+            return recorded
     # output_dir/best: heads of the best periodic held-out evaluation (the main process writes it)
     keep_best = config.save_best and eval_examples is not None and config.eval_steps > 0
     best = BestHeads(config.output_dir, fresh_run=resume is None) if keep_best and accelerator.is_main_process else None
@@ -460,6 +467,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                disable=not accelerator.is_local_main_process)
     started, tokens_seen = time.time(), 0
     last: dict[str, float] = {}
+    early_stopped = False
     for step in range(start_step, config.max_steps):
         micro_batches = micro_batches_for_process(order.global_batch(step), config.micro_batch_size, rank, world)
         sums: dict[str, float] = {}
@@ -490,7 +498,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tau=f"{last['sim_tau']:.2f}")
         if config.trackers and (done % config.log_steps == 0 or done == config.max_steps):
             accelerator.log({f"train/{k}": v for k, v in last.items()}, step=done)
-        if eval_examples is not None and config.eval_steps and done % config.eval_steps == 0 and done < config.max_steps:
+        evaluating = eval_examples is not None and config.eval_steps and done % config.eval_steps == 0
+        if evaluating and done < config.max_steps:
             held_out = evaluate_during_training(config, model, heads, target, eval_examples, eval_collate, pad_id,
                                                 accelerator.device)
             accelerator.print(f"[specheads] step {done} held-out: acc {held_out['eval_acc']:.3f}, "
@@ -499,12 +508,21 @@ def train(config: RunConfig) -> dict[str, Any]:
                 accelerator.log({f"eval/{k[5:]}": v for k, v in held_out.items()}, step=done)
             if best is not None and best.offer(accelerator.unwrap_model(model), done, {**last, **held_out}):
                 accelerator.print(f"[specheads] best held-out sim_tau so far: saved to {Path(config.output_dir) / BEST_DIR}")
+            if config.early_stopping_patience:  # decided on the main process (it tracks the best), applied by all
+                stale = best is not None and best.evaluations_since_best(done, config.eval_steps) >= config.early_stopping_patience
+                flags = accelerator.reduce(torch.tensor([float(stale)], device=accelerator.device), "sum")
+                early_stopped = float(flags) > 0
         out_of_time = False
         if config.time_limit_minutes is not None:  # decided together: every process must stop at the same step
             late = float(time.time() - started > 60 * config.time_limit_minutes)
             out_of_time = float(accelerator.reduce(torch.tensor([late], device=accelerator.device), "sum")) > 0
-        if done % config.save_steps == 0 or done == config.max_steps or out_of_time:
+        if done % config.save_steps == 0 or done == config.max_steps or out_of_time or early_stopped:
             save_checkpoint(accelerator, config.output_dir, done, config.save_total_limit)
+        if early_stopped:
+            accelerator.print(f"[specheads] early stop at step {done}: {config.early_stopping_patience} held-out "
+                              "evaluations in a row without a better sim_tau (the best heads are in "
+                              f"{Path(config.output_dir) / BEST_DIR})")
+            break
         if out_of_time and done < config.max_steps:
             accelerator.print(f"[specheads] time_limit_minutes={config.time_limit_minutes} reached at step {done}: "
                               "saving final heads now (run the same command again to continue to max_steps)")
@@ -519,6 +537,8 @@ def train(config: RunConfig) -> dict[str, Any]:
     metrics = {**last, **({"init_heads": config.init_heads} if config.init_heads else {}), "steps": done if config.max_steps > start_step else config.max_steps, "world_size": world, "training_seconds": round(time.time() - started, 2),
                "tokens_seen_this_session": tokens_seen,
                "mixed_precision": accelerator.mixed_precision}  # "no" | "bf16" (CPU autocast too) | "fp16"
+    if early_stopped:
+        metrics.update(early_stopped=True, early_stopping_patience=config.early_stopping_patience)
     if coverage is not None:  # over the whole training data (the logged per-step value is the batch's)
         metrics["draft_vocab_coverage"] = coverage
     if eval_examples is not None:  # the held-out scores of the final heads (checked to be scorable at the start)

@@ -127,6 +127,24 @@ def test_best_heads_survive_a_stop_and_resume_exactly(tmp_path, stories_file):
     assert "best_step" not in json.loads((tmp_path / "off" / "metrics.json").read_text())
 
 
+def test_early_stopping_ends_a_run_that_stopped_improving(tmp_path, stories_file, capsys):
+    """learning_rate=0: every evaluation scores the same, so patience 2 stops at the third (step 6), with final and best
+    heads; the same command again trains nothing, and patience 0 trains on to max_steps."""
+    config = str(CONFIGS / "medusa_stories260k.yaml")
+    out = tmp_path / "run"
+    steps = {"max_steps": 12, "save_steps": 12, "eval_steps": 2, "data.eval_fraction": 0.25, "optim.learning_rate": 0}
+    assert main(["train", config, *overrides(stories_file, out, early_stopping_patience=2, **steps)]) == 0
+    assert "early stop at step 6" in capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["steps"], metrics["early_stopped"], metrics["best_step"]) == (6, True, 2)
+    assert latest_checkpoint(out).name == "step-00000006" and (out / "final" / "model.safetensors").is_file()
+    assert main(["train", config, *overrides(stories_file, out, early_stopping_patience=2, **steps)]) == 0
+    assert "stopped early at step 6" in capsys.readouterr().out
+    assert main(["train", config, *overrides(stories_file, out, early_stopping_patience=0, **steps)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 12 and "early_stopped" not in metrics
+
+
 def test_time_limit_ends_the_run_with_final_heads_and_a_rerun_continues(tmp_path, stories_file, capsys):
     config = str(CONFIGS / "medusa_stories260k.yaml")
     out = tmp_path / "timed"
