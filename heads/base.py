@@ -166,18 +166,35 @@ class DraftHeads(PreTrainedModel):
         write_model_card(Path(save_directory), self.config, self.model_card_metrics)
         return result
 
-    def _upload_modified_files(self, working_dir: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+    def _upload_modified_files(self, working_dir: str | os.PathLike, repo_id: str, *args: Any, **kwargs: Any) -> Any:
         # `push_to_hub` saves with save_pretrained, then replaces README.md with transformers' generic card
-        # just before this upload step: put the specheads card (target, usage, metrics) back.
-        write_model_card(Path(working_dir), self.config, self.model_card_metrics)
-        return super()._upload_modified_files(working_dir, *args, **kwargs)
+        # just before this upload step: put the specheads card (target, usage, metrics) back. The repository also
+        # gets transformers' `custom_generate` entry naming it (inference/custom_generate.py), so that
+        # `target.generate(..., custom_generate=repo_id, trust_remote_code=True)` decodes with these heads.
+        from specheads.inference.custom_generate import write_custom_generate
+
+        write_model_card(Path(working_dir), self.config, self.model_card_metrics, repo_id=repo_id)
+        write_custom_generate(working_dir, heads_location=repo_id)
+        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 
-def write_model_card(folder: Path, config: HeadsConfig, metrics: dict[str, Any]) -> None:
-    """Write README.md: what target the heads draft for, how to load them, and metrics when known."""
+def write_model_card(folder: Path, config: HeadsConfig, metrics: dict[str, Any], repo_id: str | None = None) -> None:
+    """Write README.md: what target the heads draft for, how to load them, and metrics when known.
+
+    `repo_id` (when pushing to the Hub) names the heads in the usage examples, including plain transformers'
+    `custom_generate`, which the pushed repository supports.
+    """
     metrics_block = (
         "\n## Metrics\n\n```json\n" + json.dumps(metrics, indent=2, sort_keys=True) + "\n```\n" if metrics else ""
     )
+    heads_location = repo_id or "path/to/this/folder"
+    transformers_block = f"""
+With transformers alone (specheads installed), this repository's `custom_generate` runs the same decoding:
+
+```python
+out = model.generate(input_ids, max_new_tokens=128, custom_generate="{repo_id}", trust_remote_code=True)
+```
+""" if repo_id else ""
     card = f"""---
 library_name: specheads
 tags: [speculative-decoding, draft-heads, {config.head_type}]
@@ -195,9 +212,9 @@ The checkpoint holds head weights only (never the target's embedding or lm_head)
 
 ```python
 from specheads import SpeculativeLM
-lm = SpeculativeLM.from_pretrained(target="{config.target_name_or_path}", heads="path/to/this/folder")
+lm = SpeculativeLM.from_pretrained(target="{config.target_name_or_path}", heads="{heads_location}")
 out = lm.generate(input_ids, max_new_tokens=128)
 print(lm.last_stats)
 ```
-{metrics_block}"""
+{transformers_block}{metrics_block}"""
     (folder / "README.md").write_text(card)

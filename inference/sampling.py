@@ -179,8 +179,9 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
 
     Temperature, top-k, top-p, min-p, typical-p, the epsilon and eta cutoffs, the repetition penalty, n-gram
     blocking, minimum lengths, sequence biases, bad words and suppressed tokens are applied (`SamplingParams`);
-    forced tokens, length penalties, guidance, watermarking and top-h are not, so an output would silently differ
-    from the target's own `generate`.
+    forced tokens, length penalties, guidance, watermarking and top-h are not, nor are the decoding modes other
+    than greedy and sampling (beam search, contrastive search, DoLa), so an output would silently differ from the
+    target's own `generate`.
     """
 
     def value(name: str) -> Any:
@@ -192,6 +193,13 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
         "exponential_decay_length_penalty": lambda v: v is not None,
         "guidance_scale": lambda v: v is not None and v != 1,
         "watermarking_config": lambda v: v is not None,
+        # decoding modes (transformers' GenerationMode): beam searches, contrastive search (greedy only), DoLa
+        "num_beams": lambda v: v is not None and v > 1,
+        "num_beam_groups": lambda v: v is not None and v > 1,
+        "constraints": lambda v: v is not None,
+        "force_words_ids": lambda v: v is not None,
+        "penalty_alpha": lambda v: v is not None and v > 0 and not do_sample and (value("top_k") or 0) > 1,
+        "dola_layers": lambda v: v is not None,
     }
     if do_sample:
         checks["top_h"] = lambda v: v is not None

@@ -366,10 +366,15 @@ def _dispatch(argv: list[str] | None) -> int:
 
     from specheads.heads.interop import FORMATS
 
-    export = sub.add_parser("export", help="write heads in another project's format (vLLM speculators, EAGLE, Medusa)")
+    export = sub.add_parser("export", help="write heads in another project's format (vLLM speculators, EAGLE, Medusa), "
+                                           "or for plain transformers' generate(custom_generate=...)")
     export.add_argument("--heads", required=True, help="specheads checkpoint folder or Hub id")
-    export.add_argument("--format", required=True, choices=FORMATS)
+    export.add_argument("--format", required=True, choices=(*FORMATS, "transformers"),
+                        help="transformers: the checkpoint plus custom_generate/, for generate(custom_generate=...)")
     export.add_argument("--out", required=True, help="output folder")
+    export.add_argument("--repo-id", default=None,
+                        help="--format transformers: the Hub id the folder will be uploaded to (default: the folder "
+                             "itself, for local use)")
 
     imp = sub.add_parser("import", help="convert EAGLE / Medusa / speculators heads into a specheads checkpoint")
     imp.add_argument("src", help="folder of the foreign checkpoint")
@@ -413,6 +418,15 @@ def _dispatch(argv: list[str] | None) -> int:
     if args.command == "export":
         from specheads.heads.interop import export_heads
 
+        if args.format == "transformers":
+            from specheads.inference.custom_generate import export_for_transformers
+
+            out = export_for_transformers(args.heads, args.out, repo_id=args.repo_id)
+            print(f"[specheads] wrote {out}: model.generate(..., custom_generate={args.repo_id or str(out)!r}, "
+                  "trust_remote_code=True)")
+            return 0
+        if args.repo_id is not None:
+            parser.error("--repo-id goes with --format transformers")
         print(f"[specheads] wrote {export_heads(args.heads, args.format, args.out)}")
         return 0
     if args.command == "import":

@@ -312,14 +312,16 @@ def test_default_sampling_matches_transformers_defaults(tiny_llama):
 
 @pytest.mark.parametrize(
     ("setting", "do_sample"),
-    [({"forced_eos_token_id": 64}, False), ({"top_h": 0.5}, True)],
+    [({"forced_eos_token_id": 64}, False), ({"top_h": 0.5}, True), ({"num_beams": 2}, False), ({"num_beams": 3}, True),
+     ({"penalty_alpha": 0.6, "top_k": 4}, False), ({"dola_layers": "high"}, False)],
 )
 def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, do_sample):
     """transformers' generate applies the target's generation config even when greedy: speculative decoding
     refuses what it does not apply (it applies temperature, top-k, top-p, min-p, typical-p, the epsilon and eta
     cutoffs, the repetition penalty, n-gram blocking, minimum lengths, sequence biases, bad words and suppressed
     tokens), naming it,
-    instead of emitting other tokens than the target's own; neutral values make both agree again."""
+    instead of emitting other tokens than the target's own; neutral values make both agree again. Decoding modes
+    other than greedy and sampling (beam search, contrastive search, DoLa) are refused the same way."""
     target = copy.deepcopy(tiny_llama)
     ids = torch.tensor([[1, 5, 9, 33, 7, 5, 9]])
     lm = SpeculativeLM(target, create_heads(target, "medusa"))
