@@ -564,6 +564,9 @@ def train(config: RunConfig) -> dict[str, Any]:
     return metrics
 
 
-def train_from_config_file(config_path: str, overrides: list[str]) -> None:
-    """Entry point of `specheads train CONFIG.yaml [key=value ...]`."""
+def train_from_config_file(config_path: str | None, overrides: list[str]) -> None:
+    """Entry point of `specheads train [CONFIG.yaml] [key=value ...]`: without a YAML (its place taken by the first
+    `key=value`), the run starts from RunConfig's defaults."""
+    if config_path is not None and "=" in config_path and not Path(config_path).is_file():
+        config_path, overrides = None, [config_path, *overrides]
     train(load_run_config(config_path, overrides))

@@ -349,3 +349,12 @@ def test_a_wandb_tracker_without_wandb_names_the_pip_command(monkeypatch, tmp_pa
     config = load_run_config(None, ["data.source=x.jsonl", f"output_dir={tmp_path}", "trackers=[tensorboard, wandb]"])
     with pytest.raises(ValueError, match=r"trackers contains 'wandb' but wandb is not installed \(pip install specheads\[wandb\]\)"):
         make_accelerator(config)
+
+
+def test_train_without_a_config_file_starts_from_the_defaults(tmp_path, stories_file):
+    """`specheads train key=value ...`: no YAML, RunConfig's defaults plus the overrides."""
+    out = tmp_path / "run"
+    assert main(["train", *overrides(stories_file, out, **{"head.type": "medusa", "max_steps": 2, "save_steps": 2})]) == 0
+    saved = json.loads((out / "run_config.json").read_text())
+    assert saved["head"]["type"] == "medusa" and saved["target"] == "stories260K" and saved["max_steps"] == 2
+    assert json.loads((out / "final" / "config.json").read_text())["head_type"] == "medusa"
