@@ -33,13 +33,14 @@ class HeadSection:
 class DataSection:
     """Where the training text comes from and how it is cut into batches."""
 
-    source: str = ""  # a JSON/JSONL/Parquet file, a dataset folder, or a Hub dataset id (org/name[:split])
+    # a JSON/JSONL/Parquet file, a dataset folder, or a Hub dataset id (org/name[:split]); or a list of them (a mixture)
+    source: str | list[str] = ""
     format: str = "auto"  # auto | sharegpt | openai | text
     max_length: int = 512  # tokens per example (longer examples are truncated)
     bucket_by_length: bool = True  # group examples of similar length into the same batches
     features_dir: str | None = None  # offline features (`specheads data dump-features`); needs feature_mode=offline
     eval_fraction: float = 0.0  # hold out this seeded share of the examples: evaluated, never trained on
-    eval_source: str = ""  # or evaluate on this separate JSON/JSONL file / dataset folder (target features online)
+    eval_source: str | list[str] = ""  # or evaluate on this separate source (or list; target features online)
 
 
 @dataclass

@@ -15,15 +15,19 @@ The loss mask is 1 on assistant tokens only: `loss_mask[i] == 1` means "predicti
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from datasets import Dataset
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specheads.training.data_sources import read_dataset_source, read_parquet
+
+PROGRESS_MIN_RECORDS = 1000  # tokenizing runs ~1-2 ms a conversation: a bar from here on
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -145,13 +149,38 @@ def tokenize_record(
 
 
 def build_dataset(
-    source: str | Path, tokenizer: PreTrainedTokenizerBase, fmt: str = "auto", max_length: int = 512
+    source: str | Path | Sequence[str | Path], tokenizer: PreTrainedTokenizerBase, fmt: str = "auto",
+    max_length: int = 512, progress: bool = True,
 ) -> Dataset:
-    """Tokenize a data source into a `datasets.Dataset` with columns input_ids, loss_mask, length.
+    """Tokenize one data source, or a list of them (a mixture, concatenated in order), into a `datasets.Dataset`
+    with columns input_ids, loss_mask, length.
+
+    Args:
+        source: a file, folder or Hub dataset id (`read_records`), or a list of those; with fmt="auto" each
+            source's format is detected from its first record.
+        progress: show a progress bar while tokenizing (for sources of 1000 records or more).
 
     Raises:
-        ValueError: an unknown format, or no trainable (assistant) tokens anywhere in the data.
+        ValueError: an unknown format, a record without its format's field, or a source without trainable
+            (assistant) tokens.
     """
+    sources = [source] if isinstance(source, (str, Path)) else list(source)
+    if not sources:
+        raise ValueError("no data source given (an empty list)")
+    rows: list[dict[str, Any]] = []
+    for one in sources:
+        rows += _tokenized_rows(one, tokenizer, fmt, max_length, progress)
+    return Dataset.from_dict({
+        "input_ids": [r["input_ids"] for r in rows],
+        "loss_mask": [r["loss_mask"] for r in rows],
+        "length": [len(r["input_ids"]) for r in rows],
+    })
+
+
+def _tokenized_rows(
+    source: str | Path, tokenizer: PreTrainedTokenizerBase, fmt: str, max_length: int, progress: bool
+) -> list[dict[str, Any]]:
+    """One source's records, checked against their format and tokenized (rows of fewer than 3 tokens dropped)."""
     records = read_records(source)
     if not records:
         raise ValueError(f"data source {str(source)!r} holds no records")
@@ -164,16 +193,14 @@ def build_dataset(
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(f"data source {str(source)!r}, record {number}: the {fmt} format needs a {field!r} field, "
                              f"found {keys} (data.format=auto detects the format from the first record)")
-    rows = [tokenize_record(tokenizer, r, fmt, max_length) for r in records]
+    bar = tqdm(records, desc=f"tokenize {Path(str(source)).name}", unit="rec",
+               disable=not progress or len(records) < PROGRESS_MIN_RECORDS)
+    rows = [tokenize_record(tokenizer, r, fmt, max_length) for r in bar]
     rows = [r for r in rows if len(r["input_ids"]) >= 3]
     if not rows or sum(sum(r["loss_mask"]) for r in rows) == 0:
         raise ValueError(f"data source {str(source)!r} ({fmt} format) has no assistant tokens to train on; "
                          "each conversation needs at least one assistant/gpt turn")
-    return Dataset.from_dict({
-        "input_ids": [r["input_ids"] for r in rows],
-        "loss_mask": [r["loss_mask"] for r in rows],
-        "length": [len(r["input_ids"]) for r in rows],
-    })
+    return rows
 
 
 def collate(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

@@ -311,7 +311,8 @@ def trained_token_counts(examples: Any, vocab_size: int, indices: list[int] | No
 
 
 def held_out_examples(
-    config: RunConfig, examples: Any, tokenizer: Any, make_batch: Callable[..., dict[str, torch.Tensor]]
+    config: RunConfig, examples: Any, tokenizer: Any, make_batch: Callable[..., dict[str, torch.Tensor]],
+    progress: bool = True,
 ) -> tuple[list[int], Any, Callable[..., dict[str, torch.Tensor]]]:
     """(training indices into `examples`, eval examples or None, the eval batches' collate function).
 
@@ -321,7 +322,8 @@ def held_out_examples(
     """
     if config.data.eval_source:
         # its own format, detected: a held-out file need not be written like the training data
-        eval_examples: Any = build_dataset(config.data.eval_source, tokenizer, "auto", config.data.max_length)
+        eval_examples: Any = build_dataset(config.data.eval_source, tokenizer, "auto", config.data.max_length,
+                                           progress=progress)
         train_indices, make_eval_batch = list(range(len(examples))), collate
     else:
         train_indices, eval_indices = split_eval_indices(len(examples), config.data.eval_fraction, config.seed)
@@ -392,9 +394,11 @@ def train(config: RunConfig) -> dict[str, Any]:
         examples: Any = OfflineFeatures(config.data.features_dir)
         lengths, make_batch = examples.lengths(), collate_offline
     else:
-        examples = build_dataset(config.data.source, tokenizer, config.data.format, config.data.max_length)
+        examples = build_dataset(config.data.source, tokenizer, config.data.format, config.data.max_length,
+                                 progress=accelerator.is_local_main_process)
         lengths, make_batch = list(examples["length"]), collate
-    train_indices, eval_examples, eval_collate = held_out_examples(config, examples, tokenizer, make_batch)
+    train_indices, eval_examples, eval_collate = held_out_examples(config, examples, tokenizer, make_batch,
+                                                                   progress=accelerator.is_local_main_process)
     if eval_examples is not None:
         accelerator.print(f"[specheads] evaluating on {len(eval_examples)} held-out examples "
                           f"({'data.eval_source' if config.data.eval_source else 'data.eval_fraction'}), "

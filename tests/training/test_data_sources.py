@@ -114,3 +114,36 @@ def test_training_on_a_hub_dataset_with_a_held_out_split(tmp_path, offline_hub_c
     assert main(["train", str(CONFIGS / "medusa_stories260k.yaml"), *overrides(stories_file, out, **extra)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["eval_tokens"] > 0 and metrics["steps"] == 2
+
+
+def test_a_list_of_sources_is_a_mixture_in_order(tmp_path, target_and_tokenizer, chat_file):
+    """[ShareGPT JSONL, OpenAI Parquet]: each source's format detected on its own, rows concatenated in order."""
+    _, tok = target_and_tokenizer
+    pq.write_table(pa.Table.from_pylist(TRAIN), tmp_path / "chats.parquet")
+    mixed = build_dataset([chat_file, tmp_path / "chats.parquet"], tok)
+    first, second = build_dataset(chat_file, tok), build_dataset(tmp_path / "chats.parquet", tok)
+    assert list(mixed["input_ids"]) == list(first["input_ids"]) + list(second["input_ids"])
+    with pytest.raises(ValueError, match="empty list"):
+        build_dataset([], tok)
+    (tmp_path / "questions.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi?"}]}))
+    with pytest.raises(ValueError, match="questions.jsonl' .*has no assistant tokens"):
+        build_dataset([chat_file, tmp_path / "questions.jsonl"], tok)
+
+
+def test_tokenizing_a_large_source_shows_progress(tmp_path, target_and_tokenizer, capsys):
+    _, tok = target_and_tokenizer
+    rows = [_chat(i) for i in range(1000)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "many.parquet")
+    assert len(build_dataset(tmp_path / "many.parquet", tok)) == 1000
+    assert "tokenize many.parquet" in capsys.readouterr().err
+    build_dataset(tmp_path / "many.parquet", tok, progress=False)
+    assert "tokenize" not in capsys.readouterr().err
+
+
+def test_run_config_takes_a_list_of_sources(tmp_path, stories_file):
+    from specheads.training.config import load_run_config
+
+    config = load_run_config(None, [f"data.source=[{stories_file}, org/chats:train_sft]"])
+    assert config.data.source == [str(stories_file), "org/chats:train_sft"]
+    with pytest.raises(ValueError, match="data.source"):
+        load_run_config(None, ["data.source={a: 1}"])
