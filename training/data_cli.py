@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specheads.training.data import detect_format, read_records, to_messages
+from specheads.training.data import PROGRESS_MIN_RECORDS, detect_format, read_records, to_messages
 from specheads.training.preflight import check_writable_dir, check_writable_file
 
 STORY_SEEDS = (
@@ -110,17 +110,21 @@ def regenerate(
     temperature: float = 1.0,
     seed: int = 0,
     show_progress: bool = True,
+    limit: int | None = None,
 ) -> int:
     """Have the target write responses (or whole stories) and append them to `output` (JSONL).
 
     Conversations: each record's turns before its first assistant turn are the prompt; the output record is
-    OpenAI-messages format with the target's answer. Stories (`stories=N`): the target continues short seed
+    OpenAI-messages format with the target's answer. `limit`: only the first `limit` conversations that have a
+    prompt (a large Hub dataset's first N). Stories (`stories=N`): the target continues short seed
     openings; records are {"id", "text"}. Batches are seeded by their first id, so a resumed run writes
     what an uninterrupted one would have.
 
     Returns:
         The number of records written by this call.
     """
+    if limit is not None and limit < 1:
+        raise ValueError(f"regenerate --limit {limit}: expected a positive number of conversations")
     output = check_writable_file(output, "regenerate output")
     drop_torn_line(output)
     skip = done_ids(output)
@@ -131,7 +135,11 @@ def regenerate(
             jobs.append(job)
     elif input_path is not None:
         records = read_records(input_path)
-        for n, record in enumerate(records):
+        preparing = tqdm(records, desc="prepare prompts", unit="rec",
+                         disable=not show_progress or len(records) < PROGRESS_MIN_RECORDS)
+        for n, record in enumerate(preparing):
+            if limit is not None and len(jobs) >= limit:
+                break
             fmt = detect_format(record)
             if fmt == "text":
                 raise ValueError(f"{input_path}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
@@ -189,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--batch-size", type=int, default=64)
     regen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--limit", type=int, default=None, help="only the first N conversations of --input")
     regen.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     dump = sub.add_parser("dump-features", help="write the target's features as safetensors shards + index")
     dump.add_argument("--target", default="stories260K")
@@ -317,7 +326,7 @@ def data_main(argv: list[str]) -> int:
             raise SystemExit("specheads data regenerate: give --input FILE or --stories N")
         written = regenerate(target, tokenizer, args.output, input_path=args.input, stories=args.stories,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                             temperature=args.temperature, seed=args.seed)
+                             temperature=args.temperature, seed=args.seed, limit=args.limit)
         print(json.dumps({"output": args.output, "written": written}))
         return 0
     if args.tool == "synth-prompts":

@@ -37,6 +37,24 @@ def test_regenerate_conversations_through_cli(tmp_path, chat_file, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["written"] == 2
 
 
+def test_regenerate_the_first_conversations_of_a_parquet_source(tmp_path, capsys):
+    """--input takes any data source (here Parquet, ids from the row numbers); --limit N answers the first N."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": [{"role": "user", "content": f"Story {i}?"}]} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "prompts.parquet")
+    out = tmp_path / "regen.jsonl"
+    assert main(["data", "regenerate", "--input", str(tmp_path / "prompts.parquet"), "--output", str(out),
+                 "--max-new-tokens", "4", "--limit", "3"]) == 0
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["0", "1", "2"] and records[2]["messages"][0]["content"] == "Story 2?"
+    capsys.readouterr()
+    assert main(["data", "regenerate", "--input", str(tmp_path / "prompts.parquet"), "--output", str(out),
+                 "--limit", "0"]) == 2
+    assert "--limit 0: expected a positive number" in capsys.readouterr().err
+
+
 def test_dump_features_shards_index_and_lazy_reads(tmp_path, stories_file, target_and_tokenizer, capsys):
     target, tok = target_and_tokenizer
     out = tmp_path / "features"
