@@ -120,3 +120,17 @@ def test_export_checks_the_checkpoint_and_the_option(tmp_path, capsys):
         main(["export", "--heads", str(tmp_path / "empty"), "--format", "medusa", "--out", str(tmp_path / "y"),
               "--repo-id", "a/b"])
     assert "--repo-id goes with --format transformers" in capsys.readouterr().err
+
+
+def test_text_generation_pipeline_takes_the_heads(stories260k, tmp_path):
+    """transformers' pipeline passes custom_generate through to generate: same text, decoded by the heads."""
+    from transformers import pipeline
+
+    target, tokenizer = stories260k
+    make_heads(target, "eagle").save_pretrained(tmp_path / "saved")
+    folder = export_for_transformers(tmp_path / "saved", tmp_path / "exported")
+    pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    stats: dict = {}
+    got = pipe("Once upon a time", max_new_tokens=20, do_sample=False, custom_generate=str(folder),
+               trust_remote_code=True, stats=stats)
+    assert got == pipe("Once upon a time", max_new_tokens=20, do_sample=False) and stats["new_tokens"] == 20
