@@ -28,45 +28,40 @@ def read_prompts(
     """Raw prompts as dicts {prompt_id, category, text, turns}: `per_category` keeps the first N of each category,
     then `limit` the first N in all.
 
-    JSONL lines with `turns` (MT-bench: `text` is the first, `turns` keeps them all for `follow_up`), `prompt` or
-    `text`; any other file is read as one prompt per non-empty line (category "text").
+    JSONL lines with `turns` (MT-bench: `text` is the first, `turns` keeps them all for `follow_up`), `prompt` (a
+    string, or a list of turns), `text`, or a conversation (`messages` / `conversations`: its user turns); the
+    same records from a JSON or Parquet file, a dataset folder or a Hub dataset id[:split] (the training data
+    sources); any other file is read as one prompt per non-empty line (category "text").
     """
+    source = str(path)
     path = Path(path)
-    if not path.is_file():
+    local = path.suffix in (".jsonl", ".json", ".parquet", ".txt") or source.startswith((".", "/", "~"))
+    if local and not path.exists():
         raise FileNotFoundError(f"prompts file {path} does not exist")
     rows = []
-    for number, line in enumerate(path.read_text().split("\n"), start=1):  # not splitlines(): U+2028 in JSON strings
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl":
+    if path.is_file() and path.suffix == ".jsonl":
+        for number, line in enumerate(path.read_text().split("\n"), start=1):  # not splitlines(): U+2028 in JSON
+            if not line.strip():
+                continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number} is not valid JSON: {err}") from err
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number} is a JSON {type(record).__name__}; expected an object with "
-                                 "'turns', 'prompt' or 'text'")
-            turns = record.get("turns")
-            if turns is not None and not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
-                raise ValueError(f"{path}:{number} has turns={turns!r}; expected a non-empty list of strings")
-            text = turns[0] if turns else record.get("prompt") or record.get("text")
-            if not text or not isinstance(text, str):
-                raise ValueError(f"{path}:{number} has no 'turns', 'prompt' or 'text' field holding text")
-            rows.append(
-                {
-                    "prompt_id": str(record.get("question_id", number)),
-                    "category": str(record.get("category", "default")),
-                    "text": text,
-                    "turns": list(turns) if turns else [text],
-                }
-            )
-        else:
-            rows.append({"prompt_id": str(number), "category": "text", "text": line.strip(), "turns": [line.strip()]})
+            rows.append(prompt_row(record, f"{path}:{number}", number))
+    elif path.is_file() and path.suffix not in (".json", ".parquet"):
+        for number, line in enumerate(path.read_text().split("\n"), start=1):
+            if line.strip():
+                rows.append({"prompt_id": str(number), "category": "text", "text": line.strip(), "turns": [line.strip()]})
+    else:
+        # JSON / Parquet files, dataset folders, Hub dataset ids: the training data sources
+        from specheads.training.data import read_records
+
+        rows = [prompt_row(record, f"{source} record {n}", n) for n, record in enumerate(read_records(source))]
     if categories:
         known = sorted({r["category"] for r in rows})
         unknown = set(categories) - set(known)
         if unknown:
-            raise ValueError(f"categories {sorted(unknown)} not in {path}; known: {known}")
+            raise ValueError(f"categories {sorted(unknown)} not in {source}; known: {known}")
         rows = [r for r in rows if r["category"] in categories]
     if per_category is not None:
         if per_category < 1:
@@ -79,6 +74,30 @@ def read_prompts(
                 kept.append(r)
         rows = kept
     return rows[:limit] if limit else rows
+
+
+def prompt_row(record: object, where: str, number: int) -> dict:
+    """One prompt record -> {prompt_id, category, text, turns}; a ValueError naming `where` when it holds no prompt."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a JSON {type(record).__name__}; expected an object with 'turns', 'prompt' or "
+                         "'text'")
+    turns = record.get("turns")
+    if turns is None and isinstance(record.get("prompt"), list):  # e.g. HuggingFaceH4/mt_bench_prompts
+        turns = record["prompt"]
+    if turns is None and ("messages" in record or "conversations" in record):
+        from specheads.training.data import to_messages
+
+        messages = to_messages(record, "openai" if "messages" in record else "sharegpt")
+        turns = [m["content"] for m in messages if m["role"] == "user"] or None
+    if turns is not None and not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+        raise ValueError(f"{where} has turns={turns!r}; expected a non-empty list of strings")
+    text = turns[0] if turns else record.get("prompt") or record.get("text")
+    if not text or not isinstance(text, str):
+        raise ValueError(f"{where} has no 'turns', 'prompt' or 'text' field holding text (nor a conversation with a "
+                         "user turn)")
+    prompt_id = next((record[k] for k in ("question_id", "prompt_id", "id") if record.get(k) is not None), number)
+    return {"prompt_id": str(prompt_id), "category": str(record.get("category", "default")), "text": text,
+            "turns": list(turns) if turns else [text]}
 
 
 def tokenize_prompts(rows: list[dict], tokenizer: PreTrainedTokenizerBase, chat: bool | None = None) -> list[Prompt]:

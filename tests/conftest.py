@@ -145,4 +145,7 @@ def offline_hub_cache(tmp_path, monkeypatch) -> OfflineHubCache:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HOME", str(cache.parent))
+    import datasets  # load_dataset's arrow cache of Hub datasets: in the test's folder too, not the user's
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache.parent / "datasets")
     return OfflineHubCache(cache)

@@ -269,6 +269,34 @@ def test_unknown_categories_and_a_missing_file_are_named(tmp_path):
         read_prompts(tmp_path / "nope.jsonl")
 
 
+def test_prompts_from_any_data_source(tmp_path, offline_hub_cache):
+    """Parquet conversations (their user turns), records whose `prompt` is a list of turns (the Hub's MT-bench
+    prompts), and a Hub dataset id[:split] from the offline cache."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = [{"id": "c1", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                                       {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]},
+             {"conversations": [{"from": "human", "value": "Name a fruit."}, {"from": "gpt", "value": "Apple."}]}]
+    pq.write_table(pa.Table.from_pylist([chats[0]]), tmp_path / "chats.parquet")
+    rows = read_prompts(tmp_path / "chats.parquet")
+    assert rows == [{"prompt_id": "c1", "category": "default", "text": "Hi?", "turns": ["Hi?", "Bye?"]}]
+    (tmp_path / "sharegpt.json").write_text(json.dumps(chats[1:]))
+    assert read_prompts(tmp_path / "sharegpt.json")[0]["turns"] == ["Name a fruit."]
+    repo = tmp_path / "repo" / "data"
+    repo.mkdir(parents=True)
+    mt_bench = [{"prompt_id": 81 + i, "category": c, "prompt": [f"Write {i}.", f"Now shorter {i}."]}
+                for i, c in enumerate(["writing", "math", "writing"])]
+    pq.write_table(pa.Table.from_pylist(mt_bench), repo / "train-00000-of-00001.parquet")
+    offline_hub_cache.publish(repo.parent, "test-org/mt-bench", repo_type="dataset")
+    rows = read_prompts("test-org/mt-bench:train", categories=["writing"])
+    assert [(r["prompt_id"], r["turns"]) for r in rows] == [("81", ["Write 0.", "Now shorter 0."]),
+                                                            ("83", ["Write 2.", "Now shorter 2."])]
+    (tmp_path / "bad.json").write_text(json.dumps([{"messages": [{"role": "assistant", "content": "only me"}]}]))
+    with pytest.raises(ValueError, match=r"bad\.json record 0 has no .*nor a conversation with a user turn"):
+        read_prompts(tmp_path / "bad.json")
+
+
 def test_calibration_prompts_spread_over_categories_first():
     prompts = [Prompt(str(i), c, f"q{i}", torch.tensor([[i]])) for i, c in enumerate("aabbbcab")]
     assert [p.prompt_id for p in calibration_prompts(prompts)] == ["0", "2", "5", "1"]
