@@ -384,6 +384,12 @@ def _dispatch(argv: list[str] | None) -> int:
     imp.add_argument("--out", required=True, help="output folder (a specheads checkpoint)")
     imp.add_argument("--allow-pickle", action="store_true", help="read .bin/.pt weights (torch.load weights_only=True)")
 
+    push = sub.add_parser("push", help="upload a heads folder to the Hugging Face Hub (card and custom_generate "
+                                       "naming the repository; a Medusa-2 adapter included)")
+    push.add_argument("folder", help="a specheads checkpoint folder, e.g. runs/x/best")
+    push.add_argument("--repo-id", required=True, help="the Hub repository, e.g. my-org/my-heads")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("data", "bench", "eval"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -435,6 +441,12 @@ def _dispatch(argv: list[str] | None) -> int:
 
         heads = import_heads(args.src, format=args.format, target=args.target, out_dir=args.out, allow_pickle=args.allow_pickle)
         print(f"[specheads] imported {heads.config.head_type} heads into {args.out}")
+        return 0
+    if args.command == "push":
+        from specheads.heads.hub import push_heads_folder
+
+        print(f"[specheads] pushed {args.folder} to {args.repo_id}: "
+              f"{push_heads_folder(args.folder, args.repo_id, private=args.private)}")
         return 0
     parser.error(f"unknown command {args.command}")
     return 2

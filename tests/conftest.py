@@ -7,6 +7,7 @@ configs in code with fixed seeds.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +150,42 @@ def offline_hub_cache(tmp_path, monkeypatch) -> OfflineHubCache:
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache.parent / "datasets")
     return OfflineHubCache(cache)
+
+
+class FakeHubApi:
+    """Stands in for huggingface_hub.HfApi's create_repo / upload_folder: records the repos and uploaded files."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.repos: list[tuple[str, bool]] = []
+        self.files: dict[str, str] = {}
+        self.fail = fail
+
+    def install(self, monkeypatch) -> FakeHubApi:
+        import huggingface_hub
+
+        hub = self
+
+        def create_repo(api, repo_id, private=False, exist_ok=False, **kwargs):
+            if hub.fail:
+                raise RuntimeError("401 Unauthorized: no token")
+            hub.repos.append((repo_id, private))
+
+        def upload_folder(api, repo_id, folder_path, commit_message=None, **kwargs):
+            for path in Path(folder_path).rglob("*"):
+                if path.is_file():
+                    hub.files[path.relative_to(folder_path).as_posix()] = path.read_bytes().decode(errors="replace")
+            return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/abc"})()
+
+        monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+        monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+        return self
+
+
+@pytest.fixture
+def fake_hub_api(monkeypatch):
+    """`install(fail=False)` -> a FakeHubApi patched into huggingface_hub.HfApi for this test (fail: every call raises)."""
+
+    def install(fail: bool = False) -> FakeHubApi:
+        return FakeHubApi(fail).install(monkeypatch)
+
+    return install

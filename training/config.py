@@ -144,6 +144,8 @@ class RunConfig:
     stop_after_steps: int | None = None  # stop (without a final save) after this step: simulates a crash
     time_limit_minutes: float | None = None  # end the run early (final save included) once this much time has passed
     init_heads: str | None = None  # start from these trained heads (folder or Hub id) instead of a fresh init
+    push_to_hub: str | None = None  # at the end, upload the heads (best if kept, else final) to this Hub repo id
+    hub_private: bool = False  # push_to_hub creates the repository private
     head: HeadSection = field(default_factory=HeadSection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from specheads import create_heads, load_heads, load_target
 from specheads.heads.base import DraftHeads
+from specheads.heads.hub import push_heads_folder
 from specheads.targets import logit_transforms
 from specheads.training.best_heads import BEST_DIR, BEST_METRIC, BestHeads, save_heads
 from specheads.training.chain_attention import use_ttt_chain_attention, wants_ttt_chain_attention
@@ -565,6 +566,14 @@ def train(config: RunConfig) -> dict[str, Any]:
         (Path(config.output_dir) / "run_config.json").write_text(json.dumps(config_to_dict(config), indent=2))
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    if config.push_to_hub and accelerator.is_main_process:  # after the other processes are done: none waits on it
+        pushed = Path(config.output_dir) / (BEST_DIR if best is not None else "final")
+        try:
+            url = push_heads_folder(pushed, config.push_to_hub, private=config.hub_private)
+        except OSError as err:
+            raise OSError(f"{err}\nThe heads are saved in {pushed}; push them again with `specheads push {pushed} "
+                          f"--repo-id {config.push_to_hub}`") from err
+        accelerator.print(f"[specheads] pushed {pushed} to {config.push_to_hub}: {url}")
     return metrics
 
 

@@ -358,3 +358,21 @@ def test_train_without_a_config_file_starts_from_the_defaults(tmp_path, stories_
     saved = json.loads((out / "run_config.json").read_text())
     assert saved["head"]["type"] == "medusa" and saved["target"] == "stories260K" and saved["max_steps"] == 2
     assert json.loads((out / "final" / "config.json").read_text())["head_type"] == "medusa"
+
+
+def test_training_pushes_its_best_heads(tmp_path, stories_file, fake_hub_api, capsys):
+    """push_to_hub=ID: the best heads (eval_steps set) are pushed at the end; a failed push names the saved folder
+    and the command that retries it."""
+    hub = fake_hub_api()
+    extra = {"max_steps": 4, "save_steps": 4, "eval_steps": 2, "data.eval_fraction": 0.25, "push_to_hub": "test-org/run"}
+    out = tmp_path / "run"
+    assert main(["train", str(CONFIGS / "medusa_stories260k.yaml"), *overrides(stories_file, out, **extra)]) == 0
+    record = json.loads((out / "best" / "best.json").read_text())
+    assert hub.repos == [("test-org/run", False)] and "best.json" in hub.files
+    assert json.loads(hub.files["best.json"]) == record
+    fake_hub_api(fail=True)
+    capsys.readouterr()
+    assert main(["train", str(CONFIGS / "medusa_stories260k.yaml"),
+                 *overrides(stories_file, tmp_path / "again", **{**extra, "eval_steps": 0})]) == 2
+    err = capsys.readouterr().err
+    assert "push them again with `specheads push" in err and str(tmp_path / "again" / "final") in err
