@@ -179,9 +179,10 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
 
     Temperature, top-k, top-p, min-p, typical-p, the epsilon and eta cutoffs, the repetition penalty, n-gram
     blocking, minimum lengths, sequence biases, bad words and suppressed tokens are applied (`SamplingParams`);
-    forced tokens, length penalties, guidance, watermarking and top-h are not, nor are the decoding modes other
-    than greedy and sampling (beam search, contrastive search, DoLa), so an output would silently differ from the
-    target's own `generate`.
+    forced tokens, length penalties, guidance, watermarking, top-h, the prompt ("encoder") repetition penalty and
+    n-gram ban and token healing are not, nor are the decoding modes other than greedy and sampling (beam search,
+    contrastive search, DoLa), so an output would silently differ from the target's own `generate`; nor are
+    attentions and hidden states returned.
     """
 
     def value(name: str) -> Any:
@@ -200,6 +201,13 @@ def unapplied_generation_settings(generation_config: Any, do_sample: bool) -> di
         "force_words_ids": lambda v: v is not None,
         "penalty_alpha": lambda v: v is not None and v > 0 and not do_sample and (value("top_k") or 0) > 1,
         "dola_layers": lambda v: v is not None,
+        # on a decoder-only model transformers takes the prompt as the "encoder input" of these two
+        "encoder_repetition_penalty": lambda v: v is not None and v != 1,
+        "encoder_no_repeat_ngram_size": lambda v: v is not None and v > 0,
+        "token_healing": lambda v: bool(v),  # rewrites the prompt's tail
+        # outputs the result would lack (GenerateDecoderOnlyOutput's attentions / hidden_states)
+        "output_attentions": lambda v: bool(v),
+        "output_hidden_states": lambda v: bool(v),
     }
     if do_sample:
         checks["top_h"] = lambda v: v is not None

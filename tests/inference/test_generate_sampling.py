@@ -313,7 +313,9 @@ def test_default_sampling_matches_transformers_defaults(tiny_llama):
 @pytest.mark.parametrize(
     ("setting", "do_sample"),
     [({"forced_eos_token_id": 64}, False), ({"top_h": 0.5}, True), ({"num_beams": 2}, False), ({"num_beams": 3}, True),
-     ({"penalty_alpha": 0.6, "top_k": 4}, False), ({"dola_layers": "high"}, False)],
+     ({"penalty_alpha": 0.6, "top_k": 4}, False), ({"dola_layers": "high"}, False),
+     ({"encoder_repetition_penalty": 3.0}, False), ({"encoder_no_repeat_ngram_size": 2}, True),
+     ({"token_healing": True}, False), ({"output_attentions": True}, False)],
 )
 def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, do_sample):
     """transformers' generate applies the target's generation config even when greedy: speculative decoding
@@ -331,7 +333,7 @@ def test_generation_settings_it_does_not_apply_are_refused(tiny_llama, setting, 
     name, value = next(iter(setting.items()))
     with pytest.raises(ValueError, match=re.escape(f"generation config sets {name}={value!r}, which transformers'")):
         lm.generate(ids, max_new_tokens=30, do_sample=do_sample, eos_token_id=[])
-    if name == "forced_eos_token_id":  # it matters: transformers' greedy output moves (EOS forced at the end)
+    if name in ("forced_eos_token_id", "encoder_repetition_penalty"):  # it matters: transformers' greedy output moves
         assert not torch.equal(target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=[]), plain)
     setattr(target.generation_config, name, None)
     assert torch.equal(lm.generate(ids, max_new_tokens=30, eos_token_id=[]), plain)
