@@ -19,7 +19,7 @@ from typing import Any
 from specheads.heads.base import write_model_card
 from specheads.heads.config import HeadsConfig
 
-METRICS_BLOCK = re.compile(r"## Metrics\s*```json\s*(\{.*?\})\s*```", re.DOTALL)
+METRICS_BLOCK = re.compile(r"## Metrics[^\n]*\n\s*```json\s*(\{.*?\})\s*```", re.DOTALL)  # "## Metrics (...)" too
 
 
 def card_metrics(folder: str | os.PathLike) -> dict[str, Any]:

@@ -1,0 +1,62 @@
+"""`specheads info HEADS [--target T]`: what a heads checkpoint is, and whether it fits a target.
+
+For someone who found heads on the Hub (or in a run folder): the head type, the target they were built for, their
+size, draft vocabulary and tree defaults, the metrics on their card, whether they carry a Medusa-2 adapter or the
+transformers `custom_generate` entry; with a target, the same checks `load_heads(..., target=)` makes, reported
+instead of raised.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from specheads.heads.hub import card_metrics
+from specheads.heads.loading import WEIGHTS_NAME, _resolve_folder, load_heads
+
+
+def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:
+    """A JSON-ready summary of the heads checkpoint at `path_or_hub_id` (a folder or Hub id).
+
+    Raises:
+        FileNotFoundError / ValueError: not a loadable specheads checkpoint (as `load_heads`).
+    """
+    folder = _resolve_folder(path_or_hub_id, None, None, False)
+    heads = load_heads(folder)
+    config = heads.config
+    summary: dict[str, Any] = {
+        "folder": str(folder),
+        "head_type": config.head_type,
+        "target": config.target_name_or_path,
+        "target_model_type": config.target_model_type,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": heads.draft_vocab_size,
+        "feature_layers": list(config.feature_layers),
+        "parameters": sum(p.numel() for p in heads.parameters()),
+        "weights_mb": round((folder / WEIGHTS_NAME).stat().st_size / 2**20, 2),
+        "specheads_version": config.specheads_version,
+    }
+    if config.head_type == "medusa":
+        summary.update(num_heads=config.num_heads, static_tree=config.static_tree)
+    else:
+        summary["tree"] = {name: getattr(config, name) for name in
+                           ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "tree_min_prob")}
+    summary["target_adapter"] = config.target_adapter or None  # Medusa-2: merged into the target when loading
+    summary["custom_generate"] = (folder / "custom_generate" / "generate.py").is_file()
+    summary["metrics"] = card_metrics(folder)
+    return summary
+
+
+def check_heads_on_target(path_or_hub_id: str | os.PathLike, target: str) -> dict[str, Any]:
+    """{"target", "compatible": bool, "reason": the mismatch (when not)}: loads `target` (its Medusa-2 adapter
+    merged first, as `SpeculativeLM.from_pretrained` does) and attaches the heads to it."""
+    from specheads import load_target
+    from specheads.heads.adapter import apply_target_adapter
+
+    model, _ = load_target(target)
+    try:
+        load_heads(path_or_hub_id, target=apply_target_adapter(model, path_or_hub_id))
+    except ValueError as err:
+        return {"target": target, "compatible": False, "reason": str(err)}
+    return {"target": target, "compatible": True}

@@ -1,0 +1,58 @@
+"""`specheads info`: a heads checkpoint described, and checked against a target."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specheads import create_heads
+from specheads.cli import main
+from specheads.heads.describe import describe_heads
+from specheads.inference.custom_generate import write_custom_generate
+from specheads.targets import ASSETS
+
+
+def test_describe_eagle_and_medusa_heads(stories260k, tmp_path):
+    eagle = create_heads(stories260k[0], "eagle")
+    eagle.model_card_metrics = {"eval_sim_tau": 1.75}
+    eagle.save_pretrained(tmp_path / "eagle")
+    summary = describe_heads(tmp_path / "eagle")
+    assert (summary["head_type"], summary["target"], summary["hidden_size"], summary["vocab_size"]) == (
+        "eagle", "stories260K", 64, 512)
+    assert summary["parameters"] == sum(p.numel() for p in eagle.parameters()) and summary["weights_mb"] > 0
+    assert summary["tree"]["tree_depth"] == eagle.config.tree_depth and summary["metrics"] == {"eval_sim_tau": 1.75}
+    assert summary["custom_generate"] is False and summary["target_adapter"] is None
+    write_custom_generate(tmp_path / "eagle")
+    assert describe_heads(tmp_path / "eagle")["custom_generate"] is True
+    create_heads(stories260k[0], "medusa").save_pretrained(tmp_path / "medusa")
+    medusa = describe_heads(tmp_path / "medusa")
+    assert medusa["num_heads"] >= 1 and "tree" not in medusa
+
+
+def test_info_command_checks_the_heads_against_a_target(stories260k, tmp_path, capsys):
+    create_heads(stories260k[0], "eagle").save_pretrained(tmp_path / "heads")
+    assert main(["info", str(tmp_path / "heads"), "--target", "stories260K"]) == 0
+    assert json.loads(capsys.readouterr().out)["check"] == {"target": "stories260K", "compatible": True}
+    other = tmp_path / "wider"  # stories260K's tokenizer on a target twice as wide
+    shutil.copytree(ASSETS / "stories260K", other, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    config = LlamaConfig.from_pretrained(ASSETS / "stories260K")
+    config.update(dict(hidden_size=128, intermediate_size=256))
+    LlamaForCausalLM(config).save_pretrained(other)
+    assert main(["info", str(tmp_path / "heads"), "--target", str(other)]) == 1
+    check = json.loads(capsys.readouterr().out)["check"]
+    assert not check["compatible"] and "hidden_size=64 but target" in check["reason"]
+    (tmp_path / "empty").mkdir()
+    assert main(["info", str(tmp_path / "empty")]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_the_committed_cards_metrics_are_read():
+    """Cards whose heading says more ("## Metrics (training, ...)") still give their metrics block."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-eagle3"
+    summary = describe_heads(folder)
+    assert summary["head_type"] == "eagle3" and summary["draft_vocab_size"] == 8192
+    assert 0 < summary["metrics"]["acc_depth1"] < 1
