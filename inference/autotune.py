@@ -8,8 +8,12 @@ measured acceptance and the drafting cost). The best candidate wins.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -181,3 +185,28 @@ def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_to
         "calibration_max_new_tokens": max_new_tokens,
         "verification_ms_by_nodes": verification_cost_ms(lm, calibration[0], node_counts, fast_path=fast_path),
     }
+
+
+def save_tuned_heads(lm: SpeculativeLM, heads: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Copy the heads checkpoint `heads` (folder or Hub id) to `out_dir` with the tree `lm` runs now as its default.
+
+    EAGLE / EAGLE-3: the `tree_*` fields of config.json; Medusa: `static_tree`. Everything else in the folder (weights,
+    card, a Medusa-2 adapter) is copied as it is; config.json is replaced atomically. Returns `out_dir`.
+    """
+    from specheads.heads.loading import CONFIG_NAME, _resolve_folder, load_heads
+
+    source, out = _resolve_folder(heads, None, None, False), Path(out_dir)
+    if out.resolve() != source.resolve():
+        shutil.copytree(source, out, dirs_exist_ok=True)
+    config = json.loads((out / CONFIG_NAME).read_text())
+    tree = lm.tree_description()
+    if tree["kind"] == "static":
+        config["static_tree"] = tree["name"]
+    else:
+        config.update(tree_depth=tree["depth"], tree_top_k=tree["top_k"], tree_num_nodes=tree["nodes"],
+                      tree_stop_prob=tree["stop_prob"], tree_min_prob=tree["min_prob"])
+    staged = out / f".{CONFIG_NAME}.tmp"
+    staged.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(staged, out / CONFIG_NAME)
+    load_heads(out)  # still a valid checkpoint
+    return out

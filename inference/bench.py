@@ -20,7 +20,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from specheads.inference.autotune import autotune_tree
+from specheads.inference.autotune import autotune_tree, save_tuned_heads
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
 from specheads.inference.constraints import IndexConstraint, constraint_from_options
 from specheads.inference.corpus_gate import MIN_GAIN
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config")
     p.add_argument("--top-k", type=int, default=None, help="default: the target's generation config (0 disables)")
     p.add_argument("--tree", default=None, help="'auto', a static tree name/path (Medusa), or depth,top_k,nodes[,stop_prob[,min_prob]] (EAGLE)")
+    p.add_argument("--save-tree", default=None, metavar="DIR",
+                   help="write a copy of --heads to DIR with the tree this run uses (--tree auto: the one it chose) as "
+                   "the heads' default, so generate / serve / chat use it without --tree")
     p.add_argument("--lookup-tokens", type=int, default=0,
                    help="graft a prompt-lookup guess of up to N tokens (the context's continuation after its last "
                    "3-gram, down to 2-gram) onto each draft tree (0: off); --tree auto chooses with it on")
@@ -404,6 +407,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         corpus_tokens=corpus_tokens)
     calibration = [p.input_ids for p in calibration_prompts(prompts, CALIBRATION_PROMPTS)]
     tree_report = _configure_tree(lm, args.tree, calibration, args.max_new_tokens)
+    if args.save_tree:
+        print(f"[specheads bench] heads with this tree as their default: {save_tuned_heads(lm, args.heads, args.save_tree)}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = set(modes) - {"greedy", "sample"}
     if bad:
@@ -474,7 +479,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.save_tree and args.tree is None:
+        parser.error("--save-tree saves the tree given by --tree (auto, or a tree): give --tree too")
     args.argv = argv
     results = run_benchmark(args)
     out = Path(args.out)

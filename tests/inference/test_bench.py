@@ -68,6 +68,24 @@ def test_bench_with_lookup_and_tree_auto_records_both(tmp_path, eagle_heads_dir)
     assert results["tree_autotune"]["calibration_max_new_tokens"] == 12
 
 
+def test_bench_saves_heads_with_the_tree_it_chose(tmp_path, eagle_heads_dir):
+    """--tree auto --save-tree DIR: a copy of the heads whose default tree is the chosen one (generate uses it)."""
+    from specheads import SpeculativeLM
+
+    tuned = tmp_path / "tuned"
+    results, _ = run_bench(tmp_path, eagle_heads_dir, "Once upon a time\nThe cat sat\n", "--prompt-lookup", "0",
+                           "--tree", "auto", "--save-tree", str(tuned))
+    reloaded = SpeculativeLM.from_pretrained("stories260K", tuned).tree_description()
+    assert reloaded == results["tree"]  # lookup off in both
+    original = json.loads((eagle_heads_dir / "config.json").read_text())
+    saved = json.loads((tuned / "config.json").read_text())
+    assert {k: v for k, v in saved.items() if not k.startswith("tree_")} == {
+        k: v for k, v in original.items() if not k.startswith("tree_")}
+    assert (tuned / "model.safetensors").read_bytes() == (eagle_heads_dir / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit):
+        bench_main(["--heads", str(eagle_heads_dir), "--prompts", "x.txt", "--save-tree", str(tmp_path / "no")])
+
+
 def test_bench_with_a_lookup_corpus_records_it_and_stays_identical(tmp_path, eagle_heads_dir):
     """--lookup-corpus: a corpus of the target's answers to other prompts; greedy runs identical, the corpus in the
     recorded tree."""
