@@ -41,6 +41,7 @@ class DataSection:
     features_dir: str | None = None  # offline features (`specheads data dump-features`); needs feature_mode=offline
     eval_fraction: float = 0.0  # hold out this seeded share of the examples: evaluated, never trained on
     eval_source: str | list[str] = ""  # or evaluate on this separate source (or list; target features online)
+    exclude_prompts: str = ""  # benchmark prompts (e.g. MT-bench JSONL): conversations asking one are not trained on
 
 
 @dataclass

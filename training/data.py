@@ -15,6 +15,7 @@ The loss mask is 1 on assistant tokens only: `loss_mask[i] == 1` means "predicti
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specheads.training.data_sources import read_dataset_source, read_parquet
+
+logger = logging.getLogger(__name__)
 
 PROGRESS_MIN_RECORDS = 1000  # tokenizing runs ~1-2 ms a conversation: a bar from here on
 
@@ -150,7 +153,7 @@ def tokenize_record(
 
 def build_dataset(
     source: str | Path | Sequence[str | Path], tokenizer: PreTrainedTokenizerBase, fmt: str = "auto",
-    max_length: int = 512, progress: bool = True,
+    max_length: int = 512, progress: bool = True, exclude: set[str] | None = None,
 ) -> Dataset:
     """Tokenize one data source, or a list of them (a mixture, concatenated in order), into a `datasets.Dataset`
     with columns input_ids, loss_mask, length.
@@ -159,6 +162,8 @@ def build_dataset(
         source: a file, folder or Hub dataset id (`read_records`), or a list of those; with fmt="auto" each
             source's format is detected from its first record.
         progress: show a progress bar while tokenizing (for sources of 1000 records or more).
+        exclude: whitespace-normalised prompts (`sharegpt.benchmark_prompts`): conversations with a user turn among
+            them are left out (a warning says how many), so heads are never trained on what they are measured on.
 
     Raises:
         ValueError: an unknown format, a record without its format's field, or a source without trainable
@@ -169,7 +174,7 @@ def build_dataset(
         raise ValueError("no data source given (an empty list)")
     rows: list[dict[str, Any]] = []
     for one in sources:
-        rows += _tokenized_rows(one, tokenizer, fmt, max_length, progress)
+        rows += _tokenized_rows(one, tokenizer, fmt, max_length, progress, exclude)
     return Dataset.from_dict({
         "input_ids": [r["input_ids"] for r in rows],
         "loss_mask": [r["loss_mask"] for r in rows],
@@ -178,7 +183,8 @@ def build_dataset(
 
 
 def _tokenized_rows(
-    source: str | Path, tokenizer: PreTrainedTokenizerBase, fmt: str, max_length: int, progress: bool
+    source: str | Path, tokenizer: PreTrainedTokenizerBase, fmt: str, max_length: int, progress: bool,
+    exclude: set[str] | None = None,
 ) -> list[dict[str, Any]]:
     """One source's records, checked against their format and tokenized (rows of fewer than 3 tokens dropped)."""
     records = read_records(source)
@@ -193,6 +199,12 @@ def _tokenized_rows(
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(f"data source {str(source)!r}, record {number}: the {fmt} format needs a {field!r} field, "
                              f"found {keys} (data.format=auto detects the format from the first record)")
+    if exclude and fmt != "text":
+        kept = [r for r in records if not asks_any(r, fmt, exclude)]
+        if len(kept) < len(records):
+            logger.warning("data source %r: left out %d conversations that ask an excluded (benchmark) prompt",
+                           str(source), len(records) - len(kept))
+        records = kept
     bar = tqdm(records, desc=f"tokenize {Path(str(source)).name}", unit="rec",
                disable=not progress or len(records) < PROGRESS_MIN_RECORDS)
     rows = [tokenize_record(tokenizer, r, fmt, max_length) for r in bar]
@@ -201,6 +213,11 @@ def _tokenized_rows(
         raise ValueError(f"data source {str(source)!r} ({fmt} format) has no assistant tokens to train on; "
                          "each conversation needs at least one assistant/gpt turn")
     return rows
+
+
+def asks_any(record: dict[str, Any], fmt: str, prompts: set[str]) -> bool:
+    """Whether a conversation has a user turn among `prompts` (whitespace-normalised)."""
+    return any(m["role"] == "user" and " ".join(m["content"].split()) in prompts for m in to_messages(record, fmt))
 
 
 def collate(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

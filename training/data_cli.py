@@ -26,8 +26,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specheads.training.data import PROGRESS_MIN_RECORDS, detect_format, read_records, to_messages
+from specheads.training.data import PROGRESS_MIN_RECORDS, asks_any, detect_format, read_records, to_messages
 from specheads.training.preflight import check_writable_dir, check_writable_file
+from specheads.training.sharegpt import benchmark_prompts
 
 STORY_SEEDS = (
     "Once upon a time", "One day", "Lily", "Tom and", "There was a", "Once there was a little",
@@ -111,12 +112,14 @@ def regenerate(
     seed: int = 0,
     show_progress: bool = True,
     limit: int | None = None,
+    exclude: set[str] | None = None,
 ) -> int:
     """Have the target write responses (or whole stories) and append them to `output` (JSONL).
 
     Conversations: each record's turns before its first assistant turn are the prompt; the output record is
     OpenAI-messages format with the target's answer. `limit`: only the first `limit` conversations that have a
-    prompt (a large Hub dataset's first N). Stories (`stories=N`): the target continues short seed
+    prompt (a large Hub dataset's first N). `exclude`: whitespace-normalised prompts (a benchmark's) whose
+    conversations are skipped. Stories (`stories=N`): the target continues short seed
     openings; records are {"id", "text"}. Batches are seeded by their first id, so a resumed run writes
     what an uninterrupted one would have.
 
@@ -143,6 +146,8 @@ def regenerate(
             fmt = detect_format(record)
             if fmt == "text":
                 raise ValueError(f"{input_path}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
+            if exclude and asks_any(record, fmt, exclude):
+                continue
             messages = to_messages(record, fmt)
             first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
             prompt = messages[:first]
@@ -198,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     regen.add_argument("--seed", type=int, default=0)
     regen.add_argument("--limit", type=int, default=None, help="only the first N conversations of --input")
+    regen.add_argument("--exclude", default=None, help="benchmark prompts (e.g. MT-bench JSONL): conversations asking "
+                       "one are skipped")
     regen.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     dump = sub.add_parser("dump-features", help="write the target's features as safetensors shards + index")
     dump.add_argument("--target", default="stories260K")
@@ -326,7 +333,8 @@ def data_main(argv: list[str]) -> int:
             raise SystemExit("specheads data regenerate: give --input FILE or --stories N")
         written = regenerate(target, tokenizer, args.output, input_path=args.input, stories=args.stories,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                             temperature=args.temperature, seed=args.seed, limit=args.limit)
+                             temperature=args.temperature, seed=args.seed, limit=args.limit,
+                             exclude=benchmark_prompts(args.exclude) if args.exclude else None)
         print(json.dumps({"output": args.output, "written": written}))
         return 0
     if args.tool == "synth-prompts":

@@ -44,17 +44,11 @@ def iter_complete_entries(text: str) -> Iterator[dict]:
 
 
 def benchmark_prompts(path: str | Path) -> set[str]:
-    """Every turn of an MT-bench-style JSONL (or every line of a text file), whitespace-normalised."""
-    texts = set()
-    for line in Path(path).read_text().split("\n"):  # not splitlines(): U+2028 may be inside a JSON string
-        if not line.strip():
-            continue
-        if str(path).endswith(".jsonl"):
-            record = json.loads(line)
-            texts.update(" ".join(t.split()) for t in record.get("turns", [record.get("prompt", "")]))
-        else:
-            texts.add(" ".join(line.split()))
-    return texts
+    """Every turn of a benchmark's prompts, whitespace-normalised: MT-bench-style JSONL, text lines, or any source
+    `read_prompts` takes (JSON / Parquet files, dataset folders, Hub dataset ids)."""
+    from specheads.inference.prompts import read_prompts
+
+    return {" ".join(turn.split()) for row in read_prompts(path) for turn in row["turns"]}
 
 
 def load_sharegpt(

@@ -62,6 +62,7 @@ from specheads.training.losses import (
     uniform_noise,
 )
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
+from specheads.training.sharegpt import benchmark_prompts
 from specheads.training.target_labels import TargetLabels
 
 CHECKPOINTS = "checkpoints"
@@ -395,8 +396,9 @@ def train(config: RunConfig) -> dict[str, Any]:
         examples: Any = OfflineFeatures(config.data.features_dir)
         lengths, make_batch = examples.lengths(), collate_offline
     else:
+        exclude = benchmark_prompts(config.data.exclude_prompts) if config.data.exclude_prompts else None
         examples = build_dataset(config.data.source, tokenizer, config.data.format, config.data.max_length,
-                                 progress=accelerator.is_local_main_process)
+                                 progress=accelerator.is_local_main_process, exclude=exclude)
         lengths, make_batch = list(examples["length"]), collate
     train_indices, eval_examples, eval_collate = held_out_examples(config, examples, tokenizer, make_batch,
                                                                    progress=accelerator.is_local_main_process)

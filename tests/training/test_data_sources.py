@@ -147,3 +147,37 @@ def test_run_config_takes_a_list_of_sources(tmp_path, stories_file):
     assert config.data.source == [str(stories_file), "org/chats:train_sft"]
     with pytest.raises(ValueError, match="data.source"):
         load_run_config(None, ["data.source={a: 1}"])
+
+
+def test_benchmark_prompts_are_left_out_of_training_data(tmp_path, target_and_tokenizer, caplog):
+    """exclude: conversations asking a benchmark prompt (any user turn, whitespace-normalised) are not trained on;
+    the prompts may come from any prompt source (here a Parquet file of MT-bench-like records)."""
+    from specheads.training.sharegpt import benchmark_prompts
+
+    _, tok = target_and_tokenizer
+    pq.write_table(pa.Table.from_pylist(TRAIN), tmp_path / "chats.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": ["Question  1?", "Later turn"]}, {"prompt": ["Question 4?"]}]),
+                   tmp_path / "bench.parquet")
+    exclude = benchmark_prompts(tmp_path / "bench.parquet")
+    assert exclude == {"Question 1?", "Later turn", "Question 4?"}
+    with caplog.at_level("WARNING"):
+        kept = build_dataset(tmp_path / "chats.parquet", tok, exclude=exclude)
+    assert len(kept) == len(TRAIN) - 2 and "left out 2 conversations" in caplog.text
+    everything = build_dataset(tmp_path / "chats.parquet", tok)
+    assert list(kept["input_ids"]) == [row for i, row in enumerate(everything["input_ids"]) if i not in (1, 4)]
+
+
+def test_training_and_regeneration_skip_benchmark_prompts(tmp_path, stories_file, caplog):
+    pq.write_table(pa.Table.from_pylist(TRAIN), tmp_path / "chats.parquet")
+    (tmp_path / "bench.jsonl").write_text(json.dumps({"question_id": 1, "turns": ["Question 0?"]}) + "\n")
+    out = tmp_path / "regen.jsonl"
+    assert main(["data", "regenerate", "--input", str(tmp_path / "chats.parquet"), "--output", str(out),
+                 "--max-new-tokens", "2", "--exclude", str(tmp_path / "bench.jsonl")]) == 0
+    asked = [json.loads(line)["messages"][0]["content"] for line in out.read_text().splitlines()]
+    assert asked == [f"Question {i}?" for i in range(1, 6)]
+    extra = {"data.source": str(tmp_path / "chats.parquet"), "data.format": "auto", "global_batch_size": 4,
+             "max_steps": 1, "save_steps": 1, "data.exclude_prompts": str(tmp_path / "bench.jsonl")}
+    with caplog.at_level("WARNING"):
+        assert main(["train", str(CONFIGS / "medusa_stories260k.yaml"),
+                     *overrides(stories_file, tmp_path / "run", **extra)]) == 0
+    assert "left out 1 conversations that ask an excluded (benchmark) prompt" in caplog.text
