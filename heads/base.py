@@ -178,6 +178,21 @@ class DraftHeads(PreTrainedModel):
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 
+# the Hub repositories of the built-in target aliases (the card's `base_model` must name a Hub model)
+ALIAS_HUB_IDS = {"stories260k": "karpathy/tinyllamas", "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                 "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def hub_base_model(target_name_or_path: str) -> str | None:
+    """The card's `base_model`: the Hub id of the target (an alias mapped to its repository); None for a local
+    path or an unknown target, which the Hub would not link."""
+    name = target_name_or_path.strip()
+    if name.lower() in ALIAS_HUB_IDS:
+        return ALIAS_HUB_IDS[name.lower()]
+    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~")) and ":" not in name
+    return name if looks_like_hub_id else None
+
+
 def write_model_card(folder: Path, config: HeadsConfig, metrics: dict[str, Any], repo_id: str | None = None) -> None:
     """Write README.md: what target the heads draft for, how to load them, and metrics when known.
 
@@ -195,11 +210,11 @@ With transformers alone (specheads installed), this repository's `custom_generat
 out = model.generate(input_ids, max_new_tokens=128, custom_generate="{repo_id}", trust_remote_code=True)
 ```
 """ if repo_id else ""
+    base_model = hub_base_model(config.target_name_or_path)
     card = f"""---
 library_name: specheads
 tags: [speculative-decoding, draft-heads, {config.head_type}]
-base_model: {config.target_name_or_path or "unknown"}
----
+{f"base_model: {base_model}" + chr(10) if base_model else ""}---
 
 # {config.head_type} draft heads for `{config.target_name_or_path}`
 

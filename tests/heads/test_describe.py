@@ -56,3 +56,23 @@ def test_the_committed_cards_metrics_are_read():
     summary = describe_heads(folder)
     assert summary["head_type"] == "eagle3" and summary["draft_vocab_size"] == 8192
     assert 0 < summary["metrics"]["acc_depth1"] < 1
+
+
+def test_card_base_model_is_a_hub_id_or_left_out():
+    """The Hub links base_model only to Hub ids: aliases map to their repositories, local paths are left out."""
+    from specheads.heads.base import hub_base_model
+
+    assert hub_base_model("stories260K") == "karpathy/tinyllamas"
+    assert hub_base_model("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub_base_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert hub_base_model("/home/me/models/llama") is None and hub_base_model("./runs/x") is None
+    assert hub_base_model("") is None
+
+
+def test_saved_card_front_matter(stories260k, tmp_path):
+    import yaml
+
+    create_heads(stories260k[0], "eagle").save_pretrained(tmp_path / "h")
+    front = (tmp_path / "h" / "README.md").read_text().split("---")[1]
+    assert yaml.safe_load(front) == {"library_name": "specheads", "tags": ["speculative-decoding", "draft-heads", "eagle"],
+                                     "base_model": "karpathy/tinyllamas"}
