@@ -32,7 +32,7 @@ UNSUPPORTED = {
     "negative_prompt_attention_mask": "classifier-free guidance is not applied by specheads",
     "assistant_tokenizer": "speculation here drafts with the heads, not an assistant model",
 }
-IGNORED = ("synced_gpus", "use_cache")  # single-process decoding; the engine always caches (outputs are unchanged)
+IGNORED = ("use_cache",)  # the engine always caches (outputs are unchanged)
 
 SHIM = '''"""Speculative decoding with the specheads draft heads of this repository, as a transformers `custom_generate`.
 
@@ -127,6 +127,9 @@ def generate_with_heads(
     for name, reason in UNSUPPORTED.items():
         if name in given:
             raise ValueError(f"generate(..., {name}=...) is not supported with specheads heads: {reason}")
+    if given.pop("synced_gpus", False):
+        raise ValueError("generate(..., synced_gpus=True) is not supported with specheads heads: decoding runs in one "
+                         "process, not in lockstep across ranks (DeepSpeed ZeRO-3 / FSDP)")
     for name in IGNORED:
         given.pop(name, None)
     accepted = set(inspect.signature(SpeculativeLM.generate).parameters) - {"self", "input_ids"}

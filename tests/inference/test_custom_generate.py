@@ -60,10 +60,12 @@ def test_arguments_it_cannot_honour_are_refused_by_name(stories260k, tmp_path):
         generate_with_heads(target, tmp_path, input_ids=ids, colour="red")
     with pytest.raises(ValueError, match="num_beams"):  # a generation-config field the engine refuses by name
         generate_with_heads(target, tmp_path, input_ids=ids, num_beams=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="synced_gpus=True\\) is not supported"):
+        generate_with_heads(target, tmp_path, input_ids=ids, synced_gpus=True)
     with pytest.raises(ValueError, match="as `inputs` or as `input_ids`, not both"):
         generate_with_heads(target, tmp_path, inputs=ids, input_ids=ids)
     # fields the engine takes as they are (num_beams=1, use_cache) and transformers' None placeholders pass
-    out = generate_with_heads(target, tmp_path, inputs=ids, num_beams=1, use_cache=True, synced_gpus=None,
+    out = generate_with_heads(target, tmp_path, inputs=ids, num_beams=1, use_cache=True, synced_gpus=False,
                               streamer=None, max_new_tokens=8)
     torch.testing.assert_close(out, hf_greedy(target, ids, 8), rtol=0, atol=0)
 
