@@ -116,7 +116,8 @@ def regenerate(
 ) -> int:
     """Have the target write responses (or whole stories) and append them to `output` (JSONL).
 
-    Conversations: each record's turns before its first assistant turn are the prompt; the output record is
+    Conversations: each record's system turns and its turns from the first user turn up to the next assistant
+    turn are the prompt (records without a user turn are skipped); the output record is
     OpenAI-messages format with the target's answer. `limit`: only the first `limit` conversations that have a
     prompt (a large Hub dataset's first N). `exclude`: whitespace-normalised prompts (a benchmark's) whose
     conversations are skipped. Stories (`stories=N`): the target continues short seed
@@ -149,10 +150,13 @@ def regenerate(
             if exclude and asks_any(record, fmt, exclude):
                 continue
             messages = to_messages(record, fmt)
-            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-            prompt = messages[:first]
-            if not prompt:
+            # the prompt: system turns, then from the first user turn to the next assistant turn; an assistant turn
+            # before any user turn (ShareGPT's split conversations often open with one) is left out, not the record
+            start = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+            if start is None:
                 continue
+            first = next((i for i in range(start, len(messages)) if messages[i]["role"] == "assistant"), len(messages))
+            prompt = [m for m in messages[:start] if m["role"] == "system"] + messages[start:first]
             if tokenizer.chat_template:
                 ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
             else:

@@ -37,6 +37,22 @@ def test_regenerate_conversations_through_cli(tmp_path, chat_file, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["written"] == 2
 
 
+def test_regenerate_answers_conversations_that_open_with_an_assistant_turn(tmp_path, target_and_tokenizer):
+    """A split ShareGPT conversation opening with "gpt": its first human turn (and a system turn) is the prompt."""
+    target, tok = target_and_tokenizer
+    source = tmp_path / "split.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "x", "conversations": [{"from": "system", "value": "Be kind."}, {"from": "gpt", "value": "...the end."},
+                                      {"from": "human", "value": "Another story?"}, {"from": "gpt", "value": "Sure."}]},
+        {"id": "y", "conversations": [{"from": "gpt", "value": "Only me."}]},
+    ]))
+    out = tmp_path / "regen.jsonl"
+    assert regenerate(target, tok, out, input_path=source, max_new_tokens=4, show_progress=False) == 1
+    record = json.loads(out.read_text())
+    assert record["id"] == "x" and [m["role"] for m in record["messages"]] == ["system", "user", "assistant"]
+    assert record["messages"][1]["content"] == "Another story?"
+
+
 def test_regenerate_the_first_conversations_of_a_parquet_source(tmp_path, capsys):
     """--input takes any data source (here Parquet, ids from the row numbers); --limit N answers the first N."""
     import pyarrow as pa
