@@ -48,6 +48,8 @@ class SamplingParams:
     logits_processor: LogitsProcessorList | None = None
     # where sampling's random numbers come from (a seeded request among others in a batch); None: torch's global
     generator: torch.Generator | None = None
+    # transformers' LogitNormalization, last: returned scores are log-probabilities (tokens and sampling unchanged)
+    renormalize_logits: bool = False
 
     @classmethod
     def resolve(
@@ -98,6 +100,7 @@ class SamplingParams:
             begin_suppress_tokens=as_tuple(pick(None, "begin_suppress_tokens", None)),
             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
             logits_processor=LogitsProcessorList(logits_processor) if logits_processor else None,
+            renormalize_logits=bool(pick(None, "renormalize_logits", False)),
         )
 
     def validate(self) -> None:

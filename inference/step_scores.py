@@ -33,8 +33,10 @@ class StepRecorder:
         self.scores.extend(scores[:count].to(torch.float32, copy=True).unbind(0))
 
     def warped(self, scores: torch.Tensor) -> torch.Tensor:
-        """Sampling scores go through the warpers too (temperature, top-k, ...), as in transformers."""
-        return self.params.warpers()(None, scores) if self.params.do_sample else scores
+        """Sampling scores go through the warpers too (temperature, top-k, ...), as in transformers; with the
+        generation config's `renormalize_logits`, then through a log-softmax (its LogitNormalization, applied last)."""
+        scores = self.params.warpers()(None, scores) if self.params.do_sample else scores
+        return scores.log_softmax(dim=-1) if self.params.renormalize_logits else scores
 
     def add_path(
         self,

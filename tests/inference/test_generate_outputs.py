@@ -85,6 +85,22 @@ def test_sampled_scores_are_the_warped_distribution_of_each_step(tiny_target_fac
         assert scores[0, out.sequences[0, ids.shape[1] + step]].isfinite()  # the sampled token was allowed
 
 
+@pytest.mark.parametrize("settings", [{}, dict(do_sample=True, temperature=0.8, top_k=7)], ids=["greedy", "sample"])
+def test_renormalized_scores_are_log_probabilities_as_in_generate(tiny_target_factory, settings):
+    """A generation config with renormalize_logits=True: transformers returns log-softmaxed scores; so does this."""
+    target = copy.deepcopy(tiny_target_factory("llama"))
+    target.generation_config.renormalize_logits = True
+    ids = torch.tensor([PROMPT])
+    lm = SpeculativeLM(target, make_heads(target, "eagle"))
+    torch.manual_seed(0)
+    out = lm.generate(ids, max_new_tokens=8, **settings, **OUTPUTS)
+    for step, scores in enumerate(out.scores):
+        prefix = out.sequences[:, : ids.shape[1] + step]
+        theirs = target.generate(prefix, max_new_tokens=1, **{"do_sample": False, **settings}, **OUTPUTS)
+        assert_steps_close((scores,), theirs.scores)
+        assert torch.allclose(scores.exp().sum(), torch.tensor(1.0), atol=1e-4)  # log-probabilities
+
+
 @pytest.mark.parametrize("batched", [True, False])
 def test_batch_outputs_per_row_with_early_ends(tiny_target_factory, batched):
     """Rows that stop early (their own EOS) get -inf steps after their end; every row's real steps equal its own
