@@ -9,6 +9,7 @@ instead of raised.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from specheads.heads.hub import card_metrics
@@ -43,9 +44,24 @@ def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:
         summary["tree"] = {name: getattr(config, name) for name in
                            ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "tree_min_prob")}
     summary["target_adapter"] = config.target_adapter or None  # Medusa-2: merged into the target when loading
-    summary["custom_generate"] = (folder / "custom_generate" / "generate.py").is_file()
+    summary["custom_generate"] = has_custom_generate(path_or_hub_id, folder)
     summary["metrics"] = card_metrics(folder)
     return summary
+
+
+def has_custom_generate(path_or_hub_id: str | os.PathLike, folder: Path) -> bool | None:
+    """Whether the checkpoint holds transformers' `custom_generate/generate.py`; None when unknown (a Hub id whose
+    repository cannot be asked: offline; its snapshot here holds no code files)."""
+    if (folder / "custom_generate" / "generate.py").is_file():
+        return True
+    if Path(path_or_hub_id).expanduser().is_dir():
+        return False
+    from huggingface_hub import file_exists
+
+    try:
+        return file_exists(str(path_or_hub_id), "custom_generate/generate.py")
+    except Exception:  # offline, or the Hub unreachable: many error types
+        return None
 
 
 def check_heads_on_target(path_or_hub_id: str | os.PathLike, target: str) -> dict[str, Any]:

@@ -76,3 +76,11 @@ def test_saved_card_front_matter(stories260k, tmp_path):
     front = (tmp_path / "h" / "README.md").read_text().split("---")[1]
     assert yaml.safe_load(front) == {"library_name": "specheads", "tags": ["speculative-decoding", "draft-heads", "eagle"],
                                      "base_model": "karpathy/tinyllamas"}
+
+
+def test_custom_generate_of_a_hub_id_is_unknown_offline(stories260k, tmp_path, offline_hub_cache):
+    """The Hub snapshot of heads holds no code files: offline, whether the repository has custom_generate is unknown."""
+    create_heads(stories260k[0], "eagle").save_pretrained(tmp_path / "h")
+    offline_hub_cache.publish(tmp_path / "h", "test-org/h")  # as downloaded: weights, config and card only
+    assert describe_heads("test-org/h")["custom_generate"] is None
+    assert describe_heads(tmp_path / "h")["custom_generate"] is False  # a local folder: known
