@@ -178,6 +178,20 @@ class DraftHeads(PreTrainedModel):
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 
+LOCAL_HEADS_PLACEHOLDER = "path/to/this/folder"  # where a card written by save_pretrained says the heads are
+
+
+def custom_generate_usage(repo_id: str) -> str:
+    """The model card's paragraph on using the repository from plain transformers (`custom_generate`)."""
+    return f"""
+With transformers alone (specheads installed), this repository's `custom_generate` runs the same decoding:
+
+```python
+out = model.generate(input_ids, max_new_tokens=128, custom_generate="{repo_id}", trust_remote_code=True)
+```
+"""
+
+
 # the Hub repositories of the built-in target aliases (the card's `base_model` must name a Hub model)
 ALIAS_HUB_IDS = {"stories260k": "karpathy/tinyllamas", "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
                  "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -202,14 +216,8 @@ def write_model_card(folder: Path, config: HeadsConfig, metrics: dict[str, Any],
     metrics_block = (
         "\n## Metrics\n\n```json\n" + json.dumps(metrics, indent=2, sort_keys=True) + "\n```\n" if metrics else ""
     )
-    heads_location = repo_id or "path/to/this/folder"
-    transformers_block = f"""
-With transformers alone (specheads installed), this repository's `custom_generate` runs the same decoding:
-
-```python
-out = model.generate(input_ids, max_new_tokens=128, custom_generate="{repo_id}", trust_remote_code=True)
-```
-""" if repo_id else ""
+    heads_location = repo_id or LOCAL_HEADS_PLACEHOLDER
+    transformers_block = custom_generate_usage(repo_id) if repo_id else ""
     base_model = hub_base_model(config.target_name_or_path)
     card = f"""---
 library_name: specheads

@@ -8,12 +8,22 @@ instead of raised.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
-from specheads.heads.hub import card_metrics
 from specheads.heads.loading import WEIGHTS_NAME, _resolve_folder, load_heads
+
+METRICS_BLOCK = re.compile(r"## Metrics[^\n]*\n\s*```json\s*(\{.*?\})\s*```", re.DOTALL)  # "## Metrics (...)" too
+
+
+def card_metrics(folder: str | os.PathLike) -> dict[str, Any]:
+    """The metrics block of the folder's specheads model card (README.md); {} when it has none."""
+    card = Path(folder) / "README.md"
+    match = METRICS_BLOCK.search(card.read_text()) if card.is_file() else None
+    return json.loads(match.group(1)) if match else {}
 
 
 def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:

@@ -1,32 +1,21 @@
 """Publishing a heads checkpoint folder on the Hugging Face Hub: `specheads push`, and training's `push_to_hub`.
 
 `DraftHeads.push_to_hub` uploads loaded heads; this uploads a FOLDER as training wrote it, so what the folder holds
-besides the weights travels too: Medusa-2's `target_adapter/` and the model card's metrics. The uploaded card names
-the repository in its usage examples, and the repository gets transformers' `custom_generate` entry
-(inference/custom_generate.py), so `model.generate(..., custom_generate=repo_id, trust_remote_code=True)` works.
+besides the weights travels too: Medusa-2's `target_adapter/` and the model card as it is (metrics, hand-written
+notes). The uploaded card names the repository in its usage example, and the repository gets transformers'
+`custom_generate` entry (inference/custom_generate.py), so `model.generate(..., custom_generate=repo_id,
+trust_remote_code=True)` works.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from specheads.heads.base import write_model_card
+from specheads.heads.base import LOCAL_HEADS_PLACEHOLDER, custom_generate_usage, write_model_card
 from specheads.heads.config import HeadsConfig
-
-METRICS_BLOCK = re.compile(r"## Metrics[^\n]*\n\s*```json\s*(\{.*?\})\s*```", re.DOTALL)  # "## Metrics (...)" too
-
-
-def card_metrics(folder: str | os.PathLike) -> dict[str, Any]:
-    """The metrics block of the folder's specheads model card (README.md); {} when it has none."""
-    card = Path(folder) / "README.md"
-    match = METRICS_BLOCK.search(card.read_text()) if card.is_file() else None
-    return json.loads(match.group(1)) if match else {}
 
 
 def push_heads_folder(
@@ -59,7 +48,12 @@ def push_heads_folder(
     with tempfile.TemporaryDirectory() as tmp:
         staged = Path(tmp) / "heads"
         shutil.copytree(folder, staged, ignore=shutil.ignore_patterns(CUSTOM_GENERATE_DIR, ".*"))
-        write_model_card(staged, HeadsConfig.from_pretrained(folder), card_metrics(folder), repo_id=repo_id)
+        card = staged / "README.md"
+        if card.is_file():  # kept as written (a hand-edited card too): only told where the heads now live
+            text = card.read_text().replace(f'heads="{LOCAL_HEADS_PLACEHOLDER}"', f'heads="{repo_id}"')
+            card.write_text(text if "custom_generate=" in text else text + custom_generate_usage(repo_id))
+        else:
+            write_model_card(staged, HeadsConfig.from_pretrained(folder), {}, repo_id=repo_id)
         write_custom_generate(staged, heads_location=repo_id)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)

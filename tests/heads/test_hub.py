@@ -6,7 +6,8 @@ import pytest
 
 from specheads import create_heads
 from specheads.cli import main
-from specheads.heads.hub import card_metrics, push_heads_folder
+from specheads.heads.describe import card_metrics
+from specheads.heads.hub import push_heads_folder
 
 
 @pytest.fixture
@@ -30,6 +31,18 @@ def test_push_uploads_the_folder_with_a_card_and_custom_generate_naming_the_repo
     assert '"eval_sim_tau": 2.5' in card  # the folder's metrics travel with it
     assert sorted(p.name for p in heads_folder.iterdir()) == before  # the local folder is left as it was
     assert card_metrics(heads_folder) == {"eval_sim_tau": 2.5, "steps": 7}
+
+
+def test_push_keeps_a_hand_written_card(heads_folder, fake_hub_api):
+    """Notes added to the card travel unchanged; only the usage example learns the repository."""
+    hub = fake_hub_api()
+    card = heads_folder / "README.md"
+    card.write_text(card.read_text() + "\n## How these were trained\n\nOn my own data, 3 epochs.\n")
+    push_heads_folder(heads_folder, "test-org/noted")
+    pushed = hub.files["README.md"]
+    assert pushed.startswith(card.read_text().split("heads=")[0]) and "On my own data, 3 epochs." in pushed
+    assert 'heads="test-org/noted"' in pushed and "path/to/this/folder" not in pushed
+    assert pushed.count('custom_generate="test-org/noted"') == 1
 
 
 def test_push_checks_the_folder_first_and_names_hub_failures(heads_folder, tmp_path, fake_hub_api):
