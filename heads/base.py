@@ -192,14 +192,22 @@ out = model.generate(input_ids, max_new_tokens=128, custom_generate="{repo_id}",
 """
 
 
-# the Hub repositories of the built-in target aliases (the card's `base_model` must name a Hub model)
-ALIAS_HUB_IDS = {"stories260k": "karpathy/tinyllamas", "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                 "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+def point_card_at(folder: Path, repo_id: str) -> None:
+    """The folder's model card, kept as written (hand-edited notes too), told that the heads live at `repo_id`: its
+    usage example names the repository and the `custom_generate` paragraph is added; no card: a fresh one."""
+    card = folder / "README.md"
+    if not card.is_file():
+        write_model_card(folder, HeadsConfig.from_pretrained(folder), {}, repo_id=repo_id)
+        return
+    text = card.read_text().replace(f'heads="{LOCAL_HEADS_PLACEHOLDER}"', f'heads="{repo_id}"')
+    card.write_text(text if "custom_generate=" in text else text + custom_generate_usage(repo_id))
 
 
 def hub_base_model(target_name_or_path: str) -> str | None:
     """The card's `base_model`: the Hub id of the target (an alias mapped to its repository); None for a local
     path or an unknown target, which the Hub would not link."""
+    from specheads.targets import ALIAS_HUB_IDS
+
     name = target_name_or_path.strip()
     if name.lower() in ALIAS_HUB_IDS:
         return ALIAS_HUB_IDS[name.lower()]

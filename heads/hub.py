@@ -10,12 +10,8 @@ trust_remote_code=True)` works.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
-
-from specheads.heads.base import LOCAL_HEADS_PLACEHOLDER, custom_generate_usage, write_model_card
-from specheads.heads.config import HeadsConfig
 
 
 def push_heads_folder(
@@ -39,22 +35,11 @@ def push_heads_folder(
     """
     from huggingface_hub import HfApi
 
-    from specheads.heads.loading import load_heads
-    from specheads.inference.custom_generate import CUSTOM_GENERATE_DIR, write_custom_generate
+    from specheads.inference.custom_generate import export_for_transformers
 
-    folder = Path(folder)
-    load_heads(folder)  # complete and valid before anything is uploaded
     api = HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:
-        staged = Path(tmp) / "heads"
-        shutil.copytree(folder, staged, ignore=shutil.ignore_patterns(CUSTOM_GENERATE_DIR, ".*"))
-        card = staged / "README.md"
-        if card.is_file():  # kept as written (a hand-edited card too): only told where the heads now live
-            text = card.read_text().replace(f'heads="{LOCAL_HEADS_PLACEHOLDER}"', f'heads="{repo_id}"')
-            card.write_text(text if "custom_generate=" in text else text + custom_generate_usage(repo_id))
-        else:
-            write_model_card(staged, HeadsConfig.from_pretrained(folder), {}, repo_id=repo_id)
-        write_custom_generate(staged, heads_location=repo_id)
+        staged = export_for_transformers(folder, Path(tmp) / "heads", repo_id=repo_id)  # checks the folder first
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
             commit = api.upload_folder(repo_id=repo_id, folder_path=str(staged), commit_message=commit_message)

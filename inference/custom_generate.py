@@ -77,7 +77,8 @@ def export_for_transformers(
     heads: str | os.PathLike, out_dir: str | os.PathLike, repo_id: str | None = None
 ) -> Path:
     """Copy a heads checkpoint (folder or Hub id; a Medusa-2 adapter subfolder included) to `out_dir` and add
-    `custom_generate/` naming `repo_id` (the Hub id it will be uploaded to) or, by default, `out_dir` itself.
+    `custom_generate/` naming `repo_id` (the Hub id it will be uploaded to; the model card then names it too) or,
+    by default, `out_dir` itself.
 
     Raises:
         FileNotFoundError / ValueError: `heads` is not a loadable specheads checkpoint.
@@ -85,14 +86,17 @@ def export_for_transformers(
     import shutil
 
     from specheads import load_heads
+    from specheads.heads.base import point_card_at
     from specheads.heads.loading import _resolve_folder
 
     source = _resolve_folder(heads, None, None, False)
     load_heads(source)  # a specheads checkpoint, complete and valid, before anything is written
     out = Path(out_dir)
     if out.resolve() != Path(source).resolve():
-        shutil.copytree(source, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".cache", CUSTOM_GENERATE_DIR))
+        shutil.copytree(source, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*", CUSTOM_GENERATE_DIR))
     write_custom_generate(out, repo_id)
+    if repo_id is not None:
+        point_card_at(out, repo_id)
     return out
 
 

@@ -85,9 +85,9 @@ def prompt_row(record: object, where: str, number: int) -> dict:
     if turns is None and isinstance(record.get("prompt"), list):  # e.g. HuggingFaceH4/mt_bench_prompts
         turns = record["prompt"]
     if turns is None and ("messages" in record or "conversations" in record):
-        from specheads.training.data import to_messages
+        from specheads.training.data import detect_format, to_messages
 
-        messages = to_messages(record, "openai" if "messages" in record else "sharegpt")
+        messages = to_messages(record, detect_format(record))
         turns = [m["content"] for m in messages if m["role"] == "user"] or None
     if turns is not None and not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
         raise ValueError(f"{where} has turns={turns!r}; expected a non-empty list of strings")

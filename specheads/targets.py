@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,8 @@ from transformers.utils import cached_file, find_adapter_config_file
 ASSETS = Path(__file__).parent / "assets"
 ALIASES = {"stories260k": ASSETS / "stories260K"}
 SMOLLM2_ALIASES = ("smollm2-135m-instruct", "smollm2")
+# the Hub repositories the aliases' weights come from (a model card's `base_model` must name a Hub model)
+ALIAS_HUB_IDS = {"stories260k": "karpathy/tinyllamas", **dict.fromkeys(SMOLLM2_ALIASES, "HuggingFaceTB/SmolLM2-135M-Instruct")}
 # config fields of families whose logits are not plain lm_head(last hidden state) (Gemma 2's soft-capping,
 # Cohere's and Granite's scaling): training labels and the certified argmax must not assume they are
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -99,15 +100,14 @@ def _load_adapted_target(
 
     where = f"adapter {adapter!r} ({adapter_config_file})"
     try:
-        settings = json.loads(Path(adapter_config_file).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        peft_config = PeftConfig.from_pretrained(adapter, **hub)
+    except (OSError, ValueError, TypeError, KeyError) as err:  # unreadable JSON, an unknown peft_type, ...
         raise ValueError(f"{where}: cannot read adapter_config.json: {err}") from err
-    base_name = settings.get("base_model_name_or_path") if isinstance(settings, dict) else None
+    base_name = peft_config.base_model_name_or_path
     if not base_name:
         raise ValueError(
             f"{where} names no base_model_name_or_path; expected the path or Hub id of the model it adapts"
         )
-    peft_config = PeftConfig.from_pretrained(adapter, **hub)
     if peft_config.is_prompt_learning:
         raise ValueError(
             f"{where} is a {peft_config.peft_type} adapter (virtual prompt tokens), which cannot be merged into the "

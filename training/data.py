@@ -200,7 +200,7 @@ def _tokenized_rows(
             raise ValueError(f"data source {str(source)!r}, record {number}: the {fmt} format needs a {field!r} field, "
                              f"found {keys} (data.format=auto detects the format from the first record)")
     if exclude and fmt != "text":
-        kept = [r for r in records if not asks_any(r, fmt, exclude)]
+        kept = [r for r in records if not asks_any(to_messages(r, fmt), exclude)]
         if len(kept) < len(records):
             logger.warning("data source %r: left out %d conversations that ask an excluded (benchmark) prompt",
                            str(source), len(records) - len(kept))
@@ -215,9 +215,14 @@ def _tokenized_rows(
     return rows
 
 
-def asks_any(record: dict[str, Any], fmt: str, prompts: set[str]) -> bool:
-    """Whether a conversation has a user turn among `prompts` (whitespace-normalised)."""
-    return any(m["role"] == "user" and " ".join(m["content"].split()) in prompts for m in to_messages(record, fmt))
+def normalized(text: str) -> str:
+    """`text` with each run of whitespace made one space: how prompts are compared (benchmark exclusion)."""
+    return " ".join(text.split())
+
+
+def asks_any(messages: list[dict[str, str]], prompts: set[str]) -> bool:
+    """Whether a conversation (`to_messages`) has a user turn among `prompts` (`normalized` texts)."""
+    return any(m["role"] == "user" and normalized(m["content"]) in prompts for m in messages)
 
 
 def collate(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

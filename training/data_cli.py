@@ -147,9 +147,9 @@ def regenerate(
             fmt = detect_format(record)
             if fmt == "text":
                 raise ValueError(f"{input_path}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
-            if exclude and asks_any(record, fmt, exclude):
-                continue
             messages = to_messages(record, fmt)
+            if exclude and asks_any(messages, exclude):
+                continue
             # the prompt: system turns, then from the first user turn to the next assistant turn; an assistant turn
             # before any user turn (ShareGPT's split conversations often open with one) is left out, not the record
             start = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)

