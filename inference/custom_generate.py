@@ -15,14 +15,12 @@ target's own (greedy identical, sampling exact), and what the engine cannot do e
 
 from __future__ import annotations
 
-import copy
-import inspect
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 CUSTOM_GENERATE_DIR = "custom_generate"
 # transformers.generate arguments that have no meaning for a heads speculator
@@ -110,13 +108,15 @@ def generate_with_heads(
         heads: a heads checkpoint folder or Hub id.
         stats: when given, updated with the run's `last_stats` (new_tokens, target_forwards, mean_accepted, ...).
         arguments: transformers.generate's arguments as `custom_generate` passes them (None for what the caller
-            left out): `inputs` / `input_ids`, the generation settings, `generation_config`, processors, streamer...
-            Generation-config fields that `SpeculativeLM.generate` has no argument for (`num_beams`, ...) go into a
-            copy of the generation config, where the engine accepts or refuses them by name.
+            left out): `inputs` / `input_ids`, the generation settings, `generation_config`, processors, streamer,
+            a vision-language target's images (`pixel_values`, ...). As in `SpeculativeLM.generate`,
+            generation-config fields it has no argument for (`num_beams`, ...) go into a copy of the generation
+            config, where the engine accepts or refuses them by name, and the rest are the prompt forward's inputs.
 
     Raises:
         ValueError: no prompt, or an argument this engine cannot honour (an assistant model, guidance).
-        TypeError: an argument that is neither a generate argument nor a generation-config field.
+        TypeError: an argument that is neither a generate argument, a generation-config field nor an input of the
+            target's forward.
     """
     from specheads import SpeculativeLM, load_heads
 
@@ -136,16 +136,6 @@ def generate_with_heads(
                          "process, not in lockstep across ranks (DeepSpeed ZeRO-3 / FSDP)")
     for name in IGNORED:
         given.pop(name, None)
-    accepted = set(inspect.signature(SpeculativeLM.generate).parameters) - {"self", "input_ids"}
-    defaults = GenerationConfig().to_dict()
-    config_fields = {name: given.pop(name) for name in list(given) if name not in accepted and name in defaults}
-    if given.keys() - accepted:
-        raise TypeError(f"generate() got {sorted(given.keys() - accepted)}, which are neither generate arguments "
-                        "that specheads takes nor generation-config fields")
-    if config_fields:
-        config = copy.deepcopy(given.get("generation_config") or model.generation_config)
-        config.update(**config_fields)
-        given["generation_config"] = config
     lm = SpeculativeLM(model, load_heads(heads, target=model), tokenizer=given.get("tokenizer"))
     out = lm.generate(prompt, **given)
     if stats is not None:

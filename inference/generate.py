@@ -6,6 +6,7 @@ tree), accept (longest valid path + the target's bonus token), update (compact c
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from specheads.inference.generate_inputs import (
     split_prompts,
 )
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
+from specheads.inference.multimodal import check_prompt_inputs_call, prompt_inputs
 from specheads.inference.prompt_cache import PromptCache, check_prompt_cache_call
 from specheads.inference.round_budget import AutoRoundBudget, calibrate_verification_ms, selectable_nodes
 from specheads.inference.sampling import SamplingParams, choose_token
@@ -362,6 +364,7 @@ class SpeculativeLM:
         acceptance: str = "exact",
         batched: bool | None = None,
         fast_path: bool | None = None,
+        **kwargs: Any,
     ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         """Generate like `transformers.generate`: returns prompt + new tokens, (B, n + new).
 
@@ -408,6 +411,11 @@ class SpeculativeLM:
             fast_path: run rows on a static KV cache with fixed-shape tree verification, captured as a CUDA
                 graph on CUDA (inference/fast_path.py). None: on for a CUDA target and batch size 1 (not for
                 sliding-window targets whose window could be reached); True forces it (also on CPU); False: off.
+            **kwargs: as in transformers: any other field of `GenerationConfig` (e.g. `epsilon_cutoff`, or `num_beams`,
+                refused when > 1) updates a copy of the generation config; the rest are extra inputs of the target's
+                prompt forward: a vision-language target's images (`pixel_values`, `image_grid_thw`, ... as its
+                processor returns them; inference/multimodal.py), for one unpadded prompt per call. A name that is
+                neither raises a ValueError.
 
         After the call, `self.last_stats` holds new_tokens, target_forwards, mean_accepted (tau: new tokens
         per target forward, the bonus token counted, the prefill counted as one forward), rounds,
@@ -416,6 +424,12 @@ class SpeculativeLM:
         fast_path (whether the call ran on the static-cache fast path).
         """
         config = self.target.generation_config if generation_config is None else generation_config
+        settings = {name: value for name, value in kwargs.items() if hasattr(config, name)}
+        if settings:  # as transformers' generate: generation settings given as keywords update a copy of the config
+            config = copy.deepcopy(config)
+            config.update(**settings)
+        inputs = prompt_inputs(self.target, {name: value for name, value in kwargs.items() if name not in settings})
+        check_prompt_inputs_call(inputs, input_ids, attention_mask, prompt_cache, fast_path, batched)
         params, criteria = decoding_settings(
             config, self.tokenizer, do_sample, temperature, top_p, top_k, min_p=min_p, typical_p=typical_p,
             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
@@ -446,7 +460,7 @@ class SpeculativeLM:
         can_batch = hasattr(self.drafter, "fork")
         if prompt_cache is not None:
             check_prompt_cache_call(prompt_cache, len(prompts), batched)
-        runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
+        runner = None if inputs else fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
@@ -455,7 +469,7 @@ class SpeculativeLM:
         else:
             row_drafter = self.drafter
         if batched is None:
-            batched = len(prompts) > 1 and can_batch and runner is None
+            batched = len(prompts) > 1 and can_batch and runner is None and not inputs
         if batched and not can_batch:
             raise ValueError(f"batched=True needs a drafter with fork(); {type(self.drafter).__name__} has none: use "
                              "batched=False")
@@ -473,7 +487,7 @@ class SpeculativeLM:
                 stop = None if criteria is None else StopChecker(criteria, prompt)
                 rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier,
                                                row_drafter, row, stop, None if recorders is None else recorders[row],
-                                               prompt_cache))
+                                               prompt_cache, inputs))
         if streamer is not None:
             streamer.end()
         seconds = time.perf_counter() - start
@@ -504,6 +518,7 @@ class SpeculativeLM:
         stop: StopChecker | None = None,
         recorder: StepRecorder | None = None,
         prompt_cache: PromptCache | None = None,
+        inputs: dict[str, torch.Tensor] | None = None,
     ) -> list[int]:
         """Speculative decoding of one prompt (n,), row `row` of the caller's batch; returns the new token ids.
 
@@ -513,12 +528,15 @@ class SpeculativeLM:
         `graphed_rounds`, greedy decoding with that fixed-shape EAGLE drafter runs each round as one graph
         (`FastPathRunner.graphed_round`, inference/graphed_round.py); everything else runs the four phases below,
         the reference. With `prompt_cache`, the prefill runs only the prompt's tokens
-        after those the cache holds, and the cache keeps this call's sequence at the end.
+        after those the cache holds, and the cache keeps this call's sequence at the end. `inputs`: the prompt's
+        extra model inputs (images), given to the prefill only (`DynamicTreeVerifier` only).
         """
         if max_new_tokens == 0:
             return []
         prefill_start = time.perf_counter()
-        if prompt_cache is None:
+        if inputs:
+            last_logits, features = verifier.prefill(prompt, max_new_tokens, inputs=inputs)  # (1, V), (n, h)
+        elif prompt_cache is None:
             last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         else:
             last_logits, features, reused = prompt_cache.prefill(verifier, prompt, max_new_tokens, self.target,

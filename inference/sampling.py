@@ -224,9 +224,10 @@ def check_generation_config(generation_config: Any, do_sample: bool) -> None:
         listed = ", ".join(f"{name}={value!r}" for name, value in unapplied.items())
         first = next(iter(unapplied))
         raise ValueError(
-            f"the target's generation config sets {listed}, which transformers' generate applies and speculative "
-            f"decoding here does not, so outputs would differ from the target's own: set them to their neutral "
-            f"values first (e.g. `target.generation_config.{first} = None`; `target.generate` then agrees)"
+            f"the generation config sets {listed}, which transformers' generate applies and speculative decoding "
+            f"here does not, so outputs would differ from the target's own: set them to their neutral values in the "
+            f"target's config or generate's keywords (e.g. `target.generation_config.{first} = None`; "
+            f"`target.generate` then agrees)"
         )
 
 

@@ -11,6 +11,9 @@ keys and values by slicing the KV cache. A target is served exactly only if all 
   Qwen3-Next, MiniMax, ...) fold every token into a state that cannot be cut back to the accepted path.
 - the attention pattern is one the verifier rebuilds for tree nodes: full, or a sliding window (`verify.py`).
   Llama 4's chunked layers are served only while the whole run stays inside one chunk.
+
+Vision-language targets are served when their images enter through the prompt's embeddings (LLaVA, Qwen2-VL,
+Gemma 3, Idefics3, ...: inference/multimodal.py), not through cross-attention layers (Mllama).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ def tree_verification_problem(target: PreTrainedModel) -> str | None:
     if other:
         return (f"{name} has {', '.join(other)} layers; a token tree can only be verified by attention layers "
                 f"({', '.join(sorted(SUPPORTED_LAYER_TYPES))}) whose KV cache is cut back to the accepted path")
+    if getattr(config, "cross_attention_layers", None):
+        return (f"{name} has layers that cross-attend to the image (Mllama), whose image mask transformers' generate "
+                "extends at every step and a tree forward does not; its hidden states also skip those layers")
     if "position_ids" not in declared_parameters(type(target).forward):
         return (f"{name}'s forward takes no position_ids, so the nodes of a token tree cannot be placed at their "
                 "depth (ALiBi models such as BLOOM and MPT)")

@@ -9,6 +9,7 @@ from transformers.cache_utils import Cache
 from specheads.heads.cache_keyword import cache_kwargs, declared_parameters
 from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.kv_cache import compact_cache, tree_cache
+from specheads.inference.multimodal import position_offset as text_position_offset
 from specheads.inference.tree import TreeBuffers
 
 
@@ -63,6 +64,7 @@ def verify_tree(
     tree: TreeBuffers,
     prefix_length: int,
     with_logits: bool = True,
+    position_offset: int = 0,
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
     """Run the target once over all tree nodes, appended to its cache.
 
@@ -79,6 +81,8 @@ def verify_tree(
         prefix_length: cached positions before the tree.
         with_logits: False skips the lm_head (`logits_to_keep` with no positions; the target's forward must take
             it): for a caller that scores the last hidden state itself (`certified_argmax.CertifiedArgmax`).
+        position_offset: added to every node's position: the text positions of an M-RoPE target after a prompt
+            with images (`multimodal.position_offset`); 0 otherwise.
 
     Returns:
         logits (N, V), or None without them, and the hidden states tuple, each (N, h).
@@ -91,7 +95,7 @@ def verify_tree(
     out = target(
         input_ids=tokens[None],
         attention_mask=attention_mask,
-        position_ids=(tree.depth + prefix_length)[None],
+        position_ids=(tree.depth + prefix_length + position_offset)[None],
         **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=True,
@@ -118,20 +122,27 @@ class DynamicTreeVerifier:
     def __init__(self, target: PreTrainedModel, select_features, argmax: CertifiedArgmax | None = None) -> None:
         self.target, self.select_features, self.argmax = target, select_features, argmax
         self.cache = tree_cache()
+        self.position_offset = 0  # the text positions' offset from cache indices (`multimodal.position_offset`)
 
     def prefill(
-        self, prompt: torch.Tensor, max_new_tokens: int, held: tuple[Cache, torch.Tensor] | None = None
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        held: tuple[Cache, torch.Tensor] | None = None,
+        inputs: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the (n,) prompt into a fresh cache. Returns the last logits (1, V) and the features (n, h).
 
         `held`: (cache, (m, h) features) of the prompt's first m tokens from an earlier call
-        (`prompt_cache.PromptCache.take`); only the n - m tokens after them are run."""
+        (`prompt_cache.PromptCache.take`); only the n - m tokens after them are run. `inputs`: the prompt's extra
+        model inputs (images: `multimodal.prompt_inputs`), given to this forward only."""
         self.cache, shared = (tree_cache(), None) if held is None else held
         start = 0 if shared is None else shared.shape[0]
         out = self.target(
             input_ids=prompt[None, start:], **cache_kwargs(self.target, self.cache), use_cache=True,
-            output_hidden_states=True, **last_logits_only(self.target),
+            output_hidden_states=True, **last_logits_only(self.target), **(inputs or {}),
         )
+        self.position_offset = text_position_offset(self.target, inputs or {})
         features = self.select_features(out.hidden_states)[0]  # (n - start, h)
         if shared is not None:
             features = torch.cat([shared, features])
@@ -139,7 +150,8 @@ class DynamicTreeVerifier:
 
     def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over the (N,) tree tokens. Returns logits (N, V) and features (N, h)."""
-        logits, hidden_states = verify_tree(self.target, self.cache, tokens, tree, prefix_length)
+        logits, hidden_states = verify_tree(self.target, self.cache, tokens, tree, prefix_length,
+                                            position_offset=self.position_offset)
         return logits, self.select_features(hidden_states)
 
     def verify_argmax(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +160,8 @@ class DynamicTreeVerifier:
         if self.argmax is None:
             logits, features = self.verify(tokens, tree, prefix_length)
             return logits.argmax(dim=-1), features
-        _, hidden_states = verify_tree(self.target, self.cache, tokens, tree, prefix_length, with_logits=False)
+        _, hidden_states = verify_tree(self.target, self.cache, tokens, tree, prefix_length, with_logits=False,
+                                       position_offset=self.position_offset)
         return self.argmax(hidden_states[-1]), self.select_features(hidden_states)
 
     def compact(self, prefix_length: int, path: torch.Tensor) -> None:

@@ -94,6 +94,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         help="every prompt of FILE (MT-bench style JSONL, first turns, or one prompt a line), answered "
                         "into --out as JSON lines, --max-batch at a time (rows join the batch as others end); a run "
                         "started again skips the ids already in --out")
+    p.add_argument("--image", action="append", default=None, metavar="FILE",
+                   help="with --prompt and a vision-language target: an image the question is about (repeat for several; "
+                        "the target's processor makes the prompt)")
     p.add_argument("--out", default=None, help="with --prompts: the answers' JSONL file (required)")
     p.add_argument("--max-batch", type=int, default=8, help="with --prompts: prompts decoded together (default: 8)")
     p.add_argument("--limit", type=int, default=None, help="with --prompts: the first N prompts only")
@@ -244,16 +247,24 @@ def run_generate(args: argparse.Namespace) -> int:
     from specheads.inference.prompts import tokenize_prompts
 
     if args.prompts is not None:
+        if args.image:
+            raise ValueError("--image goes with --prompt (one question about the images), not --prompts")
         return run_generate_file(args)
+    images: dict = {}
+    if args.image:  # before loading the model: a missing image or processor fails fast
+        from specheads.inference.multimodal import image_prompt
+
+        input_ids, images, _ = image_prompt(args.target, args.prompt, args.image, chat=args.chat)
     lm, kernels = _load_lm(args)
     tokenizer = lm.tokenizer
-    # the same rule as `specheads bench`: a chat model answers its chat template, not raw text
-    prompt = {"prompt_id": "cli", "category": "cli", "text": args.prompt}
-    input_ids = tokenize_prompts([prompt], tokenizer, chat=args.chat)[0].input_ids  # (1, n)
+    if not args.image:
+        # the same rule as `specheads bench`: a chat model answers its chat template, not raw text
+        prompt = {"prompt_id": "cli", "category": "cli", "text": args.prompt}
+        input_ids = tokenize_prompts([prompt], tokenizer, chat=args.chat)[0].input_ids  # (1, n)
     constraint = constraint_from_options(tokenizer, args.json_schema, args.regex)
     processors = None if constraint is None else [constraint]
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
-    lm.generate(input_ids, logits_processor=processors, streamer=streamer, **_generate_options(args))
+    lm.generate(input_ids, logits_processor=processors, streamer=streamer, **_generate_options(args), **images)
     print("\n" + _stats_line(lm.last_stats, kernels), file=sys.stderr)
     _save_learned(lm, args)
     return 0

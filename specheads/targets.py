@@ -7,7 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.utils import cached_file, find_adapter_config_file
 
 ASSETS = Path(__file__).parent / "assets"
@@ -44,6 +52,15 @@ def resolve_target_path(name_or_path: str | os.PathLike) -> str:
     return text
 
 
+def _from_pretrained(path: str, dtype: torch.dtype, hub: dict[str, Any]) -> PreTrainedModel:
+    """The model at `path`: a causal LM, or for a vision-language checkpoint (its config has a `vision_config`)
+    the image-text-to-text model, whose forward takes the prompt's images (inference/multimodal.py)."""
+    config = AutoConfig.from_pretrained(path, **hub)
+    if hasattr(config, "vision_config") and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **hub)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub)
+
+
 def load_target(
     name_or_path: str | os.PathLike = "stories260K",
     dtype: torch.dtype | None = None,
@@ -59,6 +76,8 @@ def load_target(
             A peft adapter (a folder or Hub id holding adapter_config.json, e.g. a LoRA fine-tune) is loaded
             onto the base model its config names and merged in: the target is the fine-tuned model, with no
             adapter layers left to run; the tokenizer is the adapter's when it ships one, else the base's.
+            A vision-language checkpoint (LLaVA, Qwen2-VL, Gemma 3, Idefics3, ...) loads as its image-text-to-text
+            model: `generate` then takes the prompt's images (`pixel_values`, ...; inference/multimodal.py).
         dtype: e.g. torch.float32 (default: float32 on CPU).
         device: where to put the model (default: CPU).
         cache_dir: HF cache folder for Hub ids.
@@ -73,7 +92,7 @@ def load_target(
     hub = {"cache_dir": cache_dir, "local_files_only": local_files_only}
     adapter_config = find_adapter_config_file(path, **hub)
     if adapter_config is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **hub)
+        model = _from_pretrained(path, dtype or torch.float32, hub)
         tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     else:
         model, tokenizer = _load_adapted_target(path, adapter_config, dtype or torch.float32, hub)
@@ -123,7 +142,7 @@ def _load_adapted_target(
             "(peft: PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(folder))"
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **hub)
+        model = _from_pretrained(base, dtype, hub)
     except OSError as err:
         raise OSError(
             f"{where} adapts base_model_name_or_path={base_name!r}, which cannot be loaded: {err}\n{fix}"

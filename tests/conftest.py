@@ -98,6 +98,120 @@ def tiny_mistral(tiny_target_factory):
     return tiny_target_factory("mistral")
 
 
+# --- vision-language targets ---------------------------------------------------------------------------------
+VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3")
+VLM_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=160, max_position_embeddings=256, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+VLM_IMAGE, VLM_START, VLM_END = 150, 152, 153  # image placeholder, begin / end of an image
+
+
+def build_tiny_vlm(family: str, seed: int = 0) -> tuple[PreTrainedModel, torch.Tensor, dict[str, torch.Tensor]]:
+    """(a random 2-layer vision-language target of `family`, a (1, n) prompt with one image, the prompt's extra inputs
+    as the family's processor would return them). Qwen2-VL / Qwen2.5-VL (M-RoPE) get an 8 x 8 patch grid, whose 16
+    image tokens take 4 rotary positions, and sharper attention (initializer_range 0.3), so that text positions off
+    by the grid's delta give other tokens."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    pixels = torch.Generator().manual_seed(seed + 1)
+    small_vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                        patch_size=4)
+    if family == "llava":
+        config = AutoConfig.for_model(
+            "llava", text_config=dict(model_type="llama", **VLM_TEXT), image_token_id=VLM_IMAGE, vision_feature_layer=-1,
+            vision_config=dict(model_type="clip_vision_model", projection_dim=16, **small_vision))
+        ids = [3, 14, *[VLM_IMAGE] * 16, 15, 92, 65]  # (16 / 4)^2 patches
+        inputs = dict(pixel_values=torch.randn(1, 3, 16, 16, generator=pixels))
+    elif family in ("qwen2_vl", "qwen2_5_vl"):
+        text = dict(VLM_TEXT, initializer_range=0.3,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+        vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+        vision.update(dict(embed_dim=16) if family == "qwen2_vl" else
+                      dict(intermediate_size=32, out_hidden_size=32, fullatt_block_indexes=[0], window_size=8))
+        config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=VLM_IMAGE,
+                                      video_token_id=151, vision_start_token_id=VLM_START, vision_end_token_id=VLM_END)
+        ids = [3, 14, VLM_START, *[VLM_IMAGE] * 16, VLM_END, 15, 92, 65]  # 8 x 8 patches, merged 2 x 2
+        inputs = dict(pixel_values=torch.randn(64, 3 * 2 * 4 * 4, generator=pixels),
+                      image_grid_thw=torch.tensor([[1, 8, 8]]),
+                      mm_token_type_ids=torch.tensor([[int(i == VLM_IMAGE) for i in ids]]))
+    elif family == "gemma3":  # bidirectional attention inside the image, sliding-window layers
+        config = AutoConfig.for_model(
+            "gemma3", text_config=dict(model_type="gemma3_text", head_dim=16, sliding_window=8, **VLM_TEXT),
+            vision_config=dict(model_type="siglip_vision_model", **small_vision), mm_tokens_per_image=4,
+            image_token_id=VLM_IMAGE, boi_token_index=VLM_START, eoi_token_index=VLM_END)
+        ids = [3, 14, VLM_START, *[VLM_IMAGE] * 4, VLM_END, 15, 92, 65]
+        inputs = dict(pixel_values=torch.randn(1, 3, 16, 16, generator=pixels),
+                      token_type_ids=torch.tensor([[int(i == VLM_IMAGE) for i in ids]]))
+    elif family == "idefics3":  # SmolVLM's architecture
+        config = AutoConfig.for_model(
+            "idefics3", text_config=dict(model_type="llama", **VLM_TEXT), scale_factor=2, image_token_id=VLM_IMAGE,
+            vision_config=dict(model_type="idefics3_vision", **small_vision))
+        ids = [3, 14, *[VLM_IMAGE] * 4, 15, 92, 65]
+        inputs = dict(pixel_values=torch.randn(1, 1, 3, 16, 16, generator=pixels),
+                      pixel_attention_mask=torch.ones(1, 1, 16, 16, dtype=torch.bool))
+    else:
+        raise ValueError(f"no tiny vision-language target for {family!r}; expected one of {VLM_FAMILIES}")
+    model = AutoModelForImageTextToText.from_config(config)
+    return model.eval().requires_grad_(False), torch.tensor([ids]), inputs
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_factory():
+    """`make(family)` -> a cached (tiny random vision-language target, prompt ids, extra inputs) (`build_tiny_vlm`)."""
+    built: dict[str, tuple] = {}
+
+    def make(family: str):
+        if family not in built:
+            built[family] = build_tiny_vlm(family)
+        return built[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def story_vlm_dir(stories260k, tmp_path_factory) -> Path:
+    """A LLaVA folder whose language model is stories260K (its vocabulary plus an `<image>` token, id 512) behind a
+    random CLIP tower (16 x 16 pixels, 16 image tokens), with a LlavaProcessor and chat template: a vision-language
+    target whose text side writes stories, so that heads trained on its text draft well."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    from specheads.targets import ALIASES
+
+    target, _ = stories260k
+    tokenizer = AutoTokenizer.from_pretrained(ALIASES["stories260k"])  # a copy: the session's tokenizer stays as is
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = target.config.to_dict()
+    text["vocab_size"] = len(tokenizer)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(LlavaConfig(
+        text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+        tie_word_embeddings=True,
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=16, patch_size=4, projection_dim=32)))
+    state = target.model.state_dict()
+    embedding = state["embed_tokens.weight"]
+    state["embed_tokens.weight"] = torch.cat([embedding, embedding.mean(0, keepdim=True)])  # the <image> row
+    model.model.language_model.load_state_dict(state)
+    with torch.no_grad():  # image embeddings of a word's scale: a random tower's full-size ones derail the stories
+        model.model.multi_modal_projector.linear_2.weight.mul_(0.05)
+    template = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}"
+                "{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
+        tokenizer=tokenizer, patch_size=4, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=template)
+    folder = tmp_path_factory.mktemp("story_vlm")
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
 # --- foundation fixtures (heads checkpoints, Hub cache, CLI) --------------------------------------------
 @pytest.fixture(scope="session")
 def stories260k_eagle_dir(stories260k, tmp_path_factory):

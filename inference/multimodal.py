@@ -1,0 +1,159 @@
+"""Vision-language targets: a prompt's images (video, audio) reach the target in its first forward only.
+
+A vision-language target (LLaVA, Qwen2-VL / Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM, Mistral 3, ...) merges the
+features of its images into the prompt's embeddings in the prompt's forward (the prefill). Every position after
+the prompt is text, so the rounds that follow are the text model's, verified exactly as for any causal LM: the heads
+read the text model's hidden states, the tree is fed as token ids. Two things differ from a text prompt:
+
+- the extra inputs the processor returns (`pixel_values`, `image_grid_thw`, `mm_token_type_ids`, ...) go to the
+  prefill, not to the tree forwards (`prompt_inputs` checks them against the target's forward);
+- M-RoPE families (Qwen2-VL and its successors) give an image grid fewer rotary positions than it has tokens, so the
+  text after it sits at `cache index + delta` (delta <= 0; the model keeps it as `rope_deltas` after a prefill with
+  images, which its own `generate` reads too). Tree nodes must sit there as well (`position_offset`), or the
+  verification would see other positions than the target's own decoding and silently emit other tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from specheads.heads.cache_keyword import declared_parameters
+from specheads.inference.target_support import unwrapped
+
+# forward arguments the engine sets itself: never taken from a caller's extra inputs
+ENGINE_INPUTS = frozenset({
+    "input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "inputs_embeds",
+    "labels", "logits_to_keep", "output_hidden_states", "output_attentions", "return_dict", "cache_position",
+})
+
+
+def prompt_inputs(target: PreTrainedModel, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """`inputs` checked as extra inputs of the target's prompt forward (images and what describes them).
+
+    None values are dropped (a processor may return `image_sizes=None`). Raises a TypeError naming a key that the
+    target's forward does not take or a value that is not a tensor, and a ValueError for a key the engine sets
+    itself.
+    """
+    accepted = declared_parameters(type(unwrapped(target)).forward) - ENGINE_INPUTS
+    checked = {}
+    for name, value in inputs.items():
+        if value is None:
+            continue
+        if name in ENGINE_INPUTS:
+            raise ValueError(f"generate() sets {name!r} itself; it cannot be passed as an extra model input")
+        if name not in accepted:
+            known = ", ".join(sorted(accepted)) or "none"
+            raise TypeError(
+                f"generate() got an unknown argument {name!r}: not a generation setting, and "
+                f"{type(unwrapped(target)).__name__}.forward takes no such input (its extra inputs: {known})"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"model input {name!r} must be a torch.Tensor, got {type(value).__name__}")
+        checked[name] = value.to(target.device)  # dtypes as given: target.generate would not cast them either
+    return checked
+
+
+def check_prompt_inputs_call(inputs: dict[str, torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                             prompt_cache: Any, fast_path: bool | None, batched: bool | None) -> None:
+    """Raise a ValueError naming the option that extra model inputs (images) cannot be combined with.
+
+    One prompt at a time: how a batch's images map to its rows is each family's own convention. Its
+    `num_return_sequences` copies are decoded one after another, each with the same images.
+    """
+    if not inputs:
+        return
+    names = ", ".join(sorted(inputs))
+    rows = 1 if input_ids.dim() == 1 else input_ids.shape[0]
+    if rows != 1:
+        raise ValueError(f"extra model inputs ({names}) need one prompt per call, got batch size {rows}: call generate "
+                         "once per prompt")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError(f"extra model inputs ({names}) need an unpadded prompt; attention_mask has padding")
+    for option, value, why in (
+        ("prompt_cache", prompt_cache is not None, "the cache would hold image positions from another call"),
+        ("fast_path=True", fast_path is True, "the static-cache fast path runs text prompts only"),
+        ("batched=True", batched is True, "rows sharing images are decoded one after another"),
+    ):
+        if value:
+            raise ValueError(f"{option} cannot be combined with extra model inputs ({names}): {why}")
+
+
+def position_offset(target: PreTrainedModel, inputs: dict[str, torch.Tensor]) -> int:
+    """After a prefill with `inputs`: how far the text positions that follow sit from their cache indices.
+
+    0 for text prompts and for targets with one position per token. For M-RoPE targets given an image or video
+    grid (the inner model keeps `rope_deltas`, (1, 1), after such a prefill, and transformers' generate reads it
+    there too): that delta. Without a grid the model placed the prompt at plain positions and any kept delta is
+    another call's.
+    """
+    if not any(name.endswith("grid_thw") for name in inputs):
+        return 0
+    inner = getattr(unwrapped(target), "model", None)
+    deltas = getattr(inner, "rope_deltas", None)
+    if not hasattr(inner, "get_rope_index") or deltas is None:
+        return 0
+    return int(deltas.reshape(-1)[0])
+
+
+def image_prompt(
+    target_name_or_path: str, text: str, image_paths: list[str], chat: bool | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
+    """A prompt with images for a vision-language target, made by the target's processor.
+
+    The user turn holds the images, then `text`, written with the processor's chat template (`chat=False`: the
+    processor's image token per image, then the text, without a template).
+
+    Args:
+        target_name_or_path: what `load_target` was given (an alias, folder or Hub id); the processor is loaded
+            from the folder it resolves to.
+        text: the question.
+        image_paths: image files (anything Pillow opens).
+        chat: apply the chat template (default: when the processor has one).
+
+    Returns:
+        (input_ids (1, n), the extra model inputs for `generate` (`pixel_values`, ...), the processor).
+
+    Raises:
+        FileNotFoundError: an image file is missing. ValueError: the target ships no image processor, or the prompt
+            needs a chat template the processor lacks.
+    """
+    from pathlib import Path
+
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise ImportError("reading image files needs Pillow: pip install 'specheads[vision]'") from err
+    from transformers import AutoProcessor
+
+    from specheads.targets import resolve_target_path
+
+    missing = [path for path in image_paths if not Path(path).is_file()]
+    if missing:
+        raise FileNotFoundError(f"image file(s) {missing} do not exist")
+    path = resolve_target_path(target_name_or_path)
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"target {target_name_or_path!r} ships no processor for images: {err}") from err
+    if not hasattr(processor, "image_processor"):
+        raise ValueError(f"target {target_name_or_path!r}: its processor ({type(processor).__name__}) takes no images; "
+                         "expected a vision-language target (LLaVA, Qwen2-VL, Gemma 3, Idefics3, ...)")
+    use_chat = bool(getattr(processor, "chat_template", None)) if chat is None else chat
+    if use_chat:
+        if not getattr(processor, "chat_template", None):
+            raise ValueError(f"target {target_name_or_path!r}: its processor has no chat template; pass --no-chat")
+        content = [{"type": "image"} for _ in image_paths] + [{"type": "text", "text": text}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    elif getattr(processor, "image_token", None):
+        text = processor.image_token * len(image_paths) + text
+    else:
+        raise ValueError(f"target {target_name_or_path!r}: its processor names no image token for a prompt without the "
+                         "chat template; drop --no-chat")
+    images = [Image.open(path).convert("RGB") for path in image_paths]
+    encoded = dict(processor(images=images, text=text, return_tensors="pt"))
+    input_ids = encoded.pop("input_ids")
+    encoded.pop("attention_mask", None)  # one unpadded prompt: all ones
+    return input_ids, encoded, processor

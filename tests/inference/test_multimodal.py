@@ -1,0 +1,215 @@
+"""Vision-language targets (inference/multimodal.py): the prompt's images reach the prefill only, every later
+position is text; greedy output is the target's own `generate` with the same images, sampling reads the target's
+exact conditionals, and M-RoPE targets (Qwen2-VL, Qwen2.5-VL) get their tree nodes at the shifted text positions.
+
+Tiny random targets of five families (`tests/conftest.py` build_tiny_vlm) and a LLaVA around stories260K with a
+processor (`story_vlm_dir`) for `load_target`, the CLI's `--image` and `custom_generate`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from specheads import HEAD_TYPES, SpeculativeLM, create_heads, load_heads, load_target
+from specheads.cli import main
+from specheads.inference.custom_generate import export_for_transformers
+from specheads.inference.multimodal import image_prompt, position_offset
+from specheads.inference.prompt_cache import PromptCache
+
+from ..conftest import VLM_FAMILIES
+
+
+def target_greedy(target, ids, inputs, max_new_tokens: int) -> torch.Tensor:
+    return target.generate(input_ids=ids, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
+
+
+def heads_for(target, head_type: str):
+    torch.manual_seed(0)
+    return create_heads(target, head_type).eval()
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_image_prompts_give_the_targets_own_greedy_output(tiny_vlm_factory, family, head_type):
+    target, ids, inputs = tiny_vlm_factory(family)
+    expected = target_greedy(target, ids, inputs, 40)
+    lm = SpeculativeLM(target, heads_for(target, head_type), lookup_tokens=8)  # lookup: multi-token paths too
+    assert torch.equal(lm.generate(ids, max_new_tokens=40, **inputs), expected)
+    if family != "gemma3":  # (Gemma 3 needs its token_type_ids with images) the images do change the answer
+        assert not torch.equal(target_greedy(target, ids, {}, 40), expected)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava"])
+def test_oracle_drafts_accept_long_paths_after_an_image(tiny_vlm_factory, oracle_drafter, family):
+    """Mostly-right drafts after an image: long accepted paths, rejections, rescued siblings; output identical.
+    On M-RoPE targets the nodes sit at the text positions the image shifted (a nonzero offset, which matters)."""
+    target, ids, inputs = tiny_vlm_factory(family)
+    n = 60
+    expected = target_greedy(target, ids, inputs, n)
+    lm = SpeculativeLM(target, heads_for(target, "eagle"))
+    lm.drafter = oracle_drafter(expected[0].tolist() + [1] * 8, target.config.get_text_config().vocab_size, depth=5,
+                                corruption_rate=0.15, cycle_rejections=True, seed=3)
+    assert torch.equal(lm.generate(ids, max_new_tokens=n, **inputs), expected)
+    lm.drafter.check_accepted()
+    assert lm.last_stats["mean_accepted"] > 2.5
+    offset = position_offset(target, inputs)
+    assert (offset == -12) if family.startswith("qwen") else (offset == 0)  # 16 image tokens on 4 positions
+
+
+def test_a_wrong_text_offset_would_change_the_output(tiny_vlm_factory, oracle_drafter, monkeypatch):
+    """The M-RoPE test above can fail: with the nodes at their cache indices the tokens differ."""
+    import specheads.inference.verify as verify
+
+    target, ids, inputs = tiny_vlm_factory("qwen2_vl")
+    expected = target_greedy(target, ids, inputs, 40)
+    monkeypatch.setattr(verify, "text_position_offset", lambda *args: 0)
+    lm = SpeculativeLM(target, heads_for(target, "eagle"))
+    assert not torch.equal(lm.generate(ids, max_new_tokens=40, **inputs), expected)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_sampled_tokens_follow_the_targets_conditionals_given_the_image(tiny_vlm_factory, family):
+    """Sampling (3 sequences of one prompt, decoded one after another, each with the image): the logits every token
+    was drawn from are the target's own at that position, from one forward over the image and the whole sequence."""
+    target, ids, inputs = tiny_vlm_factory(family)
+    lm = SpeculativeLM(target, heads_for(target, "eagle"), lookup_tokens=8)
+    torch.manual_seed(0)
+    out = lm.generate(ids, max_new_tokens=24, do_sample=True, temperature=0.8, num_return_sequences=3,
+                      return_dict_in_generate=True, output_logits=True, **inputs)
+    assert out.sequences.shape == (3, ids.shape[1] + 24)
+    assert len({tuple(row.tolist()) for row in out.sequences}) > 1  # three draws, not one
+    for row, sequence in enumerate(out.sequences):
+        extra = dict(inputs)
+        if "mm_token_type_ids" in extra:  # the processor's per-token modality: text after the prompt
+            extra["mm_token_type_ids"] = torch.cat(
+                [extra["mm_token_type_ids"], torch.zeros(1, 24, dtype=torch.int)], dim=1)
+        with torch.no_grad():
+            full = target(input_ids=sequence[None], **extra).logits[0]  # (n + 24, V)
+        steps = torch.stack([step[row] for step in out.logits])  # (24, V)
+        torch.testing.assert_close(steps, full[ids.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
+
+
+def test_generation_settings_given_as_keywords_update_the_config(tiny_vlm_factory):
+    """As transformers: a GenerationConfig field passed to generate applies (or is refused by name)."""
+    target, ids, inputs = tiny_vlm_factory("llava")
+    lm = SpeculativeLM(target, heads_for(target, "eagle"))
+    first = int(target_greedy(target, ids, inputs, 1)[0, -1])
+    expected = target.generate(input_ids=ids, **inputs, max_new_tokens=12, do_sample=False,
+                               begin_suppress_tokens=[first])
+    assert int(expected[0, ids.shape[1]]) != first
+    assert torch.equal(lm.generate(ids, max_new_tokens=12, begin_suppress_tokens=[first], **inputs), expected)
+    assert target.generation_config.begin_suppress_tokens is None  # a copy was updated, not the target's
+    with pytest.raises(ValueError, match="num_beams=2"):
+        lm.generate(ids, max_new_tokens=4, num_beams=2)
+
+
+def test_extra_inputs_are_checked_by_name(tiny_vlm_factory):
+    target, ids, inputs = tiny_vlm_factory("qwen2_vl")
+    lm = SpeculativeLM(target, heads_for(target, "eagle"))
+    with pytest.raises(TypeError, match=r"unknown argument 'pixel_valuez'.*extra inputs: .*image_grid_thw"):
+        lm.generate(ids, max_new_tokens=4, pixel_valuez=inputs["pixel_values"])
+    with pytest.raises(ValueError, match="sets 'position_ids' itself"):
+        lm.generate(ids, max_new_tokens=4, position_ids=torch.arange(ids.shape[1])[None])
+    with pytest.raises(TypeError, match="'image_grid_thw' must be a torch.Tensor, got list"):
+        lm.generate(ids, max_new_tokens=4, **dict(inputs, image_grid_thw=[[1, 8, 8]]))
+    batch = torch.cat([ids, ids])
+    with pytest.raises(ValueError, match="need one prompt per call, got batch size 2"):
+        lm.generate(batch, max_new_tokens=4, **inputs)
+    padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    with pytest.raises(ValueError, match="need an unpadded prompt"):
+        lm.generate(padded, attention_mask=mask, max_new_tokens=4, **inputs)
+    with pytest.raises(ValueError, match="prompt_cache cannot be combined with extra model inputs"):
+        lm.generate(ids, max_new_tokens=4, prompt_cache=PromptCache(), **inputs)
+    with pytest.raises(ValueError, match="fast_path=True cannot be combined"):
+        lm.generate(ids, max_new_tokens=4, fast_path=True, **inputs)
+    # text prompts on a vision-language target need no extra inputs, and take the batched paths as usual
+    assert torch.equal(lm.generate(batch, max_new_tokens=8), target.generate(batch, max_new_tokens=8, do_sample=False))
+
+
+def test_load_target_reads_a_vision_language_folder(story_vlm_dir, stories260k):
+    target, tokenizer = load_target(story_vlm_dir)
+    assert type(target).__name__ == "LlavaForConditionalGeneration" and not target.training
+    assert len(tokenizer) == 513 and tokenizer.convert_tokens_to_ids("<image>") == 512
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    # the text side is stories260K: a text prompt continues as stories260K does
+    torch.testing.assert_close(target.generate(ids, max_new_tokens=12, do_sample=False),
+                               stories260k[0].generate(ids, max_new_tokens=12, do_sample=False), rtol=0, atol=0)
+
+
+def write_image(path, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    Image.fromarray((rng.random((20, 24, 3)) * 255).astype("uint8")).save(path)
+    return str(path)
+
+
+def test_image_prompt_uses_the_targets_processor(story_vlm_dir, tmp_path):
+    image = write_image(tmp_path / "a.png")
+    input_ids, inputs, processor = image_prompt(str(story_vlm_dir), "Once upon a time", [image])
+    assert (input_ids == 512).sum() == 16 and set(inputs) == {"pixel_values"}
+    assert inputs["pixel_values"].shape == (1, 3, 16, 16)
+    assert processor.tokenizer.decode(input_ids[0], skip_special_tokens=True).strip() == "Once upon a time"
+    with pytest.raises(FileNotFoundError, match="missing.png"):
+        image_prompt(str(story_vlm_dir), "Hi", [str(tmp_path / "missing.png")])
+    with pytest.raises(ValueError, match="ships no processor for images|takes no images"):
+        image_prompt("stories260K", "Hi", [image])
+
+
+def test_cli_generate_answers_a_question_about_an_image(story_vlm_dir, tmp_path, capsys):
+    target, tokenizer = load_target(story_vlm_dir)
+    heads_for(target, "eagle").save_pretrained(tmp_path / "heads")
+    image = write_image(tmp_path / "a.png")
+    assert main(["generate", "--target", str(story_vlm_dir), "--heads", str(tmp_path / "heads"), "--prompt",
+                 "Once upon a time", "--image", image, "--max-new-tokens", "24", "--threads", "1"]) == 0
+    printed = capsys.readouterr()
+    input_ids, inputs, _ = image_prompt(str(story_vlm_dir), "Once upon a time", [image])
+    expected = target_greedy(target, input_ids, inputs, 24)
+    assert tokenizer.decode(expected[0], skip_special_tokens=True).strip() in printed.out
+    assert "24 tokens, tau=" in printed.err
+    assert main(["generate", "--target", str(story_vlm_dir), "--heads", str(tmp_path / "heads"), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"), "--image", image]) != 0
+    assert "--image goes with --prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_custom_generate_passes_the_images_through(tiny_vlm_factory, tmp_path, family):
+    """`target.generate(..., pixel_values=..., custom_generate=heads)`: transformers hands the images on."""
+    target, ids, inputs = tiny_vlm_factory(family)
+    heads_for(target, "eagle").save_pretrained(tmp_path / "heads")
+    folder = export_for_transformers(tmp_path / "heads", tmp_path / "exported")
+    out = target.generate(input_ids=ids, **inputs, max_new_tokens=20, do_sample=False, custom_generate=str(folder),
+                          trust_remote_code=True)
+    assert torch.equal(out, target_greedy(target, ids, inputs, 20))
+
+
+def test_heads_of_the_text_model_load_onto_the_vision_language_target(tiny_vlm_factory, tmp_path):
+    """Heads record the text model's shape and family, so a checkpoint made on the VLM reloads onto it; the check
+    against another target still refuses by name."""
+    target, ids, inputs = tiny_vlm_factory("idefics3")
+    heads_for(target, "eagle3").save_pretrained(tmp_path)
+    heads = load_heads(tmp_path, target=target)
+    assert heads.config.target_model_type == "llama" and heads.config.target_architectures == ["Idefics3ForConditionalGeneration"]
+    other, _, _ = tiny_vlm_factory("qwen2_vl")
+    with pytest.raises(ValueError, match="heads and target do not match"):
+        load_heads(tmp_path, target=other)
+
+
+def test_targets_that_cross_attend_to_images_are_refused_by_name():
+    """Mllama reads its images through cross-attention layers (masked per step by transformers' generate): refused
+    when the speculative model is built, not served inexactly."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(
+        "mllama", image_token_index=150,
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=160, cross_attention_layers=[1], pad_token_id=0,
+                         bos_token_id=1, eos_token_id=None),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_global_layers=1,
+                           attention_heads=2, image_size=16, patch_size=4, vision_output_dim=32,
+                           intermediate_layers_indices=[0], max_num_tiles=1, supported_aspect_ratios=[[1, 1]]))
+    target = AutoModelForImageTextToText.from_config(config).eval()
+    with pytest.raises(ValueError, match=r"MllamaForConditionalGeneration .*cross-attend to the image \(Mllama\)"):
+        SpeculativeLM(target, create_heads(target, "medusa"))
