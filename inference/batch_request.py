@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from specheads.inference.generate_inputs import decoding_settings, eos_ids, new_token_budget, split_prompts
+from specheads.inference.multimodal import check_prompt_inputs_call, prompt_inputs
 from specheads.inference.prompt_cache import PromptCache, check_prompt_cache_call
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.step_scores import StepRecorder
@@ -34,6 +35,8 @@ class BatchRequest:
         prompt_cache: runs only the prompt's tokens after those it holds; holds this row's sequence at the end.
         row: the caller's batch index, given to a `prefix_allowed_tokens_fn` as its batch_id.
         learn: an online corpus lookup learns the answer once it finishes (a server's warm-up request: False).
+        inputs: the prompt's extra model inputs (a vision-language target's images: inference/multimodal.py), given
+            to its prefill only, which then runs alone and in one piece.
     """
 
     prompt: torch.Tensor
@@ -47,6 +50,8 @@ class BatchRequest:
     prompt_cache: PromptCache | None = None
     row: int = 0
     learn: bool = True
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    position_offset: int = 0  # set by its prefill: the text positions' offset from cache indices (M-RoPE images)
     # filled in by the engine
     new_tokens: list[int] = field(default_factory=list)
     target_forwards: int = 0  # forwards this row took part in (its prefill counts one)
@@ -73,6 +78,7 @@ def build_batch_request(
     prompt_cache: PromptCache | None = None,
     record_logits: bool = False,
     seed: int | None = None,
+    inputs: dict[str, torch.Tensor] | None = None,
     **options: Any,
 ) -> BatchRequest:
     """One prompt as a request for a `BatchEngine`, checked as `lm.generate` checks it (`SpeculativeLM.batch_request`).
@@ -83,6 +89,7 @@ def build_batch_request(
         record_logits: keep the target's logits of every emitted token (`request.recorder.logits`).
         seed: sampling draws from a generator of its own seeded with this (reproducible whatever else runs in the
             batch); None: torch's global generator.
+        inputs: the prompt's extra model inputs (`pixel_values`, ... as the target's processor returns them).
         **options: `generate`'s decoding options (do_sample, temperature, top_p, top_k, logits_processor,
             stop_strings, generation_config, acceptance, ...).
     """
@@ -96,10 +103,12 @@ def build_batch_request(
     (prompt,) = split_prompts(input_ids, None, budget, lm.target, lm.heads.config.vocab_size)
     if prompt_cache is not None:
         check_prompt_cache_call(prompt_cache, 1, None)
+    checked = prompt_inputs(lm.target, inputs or {})
+    check_prompt_inputs_call(checked, input_ids, None, prompt_cache, None, None)
     return BatchRequest(
         prompt, budget, params, set(eos_ids(eos_token_id, config)), options.get("acceptance", "exact"),
         None if criteria is None else StopChecker(criteria, prompt), streamer,
-        StepRecorder(params) if record_logits else None, prompt_cache,
+        StepRecorder(params) if record_logits else None, prompt_cache, inputs=checked,
     )
 
 

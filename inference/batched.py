@@ -188,8 +188,9 @@ class BatchEngine:
         that already ended (EOS or a stop on the first token, max_new_tokens 0). With `prefill_chunk`, a prompt
         with more tokens to run than that joins a chunk per `step` instead."""
         start = time.perf_counter()
-        # alone: a request with a prompt cache (only its tokens after the held ones run) or a prompt to chunk
-        alone = [r for r in requests if r.prompt_cache is not None or ChunkedPrefill.wanted(r, self.prefill_chunk)]
+        # alone: a request with a prompt cache (only its tokens after the held ones run), images, or a prompt to chunk
+        alone = [r for r in requests
+                 if r.prompt_cache is not None or r.inputs or ChunkedPrefill.wanted(r, self.prefill_chunk)]
         fresh = [r for r in requests if r not in alone]  # (requests compare by identity)
         ended: list[BatchRequest] = []
         if fresh:
@@ -355,6 +356,9 @@ class BatchEngine:
             cached_positions = torch.arange(cache_width, device=device)[None, :] - pad[:, None]  # (B, S); < 0: padding
             mask = windowed(mask, position_ids, torch.cat([cached_positions, position_ids], dim=1), self.window,
                             self.per_layer_types)
+        offsets = [row.request.position_offset for row in rows]  # nonzero: text after an M-RoPE image
+        if any(offsets):
+            position_ids = position_ids + torch.tensor(offsets, device=device)[:, None]
         out = target(
             input_ids=tokens, attention_mask=mask,
             position_ids=position_ids, **cache_kwargs(target, self.cache), use_cache=True, output_hidden_states=True,

@@ -10,6 +10,9 @@ tokens after those it holds run), which joins the batch's once the last chunk is
 
 Each chunk is one row without padding, so the target builds its own causal mask over the cache and the chunk
 (sliding windows included), as `DynamicTreeVerifier.prefill` does after a held cache.
+
+A request with images (`BatchRequest.inputs`, inference/multimodal.py) runs here too, alone and in one forward that
+gets them, so that the target places and embeds the images itself; it records the text positions' offset.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from transformers.cache_utils import Cache
 
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.kv_cache import tree_cache
-from specheads.inference.verify import last_logits_only
+from specheads.inference.multimodal import position_offset
+from specheads.inference.verify import last_logits_only, prompt_positions
 
 
 class ChunkedPrefill:
@@ -44,6 +48,8 @@ class ChunkedPrefill:
                 self.cache, self.done, self.reused = held, reused, reused
                 self.features.append(features)
                 request.reused_prompt_tokens += reused
+        if request.inputs:  # images: the whole prompt in one forward (a chunk boundary could cut an image)
+            chunk = None
         self.chunk = self.remaining if chunk is None else chunk  # None: the rest in one forward
         self.last_logits: torch.Tensor | None = None  # (1, V) at the prompt's last position, once finished
 
@@ -70,11 +76,13 @@ class ChunkedPrefill:
         out = target(
             input_ids=prompt[None, self.done:end], **cache_kwargs(target, self.cache), use_cache=True,
             output_hidden_states=True, **last_logits_only(target),
+            **prompt_positions(prompt[:end], self.done, self.request.inputs),
         )
         self.features.append(self.lm.heads.select_features(out.hidden_states)[0])  # (end - done, h)
         self.done, self.forwards = end, self.forwards + 1
         if end == prompt.shape[0]:
             self.last_logits = out.logits[0, -1:]
+            self.request.position_offset = position_offset(target, self.request.inputs)
 
     def leave(self) -> Any:
         """The request leaves before its prompt is done (cancelled): it ends, and its prompt cache, if any, keeps the

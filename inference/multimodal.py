@@ -98,6 +98,36 @@ def position_offset(target: PreTrainedModel, inputs: dict[str, torch.Tensor]) ->
     return int(deltas.reshape(-1)[0])
 
 
+def image_processor_for(target_name_or_path: str) -> Any | None:
+    """The target's processor when it takes images (a vision-language target's), else None.
+
+    `target_name_or_path` is what `load_target` was given (an alias, folder or Hub id); the processor is loaded from
+    the folder it resolves to.
+    """
+    from transformers import AutoProcessor
+
+    from specheads.targets import resolve_target_path
+
+    try:
+        processor = AutoProcessor.from_pretrained(resolve_target_path(target_name_or_path))
+    except (OSError, ValueError, KeyError, TypeError):  # no processor files, or only a tokenizer's
+        return None
+    return processor if hasattr(processor, "image_processor") else None
+
+
+def encode_image_prompt(
+    processor: Any, messages: list[dict[str, Any]], images: list[Any], chat_template: str | None = None
+) -> tuple[torch.Tensor, dict]:
+    """(input_ids (1, n), the extra model inputs) of chat `messages` whose contents list `{"type": "image"}` and
+    `{"type": "text", "text": ...}` parts, the images (PIL) in their order; the assistant's turn opened (with
+    `chat_template` instead of the processor's when given)."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, chat_template=chat_template)
+    encoded = dict(processor(images=images, text=text, return_tensors="pt"))
+    input_ids = encoded.pop("input_ids")
+    encoded.pop("attention_mask", None)  # one unpadded prompt: all ones
+    return input_ids, encoded
+
+
 def image_prompt(
     target_name_or_path: str, text: str, image_paths: list[str], chat: bool | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
@@ -107,8 +137,7 @@ def image_prompt(
     processor's image token per image, then the text, without a template).
 
     Args:
-        target_name_or_path: what `load_target` was given (an alias, folder or Hub id); the processor is loaded
-            from the folder it resolves to.
+        target_name_or_path: what `load_target` was given (an alias, folder or Hub id).
         text: the question.
         image_paths: image files (anything Pillow opens).
         chat: apply the chat template (default: when the processor has one).
@@ -126,34 +155,25 @@ def image_prompt(
         from PIL import Image
     except ImportError as err:
         raise ImportError("reading image files needs Pillow: pip install 'specheads[vision]'") from err
-    from transformers import AutoProcessor
-
-    from specheads.targets import resolve_target_path
 
     missing = [path for path in image_paths if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"image file(s) {missing} do not exist")
-    path = resolve_target_path(target_name_or_path)
-    try:
-        processor = AutoProcessor.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"target {target_name_or_path!r} ships no processor for images: {err}") from err
-    if not hasattr(processor, "image_processor"):
-        raise ValueError(f"target {target_name_or_path!r}: its processor ({type(processor).__name__}) takes no images; "
-                         "expected a vision-language target (LLaVA, Qwen2-VL, Gemma 3, Idefics3, ...)")
+    processor = image_processor_for(target_name_or_path)
+    if processor is None:
+        raise ValueError(f"target {target_name_or_path!r} ships no processor that takes images; expected a "
+                         "vision-language target (LLaVA, Qwen2-VL, Gemma 3, Idefics3, ...)")
+    images = [Image.open(path).convert("RGB") for path in image_paths]
     use_chat = bool(getattr(processor, "chat_template", None)) if chat is None else chat
     if use_chat:
         if not getattr(processor, "chat_template", None):
             raise ValueError(f"target {target_name_or_path!r}: its processor has no chat template; pass --no-chat")
         content = [{"type": "image"} for _ in image_paths] + [{"type": "text", "text": text}]
-        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    elif getattr(processor, "image_token", None):
-        text = processor.image_token * len(image_paths) + text
-    else:
-        raise ValueError(f"target {target_name_or_path!r}: its processor names no image token for a prompt without the "
-                         "chat template; drop --no-chat")
-    images = [Image.open(path).convert("RGB") for path in image_paths]
-    encoded = dict(processor(images=images, text=text, return_tensors="pt"))
-    input_ids = encoded.pop("input_ids")
-    encoded.pop("attention_mask", None)  # one unpadded prompt: all ones
-    return input_ids, encoded, processor
+        input_ids, inputs = encode_image_prompt(processor, [{"role": "user", "content": content}], images)
+        return input_ids, inputs, processor
+    if not getattr(processor, "image_token", None):
+        raise ValueError(f"target {target_name_or_path!r}: its processor names no image token for a prompt without "
+                         "the chat template; drop --no-chat")
+    encoded = dict(processor(images=images, text=processor.image_token * len(images) + text, return_tensors="pt"))
+    encoded.pop("attention_mask", None)
+    return encoded.pop("input_ids"), encoded, processor

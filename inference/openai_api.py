@@ -10,6 +10,9 @@ target's own, from its raw logits (vLLM's default), for the answer's tokens (not
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import time
 import uuid
@@ -59,6 +62,7 @@ class ParsedRequest:
     json_schema: dict[str, Any] | None = None
     logprobs: int | None = None  # None: none returned; k: each token's log-probability and its k likeliest rivals
     n: int = 1  # choices to return (sampled independently; greedy ones are all the same answer)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the prompt's images (a vision-language target)
 
 
 @dataclass
@@ -101,28 +105,92 @@ def _message_text(message: Any, index: int) -> dict[str, str]:
         role = message.get("role") if isinstance(message, dict) else message
         raise ApiError(f"messages[{index}]: role {role!r}, expected one of {', '.join(ROLES)}", param="messages")
     content = message.get("content")
-    if isinstance(content, list):  # content parts: text only
+    if isinstance(content, list):  # content parts: text only (image parts go to `_image_chat_prompt`)
         kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
         if any(kind != "text" for kind in kinds):
-            raise ApiError(f"messages[{index}].content has parts of type {kinds}: only 'text' parts are supported",
-                           param="messages")
+            raise ApiError(f"messages[{index}].content has parts of type {kinds}: only 'text' parts are supported "
+                           "(and 'image_url' ones by a vision-language target)", param="messages")
         content = "".join(str(part.get("text", "")) for part in content)
     if not isinstance(content, str):
         raise ApiError(f"messages[{index}].content={content!r}: expected a string", param="messages")
     return {"role": "system" if message["role"] == "developer" else message["role"], "content": content}
 
 
-def chat_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> torch.Tensor:
-    """The (1, n) ids of a chat request's messages through the chat template, the assistant's turn opened."""
+def _has_images(messages: list[Any]) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(part, dict) and part.get("type") == "image_url" for part in m["content"])
+               for m in messages)
+
+
+def _data_url_image(part: dict[str, Any], where: str) -> Any:
+    """The RGB PIL image of an `image_url` content part holding a base64 `data:` URL (nothing is fetched)."""
+    from PIL import Image, UnidentifiedImageError
+
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        shown = url if not isinstance(url, str) or len(url) < 80 else url[:80] + "..."
+        raise ApiError(f"{where}.image_url.url={shown!r}: expected a data: URL (data:image/png;base64,...); this "
+                       "server fetches nothing", param="messages")
+    header, _, payload = url.partition(",")
+    try:
+        if not header.endswith(";base64"):
+            raise ValueError("not base64-encoded")
+        image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        image.load()
+    except (ValueError, binascii.Error, UnidentifiedImageError, OSError) as err:
+        raise ApiError(f"{where}.image_url holds no readable image: {err}", param="messages") from err
+    return image.convert("RGB")
+
+
+def _image_chat_prompt(messages: list[Any], processor: Any, chat_template: str | None) -> tuple[torch.Tensor, dict]:
+    """(ids (1, n), extra model inputs) of chat messages with `image_url` parts, through the target's processor."""
+    from specheads.inference.multimodal import encode_image_prompt
+
+    images, converted = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            converted.append(_message_text(message, i))
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind == "image_url":
+                images.append(_data_url_image(part, where))
+                parts.append({"type": "image"})
+            elif kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            else:
+                raise ApiError(f"{where} has type {kind!r}: expected 'text' or 'image_url'", param="messages")
+        converted.append({**_message_text({**message, "content": ""}, i), "content": parts})
+    if chat_template is None and not getattr(processor, "chat_template", None):
+        raise ApiError("this model's processor has no chat template: start the server with --chat-template",
+                       param="messages")
+    return encode_image_prompt(processor, converted, images, chat_template)
+
+
+def chat_prompt(
+    body: dict[str, Any], tokenizer: PreTrainedTokenizerBase, chat_template: str | None, processor: Any = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the (1, n) ids of a chat request's messages through the chat template, the assistant's turn opened; the
+    prompt's extra model inputs). Messages with `image_url` parts (base64 data URLs) go through `processor`, a
+    vision-language target's: the extra inputs are then its images (`pixel_values`, ...); else they are empty."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(f"messages={messages!r}: expected a non-empty list of {{role, content}}", param="messages")
+    if _has_images(messages):
+        if processor is None:
+            raise ApiError("messages hold image_url parts, but this model takes no images (a text target)",
+                           param="messages")
+        return _image_chat_prompt(messages, processor, chat_template)
     texts = [_message_text(m, i) for i, m in enumerate(messages)]
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ApiError("this model's tokenizer has no chat template: use /v1/completions, or start the server with "
                        "--chat-template", param="messages")
     return tokenizer.apply_chat_template(texts, add_generation_prompt=True, chat_template=chat_template,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
+                                         return_tensors="pt", return_dict=True)["input_ids"], {}
 
 
 def completion_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
@@ -140,7 +208,7 @@ def completion_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase) 
 
 def parse_request(
     body: Any, chat: bool, tokenizer: PreTrainedTokenizerBase, defaults: dict[str, Any],
-    chat_template: str | None = None,
+    chat_template: str | None = None, processor: Any = None,
 ) -> ParsedRequest:
     """Check a request body and turn it into a `ParsedRequest`.
 
@@ -149,6 +217,7 @@ def parse_request(
         chat: a `/v1/chat/completions` request (else `/v1/completions`).
         defaults: the server's `generate` options, for the fields a request leaves out.
         chat_template: a Jinja template used instead of the tokenizer's.
+        processor: a vision-language target's processor: chat messages may then hold `image_url` parts.
     """
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -160,7 +229,8 @@ def parse_request(
     if best_of not in (None, n):
         raise ApiError(f"best_of={best_of!r} is not supported: choices are not ranked (ask for n={best_of} and pick)",
                        param="best_of")
-    input_ids = chat_prompt(body, tokenizer, chat_template) if chat else completion_prompt(body, tokenizer)
+    input_ids, inputs = chat_prompt(body, tokenizer, chat_template, processor) if chat else (
+        completion_prompt(body, tokenizer), {})
 
     options = dict(defaults)
     max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
@@ -190,7 +260,7 @@ def parse_request(
     return ParsedRequest(
         input_ids=input_ids, options=options, stop=options["stop_strings"] or [], stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)), seed=_number(body, "seed", int),
-        json_schema=_json_schema(body.get("response_format")), logprobs=logprobs, n=n,
+        json_schema=_json_schema(body.get("response_format")), logprobs=logprobs, n=n, inputs=inputs,
     )
 
 

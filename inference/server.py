@@ -66,15 +66,18 @@ class CompletionService:
         api_key: when set, every request must carry `Authorization: Bearer <api_key>` (else 401), as vLLM's
             `--api-key`; /health stays open.
         max_batch: requests generated together at most (continuous batching); 1 answers one at a time.
+        processor: a vision-language target's processor (`multimodal.image_processor_for`): chat messages may then
+            hold `image_url` parts (base64 data URLs); such requests prefill alone and keep no conversation cache.
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
-                 chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8) -> None:
+                 chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8,
+                 processor: Any = None) -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
         self.defaults = dict(defaults or {})
-        self.chat_template = chat_template
+        self.chat_template, self.processor = chat_template, processor
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
         self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
@@ -105,7 +108,7 @@ class CompletionService:
         if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
             raise ApiError(f"model {body['model']!r} is not served here; this server serves {self.model_name!r}",
                            status=404, param="model", error_type="not_found_error")
-        return parse_request(body, chat, self.tokenizer, self.defaults, self.chat_template)
+        return parse_request(body, chat, self.tokenizer, self.defaults, self.chat_template, self.processor)
 
     def complete(
         self, request: ParsedRequest, chat: bool = True, on_text: Any = None
@@ -132,12 +135,14 @@ class CompletionService:
             seed = None if request.seed is None else request.seed + run
             try:
                 jobs.append(self.lm.batch_request(ids, streamer=deltas[-1], logits_processor=processors, seed=seed,
-                                                  record_logits=request.logprobs is not None, **options))
+                                                  record_logits=request.logprobs is not None, inputs=request.inputs,
+                                                  **options))
             except ValueError as err:  # the prompt does not fit, a setting the target refuses, ...
                 raise ApiError(str(err)) from err
         start = time.perf_counter()
         # only the first run uses the pool: the others would evict other conversations' slots for the same prompt
-        tickets = [self.loop.submit(job, pooled=run == 0) for run, job in enumerate(jobs)]
+        # (a prompt with images keeps no conversation cache: the next turn runs them again)
+        tickets = [self.loop.submit(job, pooled=run == 0 and not request.inputs) for run, job in enumerate(jobs)]
         streams = [LogprobsStream(job, request.logprobs, self.tokenizer, chat) for job in jobs]
         try:
             while on_text is not None and (not all(t.done for t in tickets) or not pieces.empty()):

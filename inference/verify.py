@@ -104,6 +104,15 @@ def verify_tree(
     return (out.logits[0] if with_logits else None), tuple(h[0] for h in out.hidden_states)
 
 
+def prompt_positions(prompt: torch.Tensor, start: int, inputs: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The keywords of a prompt forward over `prompt[start:]`: its extra inputs (images), which the target places
+    itself, or else explicit position ids `start ...`: an M-RoPE target keeps its last image prompt's position delta
+    (`rope_deltas`) and would apply it to text run after a cache, where transformers' generate resets it first."""
+    if inputs:
+        return inputs
+    return {"position_ids": torch.arange(start, prompt.shape[0], device=prompt.device)[None]}
+
+
 class DynamicTreeVerifier:
     """The target's side of a decoding round on a growing cache (`kv_cache.tree_cache`): any target, any device
     (the reference path).
@@ -140,7 +149,7 @@ class DynamicTreeVerifier:
         start = 0 if shared is None else shared.shape[0]
         out = self.target(
             input_ids=prompt[None, start:], **cache_kwargs(self.target, self.cache), use_cache=True,
-            output_hidden_states=True, **last_logits_only(self.target), **(inputs or {}),
+            output_hidden_states=True, **last_logits_only(self.target), **prompt_positions(prompt, start, inputs),
         )
         self.position_offset = text_position_offset(self.target, inputs or {})
         features = self.select_features(out.hidden_states)[0]  # (n - start, h)

@@ -149,8 +149,11 @@ def build_server(args: argparse.Namespace):
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     lm, kernels = _load_lm(args)
     defaults = {k: v for k, v in _generate_options(args).items() if v is not None}
+    from specheads.inference.multimodal import image_processor_for
+
+    processor = image_processor_for(args.target)  # a vision-language target's: chat requests may hold images
     service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template,
-                                args.api_key, args.max_batch)
+                                args.api_key, args.max_batch, processor)
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]

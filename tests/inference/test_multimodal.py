@@ -15,6 +15,7 @@ from PIL import Image
 
 from specheads import HEAD_TYPES, SpeculativeLM, create_heads, load_heads, load_target
 from specheads.cli import main
+from specheads.inference.batched import BatchEngine
 from specheads.inference.custom_generate import export_for_transformers
 from specheads.inference.multimodal import image_prompt, position_offset
 from specheads.inference.prompt_cache import PromptCache
@@ -154,7 +155,7 @@ def test_image_prompt_uses_the_targets_processor(story_vlm_dir, tmp_path):
     assert processor.tokenizer.decode(input_ids[0], skip_special_tokens=True).strip() == "Once upon a time"
     with pytest.raises(FileNotFoundError, match="missing.png"):
         image_prompt(str(story_vlm_dir), "Hi", [str(tmp_path / "missing.png")])
-    with pytest.raises(ValueError, match="ships no processor for images|takes no images"):
+    with pytest.raises(ValueError, match="ships no processor that takes images"):
         image_prompt("stories260K", "Hi", [image])
 
 
@@ -213,3 +214,97 @@ def test_targets_that_cross_attend_to_images_are_refused_by_name():
     target = AutoModelForImageTextToText.from_config(config).eval()
     with pytest.raises(ValueError, match=r"MllamaForConditionalGeneration .*cross-attend to the image \(Mllama\)"):
         SpeculativeLM(target, create_heads(target, "medusa"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
+def test_image_requests_join_a_running_batch_of_text_rows(tiny_vlm_factory, family):
+    """Continuous batching (the server's engine): requests with images prefill alone, then verify in the batch's
+    forwards beside text rows (on M-RoPE targets at their own shifted positions); every row equals target.generate."""
+    target, ids, inputs = tiny_vlm_factory(family)
+    lm = SpeculativeLM(target, heads_for(target, "eagle"), lookup_tokens=8)
+    texts = [torch.tensor([[1, 7, 3, 8, 2, 11]]), torch.tensor([[1, 40]])]
+    engine = BatchEngine(lm, prefill_chunk=4)  # chunked text prefill; an image prompt still runs in one forward
+    image_rows = [lm.batch_request(ids, max_new_tokens=30, inputs=inputs) for _ in range(2)]
+    text_rows = [lm.batch_request(t, max_new_tokens=24) for t in texts]
+    joins = {0: text_rows[:1], 1: image_rows[:1], 3: [text_rows[1], image_rows[1]]}
+    rounds = 0
+    while engine.occupied or any(r >= rounds for r in joins):
+        if rounds in joins:
+            engine.add(joins.pop(rounds))
+        engine.step()
+        rounds += 1
+    expected_image = target_greedy(target, ids, inputs, 30)[0, ids.shape[1]:].tolist()
+    for request in image_rows:
+        assert request.finished and request.new_tokens == expected_image
+    for request, prompt in zip(text_rows, texts):
+        assert request.new_tokens == target_greedy(target, prompt, {}, 24)[0, prompt.shape[1]:].tolist()
+    assert engine.stats["batched_forwards"] < engine.stats["target_forwards"]  # rows shared forwards
+    with pytest.raises(ValueError, match="prompt_cache cannot be combined with extra model inputs"):
+        lm.batch_request(ids, max_new_tokens=4, inputs=inputs, prompt_cache=PromptCache())
+
+
+def test_text_after_an_image_prompt_keeps_plain_positions(tiny_vlm_factory):
+    """An M-RoPE target keeps its last image prompt's delta (`rope_deltas`); a text prompt continued from a prompt
+    cache afterwards is still placed at plain positions (transformers' generate resets the delta for it too)."""
+    target, ids, inputs = tiny_vlm_factory("qwen2_vl")
+    lm = SpeculativeLM(target, heads_for(target, "eagle"))
+    lm.generate(ids, max_new_tokens=4, **inputs)
+    assert int(target.model.rope_deltas) == -12
+    cache = PromptCache()
+    first = torch.tensor([[1, 7, 3, 8, 2, 11]])
+    out = lm.generate(first, max_new_tokens=10, prompt_cache=cache)
+    follow_up = torch.cat([out, torch.tensor([[5, 9, 4]])], dim=1)
+    assert torch.equal(lm.generate(follow_up, max_new_tokens=10, prompt_cache=cache),
+                       target_greedy(target, follow_up, {}, 10))
+    assert lm.last_stats["reused_prompt_tokens"] > 0
+
+
+def data_url(path) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(open(path, "rb").read()).decode()
+
+
+def test_the_server_answers_chat_requests_with_images(story_vlm_dir, tmp_path):
+    """OpenAI chat requests with `image_url` parts (base64 data URLs) on a vision-language target: the answer is the
+    target's own greedy one for the processor's prompt; text requests still reuse the conversation cache."""
+    from specheads.inference.multimodal import encode_image_prompt, image_processor_for
+    from specheads.inference.openai_api import ApiError
+    from specheads.inference.server import CompletionService
+
+    target, tokenizer = load_target(story_vlm_dir)
+    processor = image_processor_for(str(story_vlm_dir))
+    assert image_processor_for("stories260K") is None  # a text target's folder: no image processor
+    lm = SpeculativeLM(target, heads_for(target, "eagle"), tokenizer=tokenizer)
+    service = CompletionService(lm, "vlm", {"max_new_tokens": 16}, cache_slots=2, processor=processor)
+    try:
+        image = write_image(tmp_path / "a.png", seed=3)
+        body = {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": "Once upon a"}]}]}
+        parsed = service.parse(body, chat=True)
+        assert set(parsed.inputs) == {"pixel_values"}
+        choices, usage, _ = service.complete(parsed)
+        content = [{"type": "image"}, {"type": "text", "text": "Once upon a"}]
+        ids, inputs = encode_image_prompt(processor, [{"role": "user", "content": content}],
+                                          [Image.open(image).convert("RGB")])
+        expected = target_greedy(target, ids, inputs, 16)[0, ids.shape[1]:]
+        assert choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+        assert usage["prompt_tokens"] == ids.shape[1]
+        for part, needle in (({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                              "expected a data: URL"),
+                             ({"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
+                              "holds no readable image"),
+                             ({"type": "input_audio"}, "only 'text' parts are supported .and 'image_url' ones")):
+            with pytest.raises(ApiError, match=needle):
+                service.parse({"messages": [{"role": "user", "content": [part]}]}, chat=True)
+        with pytest.raises(ApiError, match=r"content\[1\] has type 'input_audio': expected 'text' or 'image_url'"):
+            service.parse({"messages": [{"role": "user", "content": [body["messages"][0]["content"][0],
+                                                                    {"type": "input_audio"}]}]}, chat=True)
+    finally:
+        service.close()
+    text_only = CompletionService(lm, "vlm", {"max_new_tokens": 4}, cache_slots=0)
+    try:
+        with pytest.raises(ApiError, match="this model takes no images"):
+            text_only.parse(body, chat=True)
+    finally:
+        text_only.close()

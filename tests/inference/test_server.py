@@ -325,6 +325,8 @@ def test_sampling_with_a_seed_repeats(server):
         ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": 3}, 400, "stream_options=3"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content=5"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "image_url parts, but this model takes no images"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
          "only 'text' parts"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, 400,
          "logprobs='yes'"),
