@@ -424,7 +424,8 @@ class SpeculativeLM:
         fast_path (whether the call ran on the static-cache fast path).
         """
         config = self.target.generation_config if generation_config is None else generation_config
-        settings = {name: value for name, value in kwargs.items() if hasattr(config, name)}
+        settings = {name: value for name, value in kwargs.items()
+                    if hasattr(config, name) and not callable(getattr(config, name))}
         if settings:  # as transformers' generate: generation settings given as keywords update a copy of the config
             config = copy.deepcopy(config)
             config.update(**settings)

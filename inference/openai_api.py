@@ -6,6 +6,7 @@ The fields that would change the answer in a way this engine cannot (best_of > n
 penalties, logit biases, streamed log-probabilities) are refused rather than ignored; fields that do not change it (user,
 metadata) are ignored. Extensions, as vLLM takes them: top_k, min_p, repetition_penalty. Log-probabilities are the
 target's own, from its raw logits (vLLM's default), for the answer's tokens (not a stop string's, nor a final EOS).
+A vision-language target's chat messages may hold `image_url` parts (base64 data URLs): its processor makes the prompt.
 """
 
 from __future__ import annotations
