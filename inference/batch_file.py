@@ -68,7 +68,8 @@ def generate_file(
                 index, prompt = todo.popleft()
                 request = lm.batch_request(
                     prompt.input_ids.to(lm.target.device), seed=seed + index if options.get("do_sample") else None,
-                    logits_processor=None if constraint is None else [constraint.fresh()], **options)
+                    logits_processor=None if constraint is None else [constraint.fresh()], inputs=prompt.inputs,
+                    **options)
                 asked[id(request)] = prompt
                 joining.append(request)
             ended = engine.add(joining) if joining else []

@@ -31,6 +31,7 @@ from specheads.inference.generate_inputs import eos_ids
 from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES, GQA_ATTENTION
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
 from specheads.inference.lookup import check_lookup_settings
+from specheads.inference.multimodal import image_processor_when_asked
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
 from specheads.inference.prompts import Prompt, calibration_prompts, follow_up, read_prompts, tokenize_prompts
 from specheads.inference.round_budget import parse_max_round_nodes
@@ -184,6 +185,7 @@ def run_prompt(
         return {} if constraint is None else {"logits_processor": [constraint.fresh()]}
 
     target, ids = lm.target, prompt.input_ids.to(lm.target.device)
+    images = prompt.inputs  # a vision-language target's images: given to every run of this prompt
     sample = mode == "sample"
     gen_kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, do_sample=sample,
                                       pad_token_id=target.generation_config.pad_token_id or target.generation_config.eos_token_id)
@@ -191,9 +193,11 @@ def run_prompt(
         options = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         gen_kwargs.update({k: v for k, v in options.items() if v is not None})  # unset: the generation config
     baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs,
-                                                      **constrained()))
+                                                      **constrained(), **images))
     fast_path = SWITCH[getattr(args, "fast_path", "auto")]
-    spec, spec_s = _timed(lambda: lm.generate(ids, fast_path=fast_path, **constrained(),
+    if images and fast_path is True:
+        fast_path = None  # the fast path takes text prompts only
+    spec, spec_s = _timed(lambda: lm.generate(ids, fast_path=fast_path, **constrained(), **images,
                                               **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
     stats = lm.last_stats
     if outputs is not None:
@@ -208,7 +212,7 @@ def run_prompt(
         "tokens_per_second": spec_new / spec_s, "baseline_tokens_per_second": base_new / base_s,
     }
     row["speedup"] = row["tokens_per_second"] / row["baseline_tokens_per_second"]
-    if static_decoder is not None and not sample and constraint is None:
+    if static_decoder is not None and not sample and constraint is None and not images:
         static, static_s = _timed(lambda: static_decoder.generate(ids, args.max_new_tokens))
         row["static_baseline_tokens"] = static.shape[1] - ids.shape[1]
         row["static_baseline_seconds"] = static_s
@@ -237,10 +241,10 @@ def run_prompt(
                 stacklevel=1,
             )
     if args.prompt_lookup and not sample:
-        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids),
+        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **images,
                                                 prompt_lookup_num_tokens=args.prompt_lookup, **gen_kwargs, **constrained()))
         row["prompt_lookup_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
-    if assistant is not None:
+    if assistant is not None and not images:  # (a text draft model cannot read the images)
         out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
                                                 **gen_kwargs, **constrained()))
         row["assisted_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
@@ -385,14 +389,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                        getattr(args, "cpu_attention", "default"), getattr(args, "cpu_argmax", "default"))
     if lm.max_round_nodes == "auto":  # measured once, before anything is timed (the first batch would pay for it)
         lm.verification_ms_by_tokens()
-    prompts = tokenize_prompts(read_prompts(args.prompts, args.category, args.limit,
-                                              getattr(args, "per_category", None)), lm.tokenizer,
-                               chat=False if args.no_chat else None)
+    rows = read_prompts(args.prompts, args.category, args.limit, getattr(args, "per_category", None))
+    prompts = tokenize_prompts(rows, lm.tokenizer, chat=False if args.no_chat else None,
+                               processor=image_processor_when_asked(rows, args.target))
     if not prompts:
         raise ValueError(f"no prompts selected from {args.prompts}")
     turns = getattr(args, "turns", 1)
     if turns < 1:
         raise ValueError(f"--turns {turns}: expected at least 1")
+    with_images = [p.prompt_id for p in prompts if p.inputs]
+    if with_images and (turns > 1 or getattr(args, "batch_size", 1) > 1):
+        raise ValueError(f"prompts {with_images[:5]} hold images, which run one prompt at a time and one turn (got "
+                         f"--turns {turns}, --batch-size {getattr(args, 'batch_size', 1)})")
     if turns > 1 and (args.no_chat or not getattr(lm.tokenizer, "chat_template", None)):
         raise ValueError(f"--turns {turns} needs the target's chat template (a later turn holds the earlier ones); "
                          f"{'--no-chat was given' if args.no_chat else 'the tokenizer has none'}")

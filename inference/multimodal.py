@@ -56,8 +56,14 @@ def prompt_inputs(target: PreTrainedModel, inputs: dict[str, Any]) -> dict[str, 
     return checked
 
 
-def check_prompt_inputs_call(inputs: dict[str, torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                             prompt_cache: Any, fast_path: bool | None, batched: bool | None) -> None:
+def check_prompt_inputs_call(
+    inputs: dict[str, torch.Tensor],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    prompt_cache: Any,
+    fast_path: bool | None,
+    batched: bool | None,
+) -> None:
     """Raise a ValueError naming the option that extra model inputs (images) cannot be combined with.
 
     One prompt at a time: how a batch's images map to its rows is each family's own convention. Its
@@ -92,9 +98,12 @@ def position_offset(target: PreTrainedModel, inputs: dict[str, torch.Tensor]) ->
     if not any(name.endswith("grid_thw") for name in inputs):
         return 0
     inner = getattr(unwrapped(target), "model", None)
-    deltas = getattr(inner, "rope_deltas", None)
-    if not hasattr(inner, "get_rope_index") or deltas is None:
+    if not hasattr(inner, "get_rope_index"):  # one position per token
         return 0
+    deltas = getattr(inner, "rope_deltas", None)
+    if deltas is None:  # never guess: text at the wrong positions would silently give other tokens
+        raise RuntimeError(f"{type(unwrapped(target)).__name__} was given an image grid but kept no rope_deltas after "
+                           "the prompt's forward, so the text positions after the image are unknown")
     return int(deltas.reshape(-1)[0])
 
 
@@ -115,6 +124,11 @@ def image_processor_for(target_name_or_path: str) -> Any | None:
     return processor if hasattr(processor, "image_processor") else None
 
 
+def image_processor_when_asked(rows: list[dict[str, Any]], target_name_or_path: str) -> Any | None:
+    """The target's image processor when any prompt row (`prompts.read_prompts`) holds images, else None."""
+    return image_processor_for(target_name_or_path) if any(row.get("images") for row in rows) else None
+
+
 def encode_image_prompt(
     processor: Any, messages: list[dict[str, Any]], images: list[Any], chat_template: str | None = None
 ) -> tuple[torch.Tensor, dict]:
@@ -128,13 +142,46 @@ def encode_image_prompt(
     return input_ids, encoded
 
 
+def load_images(images: list[Any]) -> list[Any]:
+    """RGB PIL images of `images`: file paths (a FileNotFoundError lists the missing ones) or PIL images."""
+    from pathlib import Path
+
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise ImportError("reading image files needs Pillow: pip install 'specheads[vision]'") from err
+    paths = [image for image in images if not isinstance(image, Image.Image)]
+    missing = [str(path) for path in paths if not Path(path).is_file()]
+    if missing:
+        raise FileNotFoundError(f"image file(s) {missing} do not exist")
+    return [(image if isinstance(image, Image.Image) else Image.open(image)).convert("RGB") for image in images]
+
+
+def prompt_with_images(
+    processor: Any, text: str, images: list[Any], chat: bool | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(input_ids (1, n), extra model inputs) of one user turn holding `images` (PIL), then `text`, written with the
+    processor's chat template (`chat=False`: the processor's image token per image, then the text, no template;
+    None: the template when the processor has one)."""
+    use_chat = bool(getattr(processor, "chat_template", None)) if chat is None else chat
+    if use_chat:
+        if not getattr(processor, "chat_template", None):
+            raise ValueError(f"the target's processor ({type(processor).__name__}) has no chat template; use no chat "
+                             "template (--no-chat)")
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        return encode_image_prompt(processor, [{"role": "user", "content": content}], images)
+    if not getattr(processor, "image_token", None):
+        raise ValueError(f"the target's processor ({type(processor).__name__}) names no image token for a prompt "
+                         "without the chat template; use the chat template")
+    encoded = dict(processor(images=images, text=processor.image_token * len(images) + text, return_tensors="pt"))
+    encoded.pop("attention_mask", None)
+    return encoded.pop("input_ids"), encoded
+
+
 def image_prompt(
     target_name_or_path: str, text: str, image_paths: list[str], chat: bool | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
-    """A prompt with images for a vision-language target, made by the target's processor.
-
-    The user turn holds the images, then `text`, written with the processor's chat template (`chat=False`: the
-    processor's image token per image, then the text, without a template).
+    """A prompt with images for a vision-language target, made by the target's processor (`prompt_with_images`).
 
     Args:
         target_name_or_path: what `load_target` was given (an alias, folder or Hub id).
@@ -149,31 +196,9 @@ def image_prompt(
         FileNotFoundError: an image file is missing. ValueError: the target ships no image processor, or the prompt
             needs a chat template the processor lacks.
     """
-    from pathlib import Path
-
-    try:
-        from PIL import Image
-    except ImportError as err:
-        raise ImportError("reading image files needs Pillow: pip install 'specheads[vision]'") from err
-
-    missing = [path for path in image_paths if not Path(path).is_file()]
-    if missing:
-        raise FileNotFoundError(f"image file(s) {missing} do not exist")
+    images = load_images(image_paths)
     processor = image_processor_for(target_name_or_path)
     if processor is None:
         raise ValueError(f"target {target_name_or_path!r} ships no processor that takes images; expected a "
                          "vision-language target (LLaVA, Qwen2-VL, Gemma 3, Idefics3, ...)")
-    images = [Image.open(path).convert("RGB") for path in image_paths]
-    use_chat = bool(getattr(processor, "chat_template", None)) if chat is None else chat
-    if use_chat:
-        if not getattr(processor, "chat_template", None):
-            raise ValueError(f"target {target_name_or_path!r}: its processor has no chat template; pass --no-chat")
-        content = [{"type": "image"} for _ in image_paths] + [{"type": "text", "text": text}]
-        input_ids, inputs = encode_image_prompt(processor, [{"role": "user", "content": content}], images)
-        return input_ids, inputs, processor
-    if not getattr(processor, "image_token", None):
-        raise ValueError(f"target {target_name_or_path!r}: its processor names no image token for a prompt without "
-                         "the chat template; drop --no-chat")
-    encoded = dict(processor(images=images, text=processor.image_token * len(images) + text, return_tensors="pt"))
-    encoded.pop("attention_mask", None)
-    return encoded.pop("input_ids"), encoded, processor
+    return (*prompt_with_images(processor, text, images, chat), processor)

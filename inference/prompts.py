@@ -4,8 +4,9 @@ lines."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -20,6 +21,7 @@ class Prompt:
     text: str
     input_ids: torch.Tensor  # (1, n)
     turns: tuple[str, ...] = ()  # every user turn of a multi-turn record (MT-bench: 2); `text` is the one asked here
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # its images' model inputs (vision-language target)
 
 
 def read_prompts(
@@ -47,7 +49,7 @@ def read_prompts(
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number} is not valid JSON: {err}") from err
-            rows.append(prompt_row(record, f"{path}:{number}", number))
+            rows.append(prompt_row(record, f"{path}:{number}", number, path.parent))
     elif path.is_file() and path.suffix not in (".json", ".parquet"):
         for number, line in enumerate(path.read_text().split("\n"), start=1):
             if line.strip():
@@ -56,7 +58,8 @@ def read_prompts(
         # JSON / Parquet files, dataset folders, Hub dataset ids: the training data sources
         from specheads.training.data import read_records
 
-        rows = [prompt_row(record, f"{source} record {n}", n) for n, record in enumerate(read_records(source))]
+        folder = path.parent if path.is_file() else path
+        rows = [prompt_row(record, f"{source} record {n}", n, folder) for n, record in enumerate(read_records(source))]
     if categories:
         known = sorted({r["category"] for r in rows})
         unknown = set(categories) - set(known)
@@ -76,8 +79,29 @@ def read_prompts(
     return rows[:limit] if limit else rows
 
 
-def prompt_row(record: object, where: str, number: int) -> dict:
-    """One prompt record -> {prompt_id, category, text, turns}; a ValueError naming `where` when it holds no prompt."""
+def record_images(record: dict, where: str, folder: Path | None) -> list[Any]:
+    """The record's `image` / `images` (a path, relative to `folder`, or a PIL image as a dataset's Image column
+    gives it; or a list of them), as absolute paths and images; [] without either field."""
+    images = record.get("images", record.get("image"))
+    if images is None:
+        return []
+    if not isinstance(images, list):
+        images = [images]
+    found = []
+    for image in images:
+        if isinstance(image, str):
+            path = Path(image).expanduser()
+            found.append(str(path if path.is_absolute() or folder is None else folder / path))
+        elif hasattr(image, "convert"):  # a PIL image
+            found.append(image)
+        else:
+            raise ValueError(f"{where} has an image {type(image).__name__}; expected a file path or a PIL image")
+    return found
+
+
+def prompt_row(record: object, where: str, number: int, folder: Path | None = None) -> dict:
+    """One prompt record -> {prompt_id, category, text, turns[, images]}; a ValueError naming `where` when it holds
+    no prompt. `images`: the record's `image` / `images` (`record_images`; paths relative to `folder`)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where} is a JSON {type(record).__name__}; expected an object with 'turns', 'prompt' or "
                          "'text'")
@@ -96,15 +120,31 @@ def prompt_row(record: object, where: str, number: int) -> dict:
         raise ValueError(f"{where} has no 'turns', 'prompt' or 'text' field holding text (nor a conversation with a "
                          "user turn)")
     prompt_id = next((record[k] for k in ("question_id", "prompt_id", "id") if record.get(k) is not None), number)
-    return {"prompt_id": str(prompt_id), "category": str(record.get("category", "default")), "text": text,
-            "turns": list(turns) if turns else [text]}
+    row = {"prompt_id": str(prompt_id), "category": str(record.get("category", "default")), "text": text,
+           "turns": list(turns) if turns else [text]}
+    images = record_images(record, where, folder)
+    if images:
+        row["images"] = images
+    return row
 
 
-def tokenize_prompts(rows: list[dict], tokenizer: PreTrainedTokenizerBase, chat: bool | None = None) -> list[Prompt]:
-    """Tokenise; the chat template is applied when the tokenizer has one (unless chat=False)."""
+def tokenize_prompts(
+    rows: list[dict], tokenizer: PreTrainedTokenizerBase, chat: bool | None = None, processor: Any = None
+) -> list[Prompt]:
+    """Tokenise; the chat template is applied when the tokenizer has one (unless chat=False). Rows with `images`
+    are made by `processor`, a vision-language target's (`multimodal.prompt_with_images`; a ValueError without one)."""
     use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
     prompts = []
     for row in rows:
+        if row.get("images"):
+            from specheads.inference.multimodal import load_images, prompt_with_images
+
+            if processor is None:
+                raise ValueError(f"prompt {row['prompt_id']} has images, but the target takes none here (it ships no "
+                                 "image processor, or this command reads text prompts only)")
+            ids, inputs = prompt_with_images(processor, row["text"], load_images(row["images"]), chat)
+            prompts.append(Prompt(row["prompt_id"], row["category"], row["text"], ids, (row["text"],), inputs))
+            continue
         if use_chat:
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": row["text"]}], add_generation_prompt=True, return_tensors="pt", return_dict=True

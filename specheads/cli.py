@@ -283,7 +283,9 @@ def run_generate_file(args: argparse.Namespace) -> int:
         raise ValueError("generate --prompts needs --out FILE (the answers' JSONL)")
     rows = read_prompts(args.prompts, limit=args.limit)  # before loading the model: a bad path fails fast
     lm, kernels = _load_lm(args)
-    prompts = tokenize_prompts(rows, lm.tokenizer, chat=args.chat)
+    from specheads.inference.multimodal import image_processor_when_asked
+
+    prompts = tokenize_prompts(rows, lm.tokenizer, chat=args.chat, processor=image_processor_when_asked(rows, args.target))
     constraint = constraint_from_options(lm.tokenizer, args.json_schema, args.regex)
     try:
         totals = generate_file(lm, prompts, args.out, args.max_batch, args.seed, constraint, **_generate_options(args))

@@ -200,8 +200,9 @@ def story_vlm_dir(stories260k, tmp_path_factory) -> Path:
     model.model.language_model.load_state_dict(state)
     with torch.no_grad():  # image embeddings of a word's scale: a random tower's full-size ones derail the stories
         model.model.multi_modal_projector.linear_2.weight.mul_(0.05)
-    template = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}"
-                "{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    template = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+                "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}"
+                "{% endfor %}{% endif %}{% endfor %}")
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
         tokenizer=tokenizer, patch_size=4, vision_feature_select_strategy="default", num_additional_image_tokens=1,

@@ -308,3 +308,85 @@ def test_the_server_answers_chat_requests_with_images(story_vlm_dir, tmp_path):
             text_only.parse(body, chat=True)
     finally:
         text_only.close()
+
+
+def test_bench_measures_prompts_about_images(story_vlm_dir, tmp_path, monkeypatch):
+    """`specheads bench` with JSONL records holding `image` paths (relative to the file): every run of a prompt gets
+    its image (greedy outputs checked identical to target.generate's with it); text records in the same file too."""
+    import json
+
+    from specheads.inference.bench import bench_main
+    from specheads.inference.prompts import read_prompts
+
+    target, _ = load_target(story_vlm_dir)
+    heads_for(target, "eagle").save_pretrained(tmp_path / "heads")
+    write_image(tmp_path / "cat.png", seed=1)
+    records = [{"prompt_id": "a", "category": "vision", "text": "Once upon a time", "image": "cat.png"},
+               {"prompt_id": "b", "category": "text", "text": "The dog ran"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert read_prompts(prompts)[0]["images"] == [str(tmp_path / "cat.png")]
+    out = tmp_path / "bench" / "results.json"
+    seen = []
+    original = SpeculativeLM.generate
+    monkeypatch.setattr(SpeculativeLM, "generate",
+                        lambda self, *a, **k: seen.append(sorted(k.get("pixel_values", torch.empty(0)).shape))
+                        or original(self, *a, **k))
+    assert bench_main(["--target", str(story_vlm_dir), "--heads", str(tmp_path / "heads"), "--prompts", str(prompts),
+                       "--max-new-tokens", "12", "--threads", "1", "--out", str(out), "--prompt-lookup", "2"]) == 0
+    results = json.loads(out.read_text())
+    assert results["greedy_identical"] is True
+    assert set(results["greedy"]["by_category"]) == {"vision", "text"}
+    assert [1, 3, 16, 16] in seen and [0] in seen  # the image prompt ran with its image, the text one without
+    monkeypatch.undo()
+    heads_for(load_target("stories260K")[0], "eagle").save_pretrained(tmp_path / "text_heads")
+    with pytest.raises(ValueError, match="prompt a has images, but the target takes none"):
+        bench_main(["--target", "stories260K", "--heads", str(tmp_path / "text_heads"), "--prompts", str(prompts),
+                    "--out", str(tmp_path / "x.json")])
+
+
+def test_generate_prompts_file_answers_records_about_images(story_vlm_dir, tmp_path, capfd):
+    """`generate --prompts FILE`: a record's image reaches its prompt (in the continuous batch beside text rows)."""
+    import json
+
+    target, tokenizer = load_target(story_vlm_dir)
+    heads_for(target, "eagle").save_pretrained(tmp_path / "heads")
+    image = write_image(tmp_path / "cat.png", seed=2)
+    records = [{"id": "a", "prompt": "Once upon a time", "images": ["cat.png"]}, {"id": "b", "prompt": "The dog ran"}]
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert main(["generate", "--target", str(story_vlm_dir), "--heads", str(tmp_path / "heads"), "--prompts",
+                 str(prompts), "--out", str(out), "--max-new-tokens", "16", "--threads", "1"]) == 0
+    answers = {json.loads(line)["id"]: json.loads(line)["answer"] for line in out.read_text().splitlines()}
+    ids, inputs, _ = image_prompt(str(story_vlm_dir), "Once upon a time", [image])
+    expected = target_greedy(target, ids, inputs, 16)[0, ids.shape[1]:]
+    assert answers["a"] == tokenizer.decode(expected, skip_special_tokens=True)
+    from specheads.inference.prompts import tokenize_prompts
+
+    row = {"prompt_id": "b", "category": "default", "text": "The dog ran"}
+    text_ids = tokenize_prompts([row], tokenizer)[0].input_ids  # the chat template, as the command applies it
+    assert answers["b"] == tokenizer.decode(target_greedy(target, text_ids, {}, 16)[0, text_ids.shape[1]:],
+                                            skip_special_tokens=True)
+
+
+def test_prompt_records_take_images_from_a_dataset_image_column(story_vlm_dir, tmp_path):
+    """A saved dataset whose `image` column holds images (datasets' Image feature gives PIL images): the prompts made
+    from it equal those made from the same image as a file."""
+    from datasets import Dataset, Features, Image as ImageFeature, Value
+
+    from specheads.inference.multimodal import image_processor_for
+    from specheads.inference.prompts import read_prompts, tokenize_prompts
+
+    path = write_image(tmp_path / "a.png", seed=4)
+    features = Features({"prompt_id": Value("string"), "text": Value("string"), "image": ImageFeature()})
+    Dataset.from_dict({"prompt_id": ["a"], "text": ["Once upon a time"], "image": [path]},
+                      features=features).save_to_disk(tmp_path / "vqa")
+    rows = read_prompts(tmp_path / "vqa")
+    assert not isinstance(rows[0]["images"][0], str)  # a PIL image, not a path
+    _, tokenizer = load_target(story_vlm_dir)
+    (prompt,) = tokenize_prompts(rows, tokenizer, processor=image_processor_for(str(story_vlm_dir)))
+    ids, inputs, _ = image_prompt(str(story_vlm_dir), "Once upon a time", [path])
+    assert torch.equal(prompt.input_ids, ids)
+    torch.testing.assert_close(prompt.inputs["pixel_values"], inputs["pixel_values"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="prompt a has images, but the target takes none"):
+        tokenize_prompts(rows, tokenizer)
