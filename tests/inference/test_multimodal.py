@@ -390,3 +390,37 @@ def test_prompt_records_take_images_from_a_dataset_image_column(story_vlm_dir, t
     torch.testing.assert_close(prompt.inputs["pixel_values"], inputs["pixel_values"], rtol=0, atol=0)
     with pytest.raises(ValueError, match="prompt a has images, but the target takes none"):
         tokenize_prompts(rows, tokenizer)
+
+
+def test_a_video_prompt_on_qwen2_vl_gives_the_targets_output(tiny_vlm_factory, oracle_drafter):
+    """Video inputs (`pixel_values_videos`, `video_grid_thw`): 2 x 8 x 8 patches, 32 video tokens; the text after them
+    sits at its own M-RoPE positions, and mostly-right drafts are accepted exactly."""
+    from ..conftest import VLM_END, VLM_START
+
+    target, _, _ = tiny_vlm_factory("qwen2_vl")
+    video = 151
+    ids = [3, 14, VLM_START, *[video] * 32, VLM_END, 15, 92, 65]
+    inputs = dict(pixel_values_videos=torch.randn(128, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(5)),
+                  video_grid_thw=torch.tensor([[2, 8, 8]]),
+                  mm_token_type_ids=torch.tensor([[2 if i == video else 0 for i in ids]]))
+    ids = torch.tensor([ids])
+    expected = target_greedy(target, ids, inputs, 40)
+    lm = SpeculativeLM(target, heads_for(target, "eagle"))
+    lm.drafter = oracle_drafter(expected[0].tolist() + [1] * 8, 160, depth=5, corruption_rate=0.15, seed=4)
+    assert torch.equal(lm.generate(ids, max_new_tokens=40, **inputs), expected)
+    lm.drafter.check_accepted()
+    assert position_offset(target, inputs) == int(target.model.rope_deltas) != 0
+
+
+def test_a_vision_language_target_by_hub_id_from_the_offline_cache(story_vlm_dir, offline_hub_cache, tmp_path):
+    """`load_target("org/vlm")` and its processor resolve through the HF cache with the Hub offline; `generate --image`
+    then runs on the Hub id."""
+    offline_hub_cache.publish(story_vlm_dir, "test-org/story-vlm")
+    target, tokenizer = load_target("test-org/story-vlm")
+    assert type(target).__name__ == "LlavaForConditionalGeneration"
+    image = write_image(tmp_path / "a.png")
+    ids, inputs, _ = image_prompt("test-org/story-vlm", "Once upon a time", [image])
+    local_ids, local_inputs, _ = image_prompt(str(story_vlm_dir), "Once upon a time", [image])
+    assert torch.equal(ids, local_ids) and torch.equal(inputs["pixel_values"], local_inputs["pixel_values"])
+    lm = SpeculativeLM(target, heads_for(target, "eagle"))
+    assert torch.equal(lm.generate(ids, max_new_tokens=12, **inputs), target_greedy(target, ids, inputs, 12))
