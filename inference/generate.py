@@ -415,7 +415,7 @@ class SpeculativeLM:
                 refused when > 1) updates a copy of the generation config; the rest are extra inputs of the target's
                 prompt forward: a vision-language target's images (`pixel_values`, `image_grid_thw`, ... as its
                 processor returns them; inference/multimodal.py), for one unpadded prompt per call. A name that is
-                neither raises a ValueError.
+                neither raises a TypeError naming it.
 
         After the call, `self.last_stats` holds new_tokens, target_forwards, mean_accepted (tau: new tokens
         per target forward, the bonus token counted, the prefill counted as one forward), rounds,

@@ -372,7 +372,8 @@ def test_generate_prompts_file_answers_records_about_images(story_vlm_dir, tmp_p
 def test_prompt_records_take_images_from_a_dataset_image_column(story_vlm_dir, tmp_path):
     """A saved dataset whose `image` column holds images (datasets' Image feature gives PIL images): the prompts made
     from it equal those made from the same image as a file."""
-    from datasets import Dataset, Features, Image as ImageFeature, Value
+    from datasets import Dataset, Features, Value
+    from datasets import Image as ImageFeature
 
     from specheads.inference.multimodal import image_processor_for
     from specheads.inference.prompts import read_prompts, tokenize_prompts
