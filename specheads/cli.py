@@ -144,13 +144,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def build_server(args: argparse.Namespace):
     """The HTTP server `specheads serve` runs (not yet serving)."""
     from specheads.inference.chat import read_chat_template
+    from specheads.inference.multimodal import image_processor_for
     from specheads.inference.server import CompletionService, make_server
 
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     lm, kernels = _load_lm(args)
     defaults = {k: v for k, v in _generate_options(args).items() if v is not None}
-    from specheads.inference.multimodal import image_processor_for
-
     processor = image_processor_for(args.target)  # a vision-language target's: chat requests may hold images
     service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template,
                                 args.api_key, args.max_batch, processor)
@@ -277,14 +276,13 @@ def run_generate_file(args: argparse.Namespace) -> int:
     """`generate --prompts FILE --out F`: every prompt's answer, batched continuously (inference/batch_file.py)."""
     from specheads.inference.batch_file import generate_file
     from specheads.inference.constraints import constraint_from_options
+    from specheads.inference.multimodal import image_processor_when_asked
     from specheads.inference.prompts import read_prompts, tokenize_prompts
 
     if args.out is None:
         raise ValueError("generate --prompts needs --out FILE (the answers' JSONL)")
     rows = read_prompts(args.prompts, limit=args.limit)  # before loading the model: a bad path fails fast
     lm, kernels = _load_lm(args)
-    from specheads.inference.multimodal import image_processor_when_asked
-
     prompts = tokenize_prompts(rows, lm.tokenizer, chat=args.chat, processor=image_processor_when_asked(rows, args.target))
     constraint = constraint_from_options(lm.tokenizer, args.json_schema, args.regex)
     try:

@@ -60,7 +60,7 @@ def test_oracle_drafts_accept_long_paths_after_an_image(tiny_vlm_factory, oracle
     assert (offset == -12) if family.startswith("qwen") else (offset == 0)  # 16 image tokens on 4 positions
 
 
-def test_a_wrong_text_offset_would_change_the_output(tiny_vlm_factory, oracle_drafter, monkeypatch):
+def test_a_wrong_text_offset_would_change_the_output(tiny_vlm_factory, monkeypatch):
     """The M-RoPE test above can fail: with the nodes at their cache indices the tokens differ."""
     import specheads.inference.verify as verify
 
