@@ -199,6 +199,10 @@ def _tokenized_rows(
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(f"data source {str(source)!r}, record {number}: the {fmt} format needs a {field!r} field, "
                              f"found {keys} (data.format=auto detects the format from the first record)")
+    with_images = sum(1 for r in records if r.get("image") is not None or r.get("images") is not None)
+    if with_images:  # (a vision-language dataset: LLaVA-Instruct, ALLaVA, ...)
+        logger.warning("data source %r: %d of %d records hold images, which training does not read: the heads train on "
+                       "their text alone, as if no image were there", str(source), with_images, len(records))
     if exclude and fmt != "text":
         kept = [r for r in records if not asks_any(to_messages(r, fmt), exclude)]
         if len(kept) < len(records):

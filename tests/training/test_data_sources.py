@@ -181,3 +181,21 @@ def test_training_and_regeneration_skip_benchmark_prompts(tmp_path, stories_file
         assert main(["train", str(CONFIGS / "medusa_stories260k.yaml"),
                      *overrides(stories_file, tmp_path / "run", **extra)]) == 0
     assert "left out 1 conversations that ask an excluded (benchmark) prompt" in caplog.text
+
+
+def test_records_with_images_are_trained_as_text_with_a_warning(tmp_path, target_and_tokenizer, caplog):
+    """A vision-language dataset (records with `image` / `images`): training reads the text alone and says so."""
+    _, tok = target_and_tokenizer
+    records = [{"conversations": [{"from": "human", "value": "Describe it."}, {"from": "gpt", "value": "A cat."}],
+                "image": "coco/1.jpg"},
+               {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}]
+    path = tmp_path / "vqa.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    with caplog.at_level("WARNING"):
+        rows = build_dataset(path, tok)
+    assert len(rows) == 2 and "1 of 2 records hold images, which training does not read" in caplog.text
+    path.write_text(json.dumps(records[1]) + "\n")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        build_dataset(path, tok)
+    assert "hold images" not in caplog.text
