@@ -6,7 +6,6 @@ tree), accept (longest valid path + the target's bonus token), update (compact c
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from specheads.inference.batch_request import BatchRequest, build_batch_request,
 from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.corpus_lookup import CorpusLookup, corpus_for_target
+from specheads.inference.cpu_kernels import CpuKernels
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, constrain_drafts
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.generate_inputs import (
@@ -37,10 +37,11 @@ from specheads.inference.generate_inputs import (
     expand_for_return_sequences,
     finish_stats,
     new_token_budget,
+    settings_and_inputs,
     split_prompts,
 )
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings
-from specheads.inference.multimodal import check_prompt_inputs_call, prompt_inputs
+from specheads.inference.multimodal import check_prompt_inputs_call
 from specheads.inference.prompt_cache import PromptCache, check_prompt_cache_call
 from specheads.inference.round_budget import AutoRoundBudget, calibrate_verification_ms, selectable_nodes
 from specheads.inference.sampling import SamplingParams, choose_token
@@ -53,7 +54,7 @@ from specheads.inference.verify import DynamicTreeVerifier
 from specheads.targets import load_target
 
 
-class SpeculativeLM:
+class SpeculativeLM(CpuKernels):
     """Speculative generation with a frozen target and trained draft heads.
 
     Greedy outputs are token-identical to `target.generate(do_sample=False)`; sampling follows the
@@ -254,78 +255,6 @@ class SpeculativeLM:
             self._round_budget = AutoRoundBudget(self.verification_ms_by_tokens(), full_nodes)
         return self._round_budget
 
-    def use_onednn_linears(self) -> int:
-        """CPU, float32: run the target's and the heads' linear layers on oneDNN with prepacked weights, in place.
-
-        Faster few-row products (tree verification, draft levels) on CPUs where the default BLAS is slow at them
-        (inference/onednn.py). Inference only: afterwards neither model can be trained, moved or saved, and the
-        target's own `generate` uses the same layers. Returns the number of layers swapped.
-        """
-        from specheads.inference.onednn import use_onednn_linears
-
-        return use_onednn_linears(self.target) + use_onednn_linears(self.heads)
-
-    def use_int8_draft_linears(self) -> int:
-        """CPU, float32: run the HEADS' linear layers in int8 (int8 weights, dynamically quantized inputs), in place.
-
-        Drafting reads a quarter of the weight bytes (inference/int8_linear.py); the target stays float32 and
-        verifies every drafted token, so outputs are unchanged (greedy identical, sampling exact) and only the
-        acceptance rate can move. Call it before `use_onednn_linears` (which then leaves the int8 layers alone).
-        Inference only: the heads can no longer be trained or saved. Returns the number of layers swapped.
-        """
-        from specheads.inference.int8_linear import use_int8_linears
-
-        return use_int8_linears(self.heads, keep=self.heads.float32_linears)
-
-    def use_certified_argmax(self) -> None:
-        """CPU, float32: greedy verification takes the target's argmax from a bf16 lm_head product whose error is
-        bounded, rescoring in float32 the few tokens the bound cannot separate (inference/certified_argmax.py).
-
-        Outputs are unchanged (the target's own argmax); the lm_head costs about half. Greedy decoding uses it row
-        by row and batched; sampling and the GPU fast path keep the full logits. Call it before `use_onednn_linears`
-        (which hides the weight).
-
-        Raises:
-            ValueError: a target this does not apply to (see `certified_argmax_for`).
-        """
-        from specheads.inference.certified_argmax import certified_argmax_for
-
-        self.certified_argmax = certified_argmax_for(self.target)
-
-    def use_gqa_attention(self) -> int:
-        """Run the target's and the heads' grouped-query SDPA attention without repeating keys and values, in place.
-
-        Tree verification and drafting are forwards of several tokens with a mask, for which transformers' SDPA
-        attention copies every layer's cached keys and values once per query group; this hands them to PyTorch's
-        SDPA grouped instead (inference/gqa_attention.py; CPU, torch >= 2.5). Outputs are unchanged; the target's own
-        `generate` (one token a step) is unaffected. Returns the number of attention layers switched.
-        """
-        from specheads.inference.gqa_attention import use_gqa_attention
-
-        return use_gqa_attention(self.target) + use_gqa_attention(self.heads)
-
-    def use_cpu_kernels(
-        self, cpu_linear: str = "auto", draft_linear: str = "auto", cpu_attention: str = "auto", cpu_argmax: str = "auto"
-    ) -> dict[str, str]:
-        """Pick the CPU kernels by the CLI's choices, in the order they must be applied; returns what is in use.
-
-        Args:
-            cpu_linear: 'onednn' | 'default' | 'auto' (onednn for a float32 CPU target): `use_onednn_linears`.
-            draft_linear: 'int8' | 'default' | 'auto' (int8 for float32 CPU heads): `use_int8_draft_linears`.
-            cpu_attention: 'gqa' | 'default' | 'auto' (gqa for a CPU target with grouped key/value heads on SDPA
-                attention): `use_gqa_attention`.
-            cpu_argmax: 'bf16' | 'default' | 'auto' (bf16 for a float32 CPU target with a plain linear lm_head on a
-                CPU with bf16 in hardware; left off where the target's logits are not that product):
-                `use_certified_argmax`.
-
-        Returns:
-            {"cpu_linear": "onednn" or "default", "draft_linear": "int8" or "default", "cpu_attention": "gqa" or
-            "default", "cpu_argmax": "bf16" or "default"}.
-        """
-        from specheads.inference.cpu_kernels import use_cpu_kernels
-
-        return use_cpu_kernels(self, cpu_linear, draft_linear, cpu_attention, cpu_argmax)
-
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
@@ -424,12 +353,7 @@ class SpeculativeLM:
         fast_path (whether the call ran on the static-cache fast path).
         """
         config = self.target.generation_config if generation_config is None else generation_config
-        settings = {name: value for name, value in kwargs.items()
-                    if hasattr(config, name) and not callable(getattr(config, name))}
-        if settings:  # as transformers' generate: generation settings given as keywords update a copy of the config
-            config = copy.deepcopy(config)
-            config.update(**settings)
-        inputs = prompt_inputs(self.target, {name: value for name, value in kwargs.items() if name not in settings})
+        config, inputs = settings_and_inputs(config, self.target, kwargs)
         check_prompt_inputs_call(inputs, input_ids, attention_mask, prompt_cache, fast_path, batched)
         params, criteria = decoding_settings(
             config, self.tokenizer, do_sample, temperature, top_p, top_k, min_p=min_p, typical_p=typical_p,

@@ -1,10 +1,11 @@
 """`SpeculativeLM.generate`'s input checks and output assembly, as transformers' `generate` takes and returns them:
 the new-token budget (`max_new_tokens` / `max_length`), `num_return_sequences`, left-padded prompts split into rows,
-EOS ids, and the padded output batch.
+EOS ids, extra keywords (generation settings or the prompt forward's inputs), and the padded output batch.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +14,25 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from specheads.inference.multimodal import prompt_inputs
 from specheads.inference.sampling import SamplingParams, check_generation_config
 from specheads.inference.stopping import stopping_criteria_for
 from specheads.inference.target_support import context_limit
 
 ACCEPTANCE_RULES = ("exact", "typical")
+
+
+def settings_and_inputs(
+    config: GenerationConfig, target: PreTrainedModel, kwargs: dict[str, Any]
+) -> tuple[GenerationConfig, dict[str, torch.Tensor]]:
+    """`generate`'s extra keywords, as transformers splits them: (the generation config, a copy updated with the
+    keywords that are its fields; the rest checked as the prompt forward's inputs, `multimodal.prompt_inputs`)."""
+    settings = {name: value for name, value in kwargs.items()
+                if hasattr(config, name) and not callable(getattr(config, name))}
+    if settings:
+        config = copy.deepcopy(config)
+        config.update(**settings)
+    return config, prompt_inputs(target, {name: value for name, value in kwargs.items() if name not in settings})
 
 
 def new_token_budget(input_ids: torch.Tensor, max_new_tokens: int | None, max_length: int | None) -> int:

@@ -37,6 +37,8 @@ def prompt_inputs(target: PreTrainedModel, inputs: dict[str, Any]) -> dict[str, 
     target's forward does not take or a value that is not a tensor, and a ValueError for a key the engine sets
     itself.
     """
+    if not inputs:  # a text prompt: the common case, nothing to look up
+        return {}
     accepted = declared_parameters(type(unwrapped(target)).forward) - ENGINE_INPUTS
     checked = {}
     for name, value in inputs.items():
