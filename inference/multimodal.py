@@ -109,6 +109,12 @@ def position_offset(target: PreTrainedModel, inputs: dict[str, torch.Tensor]) ->
     return int(deltas.reshape(-1)[0])
 
 
+def takes_images(target: PreTrainedModel) -> bool:
+    """Whether the target is a vision-language model (its config has a `vision_config`: `load_target` loads such a
+    checkpoint as its image-text-to-text model)."""
+    return getattr(unwrapped(target).config, "vision_config", None) is not None
+
+
 def image_processor_for(target_name_or_path: str) -> Any | None:
     """The target's processor when it takes images (a vision-language target's), else None.
 
@@ -138,10 +144,20 @@ def encode_image_prompt(
     `{"type": "text", "text": ...}` parts, the images (PIL) in their order; the assistant's turn opened (with
     `chat_template` instead of the processor's when given)."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True, chat_template=chat_template)
-    encoded = dict(processor(images=images, text=text, return_tensors="pt"))
+    encoded = dict(processor_encode(processor, text, images, return_tensors="pt"))
     input_ids = encoded.pop("input_ids")
     encoded.pop("attention_mask", None)  # one unpadded prompt: all ones
     return input_ids, encoded
+
+
+def processor_encode(processor: Any, text: str, images: list[Any], **kwargs: Any) -> Any:
+    """The processor's encoding of one `text` with its `images`, special tokens added as transformers' processors
+    add them to a rendered chat (`ProcessorMixin.apply_chat_template`): the tokenizer's, unless the text already
+    starts with its BOS token (a template that writes BOS itself would otherwise get two)."""
+    bos = processor.tokenizer.bos_token
+    if bos is not None and text.startswith(bos):
+        kwargs["add_special_tokens"] = False
+    return processor(text=[text], images=images or None, **kwargs)
 
 
 def load_images(images: list[Any]) -> list[Any]:

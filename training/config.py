@@ -42,6 +42,8 @@ class DataSection:
     eval_fraction: float = 0.0  # hold out this seeded share of the examples: evaluated, never trained on
     eval_source: str | list[str] = ""  # or evaluate on this separate source (or list; target features online)
     exclude_prompts: str = ""  # benchmark prompts (e.g. MT-bench JSONL): conversations asking one are not trained on
+    # records' relative image paths are read from here (default: the data file's folder); vision-language targets
+    image_folder: str | None = None
 
 
 @dataclass

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, Features, Image, List, Value
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -93,42 +93,57 @@ def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, str]]:
                                  f"expected one of {sorted(SHAREGPT_ROLES)}")
             messages.append({"role": SHAREGPT_ROLES[speaker], "content": str(turn.get("value", ""))})
         return messages
-    return [{"role": str(m["role"]), "content": str(m["content"])} for m in record["messages"]]
+    return [{"role": str(m["role"]), "content": message_text(m["content"])} for m in record["messages"]]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+def message_text(content: Any) -> str:
+    """A message's text: the string itself, or the text parts of a list of content parts (`{"type": "text",
+    "text": ...}`) joined; other parts (images) are left out."""
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict) and part.get("type") == "text")
+    return str(content)
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def conversation_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+def conversation_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
     """Cut a conversation into (text, is_assistant) pieces whose concatenation is the rendered conversation.
 
     With a chat template: the text of assistant turn i is what rendering messages[: i + 1] adds after
     rendering messages[:i] with the generation prompt. Without one: "role: text" lines, with the answer
     and an end-of-sequence token trained.
     """
-    segments: list[tuple[str, bool]] = []
+    return [(text, trained) for text, trained, _ in conversation_spans(tokenizer, messages)]
+
+
+def conversation_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> list[tuple[str, bool, range]]:
+    """`conversation_segments` with, for each piece, the range of `messages` whose content it writes (a piece that
+    is only a role marker or the template's tail writes none). `tokenizer` is a tokenizer, or a processor with a
+    chat template (messages whose contents are lists of parts: vision-language records)."""
+    spans: list[tuple[str, bool, range]] = []
     if tokenizer.chat_template:
-        done = ""
+        done, first = "", 0  # the rendered text so far; the first message it does not cover yet
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
                 prompt = _render(tokenizer, messages[:i], generation_prompt=True)
                 full = _render(tokenizer, messages[: i + 1], generation_prompt=False)
                 if not prompt.startswith(done) or not full.startswith(prompt):
                     raise ValueError("the chat template does not render conversations incrementally; cannot mask turns")
-                segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
-                done = full
+                spans += [(prompt[len(done):], False, range(first, i)), (full[len(prompt):], True, range(i, i + 1))]
+                done, first = full, i + 1
         rest = _render(tokenizer, messages, generation_prompt=False)[len(done):]
         if rest:
-            segments.append((rest, False))
-        return segments
+            spans.append((rest, False, range(first, len(messages))))
+        return spans
     eos = tokenizer.eos_token or ""
-    for message in messages:
+    for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            segments += [("assistant: ", False), (message["content"] + eos + "\n", True)]
+            spans += [("assistant: ", False, range(i, i)), (message["content"] + eos + "\n", True, range(i, i + 1))]
         else:
-            segments.append((f"{message['role']}: {message['content']}\n", False))
-    return segments
+            spans.append((f"{message['role']}: {message['content']}\n", False, range(i, i + 1)))
+    return spans
 
 
 def tokenize_record(
@@ -153,7 +168,8 @@ def tokenize_record(
 
 def build_dataset(
     source: str | Path | Sequence[str | Path], tokenizer: PreTrainedTokenizerBase, fmt: str = "auto",
-    max_length: int = 512, progress: bool = True, exclude: set[str] | None = None,
+    max_length: int = 512, progress: bool = True, exclude: set[str] | None = None, processor: Any = None,
+    image_folder: str | Path | None = None,
 ) -> Dataset:
     """Tokenize one data source, or a list of them (a mixture, concatenated in order), into a `datasets.Dataset`
     with columns input_ids, loss_mask, length.
@@ -164,6 +180,10 @@ def build_dataset(
         progress: show a progress bar while tokenizing (for sources of 1000 records or more).
         exclude: whitespace-normalised prompts (`sharegpt.benchmark_prompts`): conversations with a user turn among
             them are left out (a warning says how many), so heads are never trained on what they are measured on.
+        processor: a vision-language target's processor: records that hold images are tokenized with their images
+            (image_records.py) and the dataset gets the columns images and image_text (`ImageCollate` reads them).
+            Without one, such records are trained as text (a warning says how many).
+        image_folder: where relative image paths are read from (default: the data file's folder).
 
     Raises:
         ValueError: an unknown format, a record without its format's field, or a source without trainable
@@ -174,19 +194,28 @@ def build_dataset(
         raise ValueError("no data source given (an empty list)")
     rows: list[dict[str, Any]] = []
     for one in sources:
-        rows += _tokenized_rows(one, tokenizer, fmt, max_length, progress, exclude)
-    return Dataset.from_dict({
+        rows += _tokenized_rows(one, tokenizer, fmt, max_length, progress, exclude, processor, image_folder)
+    columns = {
         "input_ids": [r["input_ids"] for r in rows],
         "loss_mask": [r["loss_mask"] for r in rows],
         "length": [len(r["input_ids"]) for r in rows],
-    })
+    }
+    if not any("images" in r for r in rows):
+        return Dataset.from_dict(columns)
+    columns.update(images=[r.get("images", []) for r in rows], image_text=[r.get("image_text", "") for r in rows])
+    features = Features({"input_ids": List(Value("int64")), "loss_mask": List(Value("int64")), "length": Value("int64"),
+                         "images": List(Image()), "image_text": Value("string")})
+    return Dataset.from_dict(columns, features=features)
 
 
 def _tokenized_rows(
     source: str | Path, tokenizer: PreTrainedTokenizerBase, fmt: str, max_length: int, progress: bool,
-    exclude: set[str] | None = None,
+    exclude: set[str] | None = None, processor: Any = None, image_folder: str | Path | None = None,
 ) -> list[dict[str, Any]]:
     """One source's records, checked against their format and tokenized (rows of fewer than 3 tokens dropped)."""
+    # imported here: image_records builds on this module's conversation helpers
+    from specheads.training.image_records import has_images, tokenize_image_record
+
     records = read_records(source)
     if not records:
         raise ValueError(f"data source {str(source)!r} holds no records")
@@ -199,20 +228,42 @@ def _tokenized_rows(
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(f"data source {str(source)!r}, record {number}: the {fmt} format needs a {field!r} field, "
                              f"found {keys} (data.format=auto detects the format from the first record)")
-    with_images = sum(1 for r in records if r.get("image") is not None or r.get("images") is not None)
-    if with_images:  # (a vision-language dataset: LLaVA-Instruct, ALLaVA, ...)
-        logger.warning("data source %r: %d of %d records hold images, which training does not read: the heads train on "
-                       "their text alone, as if no image were there", str(source), with_images, len(records))
+    with_images = sum(1 for r in records if has_images(r))
+    read_images = bool(with_images) and processor is not None and fmt != "text"
+    if with_images and not read_images:  # (a vision-language dataset: LLaVA-Instruct, ALLaVA, ...)
+        why = "the target takes no images (no processor with an image processor)" if processor is None else \
+            "plain-text records have no turns to place them in"
+        logger.warning("data source %r: %d of %d records hold images, which training does not read (%s): the heads "
+                       "train on their text alone, as if no image were there", str(source), with_images, len(records), why)
     if exclude and fmt != "text":
         kept = [r for r in records if not asks_any(to_messages(r, fmt), exclude)]
         if len(kept) < len(records):
             logger.warning("data source %r: left out %d conversations that ask an excluded (benchmark) prompt",
                            str(source), len(records) - len(kept))
         records = kept
+    if image_folder is None and read_images:
+        path = Path(str(source))
+        image_folder = path.parent if path.is_file() else path if path.is_dir() else None
     bar = tqdm(records, desc=f"tokenize {Path(str(source)).name}", unit="rec",
-               disable=not progress or len(records) < PROGRESS_MIN_RECORDS)
-    rows = [tokenize_record(tokenizer, r, fmt, max_length) for r in bar]
+               disable=not progress or len(records) < (1 if read_images else PROGRESS_MIN_RECORDS))
+    rows, too_long = [], 0
+    for number, record in enumerate(bar):
+        if not (read_images and has_images(record)):
+            rows.append(tokenize_record(tokenizer, record, fmt, max_length))
+            continue
+        try:
+            row = tokenize_image_record(processor, record, fmt, max_length, None if image_folder is None else Path(image_folder))
+        except (ValueError, FileNotFoundError) as err:
+            raise type(err)(f"data source {str(source)!r}, record {number}: {err}") from err
+        too_long += row is None
+        rows += [row] if row is not None else []
+    if too_long:
+        logger.warning("data source %r: left out %d records whose images do not fit in data.max_length=%d tokens",
+                       str(source), too_long, max_length)
     rows = [r for r in rows if len(r["input_ids"]) >= 3]
+    if not rows and too_long:
+        raise ValueError(f"data source {str(source)!r}: every record was left out, their images do not fit in "
+                         f"data.max_length={max_length} tokens; raise data.max_length")
     if not rows or sum(sum(r["loss_mask"]) for r in rows) == 0:
         raise ValueError(f"data source {str(source)!r} ({fmt} format) has no assistant tokens to train on; "
                          "each conversation needs at least one assistant/gpt turn")
@@ -244,6 +295,15 @@ def collate(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torc
         batch["attention_mask"][i, :n] = 1
         batch["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
     return batch
+
+
+def batch_to(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """A batch on `device`: its tensors, and the tensors of its image rows' inputs (`row_inputs`, when present)."""
+    moved = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    if "row_inputs" in batch:
+        moved["row_inputs"] = [None if row is None else {k: v.to(device) for k, v in row.items()}
+                               for row in batch["row_inputs"]]
+    return moved
 
 
 @dataclass

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specheads.training.data import PROGRESS_MIN_RECORDS, asks_any, detect_format, read_records, to_messages
+from specheads.training.image_records import has_images
 from specheads.training.preflight import check_writable_dir, check_writable_file
 from specheads.training.sharegpt import benchmark_prompts
 
@@ -147,6 +148,9 @@ def regenerate(
             fmt = detect_format(record)
             if fmt == "text":
                 raise ValueError(f"{input_path}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
+            if has_images(record):  # answered without its images, the target would write about pictures it never saw
+                raise ValueError(f"{input_path}, record {n}: holds images, which regenerate does not read; regenerate "
+                                 "the text-only records, and train on the image records as they are")
             messages = to_messages(record, fmt)
             if exclude and asks_any(messages, exclude):
                 continue
@@ -223,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--feature-layers", default=None,
                       help="eagle3: the tapped hidden-state indices (2 or more), comma-separated (default EAGLE-3's [2, L//2, L-3]; "
                       "must equal the heads' feature_layers)")
+    dump.add_argument("--image-folder", default=None, help="vision-language targets: where records' relative image "
+                      "paths are read from (default: the data file's folder)")
     dump.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     vocab = sub.add_parser("draft-vocab", help="EAGLE heads: draft over the N most frequent trained tokens of the data "
                            "(a cheaper draft projection on large vocabularies; outputs stay exact); EAGLE-3 heads: widen "
@@ -302,6 +308,7 @@ def tapped_layers_for(head_type: str, feature_layers: str | None, num_hidden_lay
 def data_main(argv: list[str]) -> int:
     """Entry point of `specheads data ...`; prints a JSON summary."""
     from specheads import load_target
+    from specheads.inference.multimodal import image_processor_for, takes_images
     from specheads.training.data import build_dataset
     from specheads.training.features import dump_features
 
@@ -352,12 +359,15 @@ def data_main(argv: list[str]) -> int:
                                      system=args.system, openings=args.opening)
         print(json.dumps(summary))
         return 0
-    dataset = build_dataset(args.data, tokenizer, args.format, args.max_length)
+    # a vision-language target reads the records' images: the dump stores the features heads read after an image
+    processor = image_processor_for(args.target) if takes_images(target) else None
+    dataset = build_dataset(args.data, tokenizer, args.format, args.max_length, processor=processor,
+                            image_folder=args.image_folder)
     layer = target.config.get_text_config().num_hidden_layers  # the final, post-norm state heads read
     tapped = tapped_layers_for(args.head_type, args.feature_layers, layer)
     index = dump_features(target, dataset, args.out, layer, batch_size=args.batch_size,
                           examples_per_shard=args.examples_per_shard,
-                          pad_token_id=tokenizer.pad_token_id or 0, tapped_layers=tapped)
+                          pad_token_id=tokenizer.pad_token_id or 0, tapped_layers=tapped, processor=processor)
     print(json.dumps({"out": args.out, "num_examples": index["num_examples"], "shards": len(index["shards"])}))
     return 0
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from specheads.training.data import batch_to
 from specheads.training.losses import LossOutput
 
 
@@ -63,7 +64,7 @@ def evaluate(
     weight_total = 0
     batches = range(0, len(examples), batch_size)
     for start in tqdm(batches, desc="eval", disable=not progress, leave=False):
-        batch = {k: v.to(device) for k, v in make_batch([examples[i] for i in range(start, min(start + batch_size, len(examples)))]).items()}
+        batch = batch_to(make_batch([examples[i] for i in range(start, min(start + batch_size, len(examples)))]), device)
         weight = int(batch["loss_mask"].sum())
         if weight == 0:
             continue

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
+from datasets import Dataset, Image, List
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -36,7 +36,8 @@ from transformers import PreTrainedModel
 
 from specheads.heads.cache_keyword import declared_parameters
 from specheads.targets import logit_transforms
-from specheads.training.data import collate
+from specheads.training.data import batch_to, collate
+from specheads.training.image_records import collate_for, has_image_rows
 from specheads.training.preflight import check_free_disk, check_writable_dir
 from specheads.training.target_labels import TargetLabels, labelled_positions, labels_at
 
@@ -51,6 +52,7 @@ def online_features(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     select: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+    row_inputs: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the frozen target (eval mode, no gradients) on a batch.
 
@@ -59,14 +61,64 @@ def online_features(
         input_ids: (B, T) right-padded tokens.
         attention_mask: (B, T) 1 on real tokens.
         select: picks the features from the `hidden_states` tuple (`heads.select_features`).
+        row_inputs: per row, its images' extra forward inputs or None (`ImageCollate`; `target_states`).
 
     Returns:
         features (B, T, h) and target logits (B, T, V).
     """
+    states, logits = target_states(target, input_ids, attention_mask, row_inputs)
+    return select(states), logits
+
+
+@torch.no_grad()
+def target_states(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    row_inputs: list[dict[str, torch.Tensor] | None] | None = None,
+    with_logits: bool = True,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """The frozen target's hidden states (each (B, T, h)) and logits ((B, T, V), or None without `with_logits`).
+
+    Rows with images (`row_inputs[i]` holds their pixel inputs) run one at a time, unpadded, each with its own
+    inputs (every vision-language family batches images its own way); text rows run together. Padding positions
+    of an image row hold zeros (the losses never read them).
+    """
     if target.training:
         target.eval()
-    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    return select(out.hidden_states), out.logits
+    keep = {} if with_logits else {"logits_to_keep": 1}  # 1: the losses never read the forward's logits
+    image_rows = [i for i, inputs in enumerate(row_inputs or []) if inputs is not None]
+    if not image_rows:
+        out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                     **keep)
+        return out.hidden_states, out.logits if with_logits else None
+    text_rows = [i for i in range(input_ids.shape[0]) if i not in image_rows]
+    states: list[torch.Tensor] | None = None
+    logits = None
+    dtype = next(target.parameters()).dtype
+
+    def place(rows: list[int], out: Any, width: int) -> None:
+        nonlocal states, logits
+        if states is None:  # (B, T, h) per layer, zeros where a row was not run (padding)
+            states = [s.new_zeros(input_ids.shape[0], input_ids.shape[1], s.shape[-1]) for s in out.hidden_states]
+            if with_logits:
+                logits = out.logits.new_zeros(input_ids.shape[0], input_ids.shape[1], out.logits.shape[-1])
+        for layer, s in zip(states, out.hidden_states):
+            layer[rows, :width] = s
+        if with_logits:
+            logits[rows, :width] = out.logits
+
+    if text_rows:
+        out = target(input_ids=input_ids[text_rows], attention_mask=attention_mask[text_rows],
+                     output_hidden_states=True, use_cache=False, **keep)
+        place(text_rows, out, input_ids.shape[1])
+    for i in image_rows:
+        n = int(attention_mask[i].sum())
+        inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in row_inputs[i].items()}
+        out = target(input_ids=input_ids[i: i + 1, :n], attention_mask=attention_mask[i: i + 1, :n],
+                     output_hidden_states=True, use_cache=False, **inputs, **keep)
+        place([i], out, n)
+    return tuple(states), logits
 
 
 def logits_are_lm_head_of_final_state(target: PreTrainedModel) -> bool:
@@ -88,10 +140,11 @@ def online_stored_features(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     select: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+    row_inputs: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> torch.Tensor:
     """What a feature dump stores, computed in the step: [select(hidden states) | final post-norm state], without
     the target's (B, T, V) logits (`offline_target_labels` makes the labels from the final state where a loss
-    reads them, as for dumped features).
+    reads them, as for dumped features). `row_inputs`: as in `online_features`.
 
     Returns:
         (B, T, w + h): the selected features (w wide) then the final state (h).
@@ -104,11 +157,8 @@ def online_stored_features(
             f"online_stored_features needs a target forward with logits_to_keep whose logits are lm_head(final state); "
             f"{type(target).__name__} is not one"
         )
-    if target.training:
-        target.eval()
-    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
-                 logits_to_keep=1)  # the last position's logits only: the losses never read the forward's logits
-    return torch.cat([select(out.hidden_states), out.hidden_states[-1]], dim=-1)
+    states, _ = target_states(target, input_ids, attention_mask, row_inputs, with_logits=False)
+    return torch.cat([select(states), states[-1]], dim=-1)
 
 
 @torch.no_grad()
@@ -169,10 +219,16 @@ def estimate_dump_bytes(dataset: Dataset, hidden_size: int, dtype: torch.dtype, 
 
 
 def dataset_sha256(dataset: Dataset) -> str:
-    """Hex sha256 of every example's tokens and loss mask: a resumed dump only keeps shards of the same data."""
+    """Hex sha256 of every example's tokens and loss mask (and, in a dataset with image rows, its images' bytes): a
+    resumed dump only keeps shards of the same data."""
     digest = hashlib.sha256()
     for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
         digest.update(json.dumps([ids, mask]).encode())
+    if has_image_rows(dataset):
+        stored = dataset.cast_column("images", List(Image(decode=False)))["images"]  # [{"bytes", "path"}, ...] per row
+        for images in stored:
+            for image in images:
+                digest.update(image["bytes"] if image["bytes"] is not None else Path(image["path"]).read_bytes())
     return digest.hexdigest()
 
 
@@ -210,11 +266,14 @@ def dump_features(
     pad_token_id: int = 0,
     show_progress: bool = True,
     tapped_layers: list[int] | None = None,
+    processor: Any = None,
 ) -> dict[str, Any]:
     """Write the target's features of every example as safetensors shards plus an index with sha256 sums.
 
     `feature_layer` is the hidden state whose lm_head gives the target's logits (the final, post-norm one);
-    `tapped_layers` (EAGLE-3) are hidden-state indices stored in front of it, in that order.
+    `tapped_layers` (EAGLE-3) are hidden-state indices stored in front of it, in that order. A dataset with image
+    rows (`build_dataset` with a processor) needs the target's `processor`: the target reads each row's images, so
+    the stored features are those the heads read after an image at inference.
 
     Prints the disk it will need first and fails at once when the disk has less free. Every file is written
     to a temporary name and renamed into place; after each shard a progress file lists the finished shards
@@ -228,6 +287,9 @@ def dump_features(
         OSError: out_dir is not writable or its disk has less free space than the dump needs.
     """
     out = check_writable_dir(out_dir, "feature dump folder")
+    if has_image_rows(dataset) and processor is None:
+        raise ValueError("the dataset holds rows with images: dump_features needs the target's processor to read them")
+    make_batch = collate_for(dataset, processor)
     hidden = target.config.get_text_config().hidden_size
     tapped_layers = list(tapped_layers or [])
     stored_layers = [*tapped_layers, feature_layer]  # concatenated along the feature dimension
@@ -266,16 +328,16 @@ def dump_features(
         tensors: dict[str, torch.Tensor] = {}
         for b in range(start, stop, batch_size):
             rows = [dataset[i] for i in range(b, min(b + batch_size, stop))]
-            batch = collate(rows, pad_token_id)
+            batch = batch_to(make_batch(rows, pad_token_id), target.device)
             feats, logits = online_features(
                 target, batch["input_ids"], batch["attention_mask"],
-                lambda states: torch.cat([states[k] for k in stored_layers], dim=-1),
+                lambda states: torch.cat([states[k] for k in stored_layers], dim=-1), batch.get("row_inputs"),
             )
             top1 = logits.argmax(-1)  # (B, T): the exact labels of greedy acceptance, whatever `dtype` rounds away
             for j, row in enumerate(rows):
                 n, i = len(row["input_ids"]), b + j
-                tensors[f"features.{i}"] = feats[j, :n].to(dtype).contiguous()
-                tensors[f"target_top1.{i}"] = top1[j, :n].to(torch.int32).contiguous()
+                tensors[f"features.{i}"] = feats[j, :n].to("cpu", dtype).contiguous()
+                tensors[f"target_top1.{i}"] = top1[j, :n].to("cpu", torch.int32).contiguous()
                 tensors[f"input_ids.{i}"] = torch.as_tensor(row["input_ids"], dtype=torch.long)
                 tensors[f"loss_mask.{i}"] = torch.as_tensor(row["loss_mask"], dtype=torch.uint8)
             bar.update(len(rows))

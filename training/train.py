@@ -31,11 +31,12 @@ from tqdm.auto import tqdm
 from specheads import create_heads, load_heads, load_target
 from specheads.heads.base import DraftHeads
 from specheads.heads.hub import push_heads_folder
+from specheads.inference.multimodal import image_processor_for, takes_images
 from specheads.targets import logit_transforms
 from specheads.training.best_heads import BEST_DIR, BEST_METRIC, BestHeads, save_heads
 from specheads.training.chain_attention import use_ttt_chain_attention, wants_ttt_chain_attention
 from specheads.training.config import RunConfig, config_to_dict, load_run_config
-from specheads.training.data import BatchOrder, build_dataset, collate, micro_batches_for_process
+from specheads.training.data import BatchOrder, batch_to, build_dataset, micro_batches_for_process
 from specheads.training.draft_vocab import (
     build_draft_vocab,
     count_trained_tokens,
@@ -52,6 +53,7 @@ from specheads.training.features import (
     online_features,
     online_stored_features,
 )
+from specheads.training.image_records import collate_for, has_image_rows
 from specheads.training.joint_lora import JointMedusa, joint_loss, keep_trainable_weights_only
 from specheads.training.losses import (
     LossOutput,
@@ -210,7 +212,8 @@ def compute_loss(
             stored, top1 = batch["features"], batch.get("target_top1")
             features = stored[..., :-hidden] if heads.config.head_type == "eagle3" else stored[..., -hidden:]
         else:  # online, the same layout: [the heads' features | final], and no (B, T, V) logits from the forward
-            stored = online_stored_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
+            stored = online_stored_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features,
+                                            batch.get("row_inputs"))
             features, top1 = stored[..., :-hidden], None
         # lm_head(final) = the target's logits: its labels, made only where a loss reads them
         label_vocab = heads.d2t if heads.config.head_type == "eagle3" else None
@@ -219,7 +222,8 @@ def compute_loss(
             config.loss.labels == "target", top1,
         )
     else:  # a target forward without logits_to_keep, or scaled / capped logits: the forward's dense logits
-        features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features)
+        features, target_logits = online_features(target, batch["input_ids"], batch["attention_mask"],
+                                                   heads.select_features, batch.get("row_inputs"))
     if heads.config.head_type == "medusa":
         rows = medusa_rows(batch["loss_mask"], heads.config.num_heads)  # (M,), (M,): the positions a head trains at
         medusa_logits = _HeadsView(model, heads, autocast).forward_in_heads_dtype(features[rows])  # (K, M, V)
@@ -314,19 +318,20 @@ def trained_token_counts(examples: Any, vocab_size: int, indices: list[int] | No
 
 def held_out_examples(
     config: RunConfig, examples: Any, tokenizer: Any, make_batch: Callable[..., dict[str, torch.Tensor]],
-    progress: bool = True,
+    progress: bool = True, processor: Any = None,
 ) -> tuple[list[int], Any, Callable[..., dict[str, torch.Tensor]]]:
     """(training indices into `examples`, eval examples or None, the eval batches' collate function).
 
     `data.eval_fraction` holds out a seeded share of the training examples (offline features included);
     `data.eval_source` names another file (format detected), tokenized like the training data, whose features
-    the target computes online. Neither: every example trains and nothing is evaluated.
+    the target computes online (a vision-language target's `processor` reads its images). Neither: every example
+    trains and nothing is evaluated.
     """
     if config.data.eval_source:
         # its own format, detected: a held-out file need not be written like the training data
         eval_examples: Any = build_dataset(config.data.eval_source, tokenizer, "auto", config.data.max_length,
-                                           progress=progress)
-        train_indices, make_eval_batch = list(range(len(examples))), collate
+                                           progress=progress, processor=processor, image_folder=config.data.image_folder)
+        train_indices, make_eval_batch = list(range(len(examples))), collate_for(eval_examples, processor)
     else:
         train_indices, eval_indices = split_eval_indices(len(examples), config.data.eval_fraction, config.seed)
         eval_examples, make_eval_batch = (Subset(examples, eval_indices) if eval_indices else None), make_batch
@@ -395,13 +400,20 @@ def train(config: RunConfig) -> dict[str, Any]:
             )
         examples: Any = OfflineFeatures(config.data.features_dir)
         lengths, make_batch = examples.lengths(), collate_offline
-    else:
+    # a vision-language target reads the records' images while making features (image_records.py)
+    processor = image_processor_for(config.target) if takes_images(target) else None
+    if config.feature_mode != "offline":
         exclude = benchmark_prompts(config.data.exclude_prompts) if config.data.exclude_prompts else None
         examples = build_dataset(config.data.source, tokenizer, config.data.format, config.data.max_length,
-                                 progress=accelerator.is_local_main_process, exclude=exclude)
-        lengths, make_batch = list(examples["length"]), collate
+                                 progress=accelerator.is_local_main_process, exclude=exclude, processor=processor,
+                                 image_folder=config.data.image_folder)
+        lengths, make_batch = list(examples["length"]), collate_for(examples, processor)
+        if joint is not None and has_image_rows(examples):
+            raise ValueError("joint.enabled=true (Medusa-2) trains on text records only; the data holds records with "
+                             "images (train the heads alone: joint.enabled=false)")
     train_indices, eval_examples, eval_collate = held_out_examples(config, examples, tokenizer, make_batch,
-                                                                   progress=accelerator.is_local_main_process)
+                                                                   progress=accelerator.is_local_main_process,
+                                                                   processor=processor)
     if eval_examples is not None:
         accelerator.print(f"[specheads] evaluating on {len(eval_examples)} held-out examples "
                           f"({'data.eval_source' if config.data.eval_source else 'data.eval_fraction'}), "
@@ -480,7 +492,7 @@ def train(config: RunConfig) -> dict[str, Any]:
         sums: dict[str, float] = {}
         for indices in micro_batches:
             rows = [examples[train_indices[j]] for j in indices]
-            batch = {k: v.to(accelerator.device) for k, v in make_batch(rows, pad_id).items()}
+            batch = batch_to(make_batch(rows, pad_id), accelerator.device)
             seeds = [(config.seed * 1_000_003 + step * 100_003 + j) % 2**62 for j in indices]
             # accumulate: gradients are all-reduced and the optimizer steps only on the last micro-batch,
             # and backward divides the loss by the accumulation steps (DeepSpeed handles it the same way)

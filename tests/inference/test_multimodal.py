@@ -159,6 +159,23 @@ def test_image_prompt_uses_the_targets_processor(story_vlm_dir, tmp_path):
         image_prompt("stories260K", "Hi", [image])
 
 
+def test_image_prompts_get_one_bos_as_transformers_processors_give_it(story_vlm_dir, tmp_path):
+    """A template that writes no BOS gets the tokenizer's; one that writes BOS itself (Gemma 3's) gets no second one,
+    as transformers' `processor.apply_chat_template(..., tokenize=True)` does."""
+    from transformers import AutoProcessor
+
+    from specheads.inference.multimodal import encode_image_prompt, load_images
+
+    processor = AutoProcessor.from_pretrained(story_vlm_dir)
+    images = load_images([write_image(tmp_path / "a.png")])
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Once upon a time"}]}]
+    for template in (processor.chat_template, "<s>" + processor.chat_template):
+        input_ids, _ = encode_image_prompt(processor, messages, images, chat_template=template)
+        expected = processor.apply_chat_template(messages, add_generation_prompt=True, chat_template=template,
+                                                 tokenize=True, return_dict=True, images=images)["input_ids"]
+        assert input_ids[0].tolist() == list(expected[0]) and input_ids[0].tolist().count(1) == 1
+
+
 def test_cli_generate_answers_a_question_about_an_image(story_vlm_dir, tmp_path, capsys):
     target, tokenizer = load_target(story_vlm_dir)
     heads_for(target, "eagle").save_pretrained(tmp_path / "heads")

@@ -1,0 +1,226 @@
+"""Training records that hold images: a vision-language target sees them while it makes the heads' features.
+
+At inference the heads draft after a prompt whose images the target read (`inference/multimodal.py`), so the
+features they read are image-conditioned; trained on the text alone they would learn other features. A record
+holds its images as `image` (one) or `images` (a list): file paths (relative to the data file's folder, or to
+`data.image_folder`), a dataset's Image column, `{"bytes", "path"}` dicts or `data:` URLs. `<image>` placeholders
+in its turns say where they go (LLaVA-Instruct, ShareGPT4V); a turn's content may also be a list of parts
+(`{"type": "image"}`, which may name its own image under "image" / "path" / "url", and `{"type": "text",
+"text": ...}`). Without placeholders the images open the first user turn, as `specheads generate --image` places them.
+
+The target's processor writes the conversation (its chat template) and expands each image into the image tokens
+the target's forward expects, so the token ids are those of inference; the loss mask trains the assistant turns
+only. Batches re-make the pixel inputs from the stored images (`ImageCollate`): a dataset keeps image paths or
+encoded bytes, never pixel tensors.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specheads.inference.multimodal import processor_encode
+from specheads.training.data import collate, conversation_spans, to_messages
+
+IMAGE_PLACEHOLDER = "<image>"
+IMAGE_COLUMNS = ("images", "image_text")  # a tokenized dataset with image records has these two columns too
+
+
+def has_images(record: dict[str, Any]) -> bool:
+    """Whether a record names images (an `image` / `images` field, or image parts in its turns)."""
+    if record.get("image") is not None or record.get("images"):
+        return True
+    turns = record.get("messages") or record.get("conversations") or []
+    return any(isinstance(turn, dict) and isinstance(turn.get("content"), list)
+               and any(isinstance(part, dict) and part.get("type") in ("image", "image_url") for part in turn["content"])
+               for turn in turns)
+
+
+def image_conversation(
+    record: dict[str, Any], fmt: str, image_folder: Path | None = None
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(messages whose contents are lists of `{"type": "image"}` / `{"type": "text", "text"}` parts, the images in
+    the order of their parts) of a ShareGPT or OpenAI record that holds images.
+
+    Raises:
+        ValueError: placeholders and images disagree in number, or an assistant turn holds an image.
+    """
+    listed = record.get("images", record.get("image"))
+    listed = [] if listed is None else list(listed) if isinstance(listed, (list, tuple)) else [listed]
+    pending = [ref for ref in listed if ref is not None]
+    raw = [turn.get("value", "") for turn in record["conversations"]] if fmt == "sharegpt" else \
+        [turn["content"] for turn in record["messages"]]
+    refs: list[Any] = []
+    messages = []
+    for message, content in zip(to_messages(record, fmt), raw):
+        parts = _content_parts(content, pending, refs)
+        if message["role"] == "assistant" and any(part["type"] == "image" for part in parts):
+            raise ValueError("an assistant turn holds an image; images must be in the user's (or system's) turns")
+        messages.append({"role": message["role"], "content": parts})
+    if not refs and pending:  # no placeholders: the images open the first user turn
+        first_user = next((m for m in messages if m["role"] == "user"), None)
+        if first_user is None:
+            raise ValueError(f"the record holds {len(pending)} image(s) but no user turn to put them in")
+        first_user["content"][:0] = [{"type": "image"} for _ in pending]
+        refs, pending = pending, []
+    if pending:
+        raise ValueError(f"the record lists {len(listed)} image(s) but its turns place {len(refs)} "
+                         f"({IMAGE_PLACEHOLDER!r} placeholders or image parts); expected one place per image")
+    return messages, [_resolved(ref, image_folder) for ref in refs]
+
+
+def _content_parts(content: Any, pending: list[Any], refs: list[Any]) -> list[dict[str, Any]]:
+    """One turn's content as parts; each image part takes its own image or the next of `pending` (into `refs`)."""
+    def image_part(own: Any = None) -> dict[str, Any]:
+        if own is None:
+            if not pending:
+                raise ValueError("the record's turns place more images (placeholders or image parts) than it lists")
+            own = pending.pop(0)
+        refs.append(own)
+        return {"type": "image"}
+
+    if isinstance(content, str):
+        pieces = content.split(IMAGE_PLACEHOLDER)
+        if len(pieces) == 1:  # no placeholder: the text as it is
+            return [{"type": "text", "text": content}] if content else []
+        parts: list[dict[str, Any]] = []
+        for k, piece in enumerate(pieces):  # "<image>\nWhat is this?": the image, then "What is this?"
+            if k:
+                parts.append(image_part())
+            if piece.strip():
+                parts.append({"type": "text", "text": piece.strip()})
+        return parts
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "image":
+            parts.append(image_part(part.get("image", part.get("path", part.get("url")))))
+        elif kind == "image_url":
+            url = part.get("image_url")
+            parts.append(image_part(url.get("url") if isinstance(url, dict) else url))
+        else:
+            raise ValueError(f"a content part of type {kind!r}; expected 'text', 'image' or 'image_url'")
+    return parts
+
+
+def _resolved(ref: Any, image_folder: Path | None) -> Any:
+    """An image reference the `datasets` Image feature stores: an absolute file path, `{"bytes", "path"}`, or a PIL
+    image; a `data:` URL becomes its bytes. A missing file is a FileNotFoundError naming it."""
+    if isinstance(ref, str):
+        if ref.startswith("data:"):
+            return {"bytes": base64.b64decode(ref.split(",", 1)[-1]), "path": None}
+        path = Path(ref)
+        if not path.is_absolute() and image_folder is not None:
+            path = image_folder / path
+        if not path.is_file():
+            raise FileNotFoundError(f"image file {str(path)!r} does not exist (relative image paths are read from the "
+                                    "data file's folder, or from data.image_folder / --image-folder)")
+        return str(path.resolve())
+    if isinstance(ref, dict) and ("bytes" in ref or "path" in ref):
+        return {"bytes": ref.get("bytes"), "path": ref.get("path")}
+    if hasattr(ref, "convert"):  # a PIL image (a dataset's decoded Image column)
+        return ref
+    raise ValueError(f"an image given as {type(ref).__name__}; expected a file path, a data: URL, a PIL image or "
+                     "a {'bytes', 'path'} dict")
+
+
+def opened_images(refs: list[Any]) -> list[Any]:
+    """RGB PIL images of `_resolved` references."""
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise ImportError("training on records with images needs Pillow: pip install 'specheads[vision]'") from err
+    images = []
+    for ref in refs:
+        if isinstance(ref, dict):
+            ref = io.BytesIO(ref["bytes"]) if ref.get("bytes") else ref["path"]
+        images.append((ref if isinstance(ref, Image.Image) else Image.open(ref)).convert("RGB"))
+    return images
+
+
+def tokenize_image_record(
+    processor: Any, record: dict[str, Any], fmt: str, max_length: int, image_folder: Path | None = None
+) -> dict[str, Any] | None:
+    """Token ids, loss mask, images and rendered text of one record with images, or None when its images do not fit
+    in `max_length` tokens (cut inside an image, the target's forward would fail).
+
+    Each piece of the conversation (`conversation_spans`) is tokenized with the images of the turns it writes, so
+    the loss mask knows where the assistant turns are; the pieces together must give the processor's tokens of the
+    whole conversation (checked), which `ImageCollate` makes again for every batch.
+    """
+    messages, refs = image_conversation(record, fmt, image_folder)
+    images = opened_images(refs)
+    tokenizer = processor.tokenizer
+    if getattr(processor, "chat_template", None):
+        spans = conversation_spans(processor, messages)
+    else:  # "role: text" lines, the processor's image token where each image goes (as `generate --no-chat`)
+        flat = [{"role": m["role"], "content": "".join(processor.image_token if p["type"] == "image" else p["text"]
+                                                        for p in m["content"])} for m in messages]
+        bos = [(tokenizer.bos_token, False, range(0))] if tokenizer.bos_token else []
+        spans = bos + conversation_spans(tokenizer, flat)
+    per_message = [sum(part["type"] == "image" for part in m["content"]) for m in messages]
+    ids: list[int] = []
+    mask: list[int] = []
+    used = images_end = 0
+    for number, (text, trained, covered) in enumerate(spans):
+        count = sum(per_message[i] for i in covered)
+        # special tokens (BOS) as the whole conversation gets them (`processor_encode`): in front of the first piece
+        extra = {} if number == 0 else {"add_special_tokens": False}
+        piece = processor_encode(processor, text, images[used: used + count], **extra)["input_ids"][0]
+        used, images_end = used + count, len(ids) + len(piece) if count else images_end
+        ids += piece
+        mask += [int(trained)] * len(piece)
+    text = "".join(piece for piece, _, _ in spans)
+    whole = processor_encode(processor, text, images)["input_ids"][0]
+    if list(whole) != ids:
+        raise ValueError(f"{type(processor).__name__} tokenizes the conversation ({len(whole)} tokens) other than its "
+                         f"turns one by one ({len(ids)}): the loss mask cannot be placed")
+    if images_end > max_length:
+        return None
+    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "images": refs, "image_text": text}
+
+
+class ImageCollate:
+    """`collate`, plus for each row with images its extra inputs of the target's forward (`row_inputs`: a list with
+    a dict of tensors per image row, None per text row), made by the processor from the row's stored images."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def __call__(self, rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:
+        batch: dict[str, Any] = collate(rows, pad_token_id)
+        batch["row_inputs"] = [self.row_inputs(row) if row.get("images") else None for row in rows]
+        return batch
+
+    def row_inputs(self, row: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The processor's inputs for one row other than its tokens; per-token ones (`token_type_ids`, ...) cut to the
+        row's (possibly truncated) length.
+
+        Raises:
+            ValueError: the processor now tokenizes the row other than when the dataset was made.
+        """
+        encoded = dict(processor_encode(self.processor, row["image_text"], opened_images(row["images"]),
+                                        return_tensors="pt"))
+        ids, n = encoded.pop("input_ids")[0], len(row["input_ids"])
+        encoded.pop("attention_mask", None)
+        if ids[:n].tolist() != list(row["input_ids"]):
+            raise ValueError("the processor's tokens of an image row differ from the dataset's: the dataset was made "
+                             "with another processor; tokenize it again")
+        return {name: value[:, :n] if value.dim() == 2 and value.shape == (1, len(ids)) else value
+                for name, value in encoded.items() if value is not None}
+
+
+def has_image_rows(dataset: Any) -> bool:
+    """Whether a tokenized dataset holds rows with images (it has the `IMAGE_COLUMNS`)."""
+    return all(column in getattr(dataset, "column_names", ()) for column in IMAGE_COLUMNS)
+
+
+def collate_for(dataset: Any, processor: Any) -> Any:
+    """The collate function of a tokenized dataset: `ImageCollate` when it holds image rows, else `collate`."""
+    return ImageCollate(processor) if has_image_rows(dataset) else collate
