@@ -181,7 +181,7 @@ def build_dataset(
         exclude: whitespace-normalised prompts (`sharegpt.benchmark_prompts`): conversations with a user turn among
             them are left out (a warning says how many), so heads are never trained on what they are measured on.
         processor: a vision-language target's processor: records that hold images are tokenized with their images
-            (image_records.py) and the dataset gets the columns images and image_text (`ImageCollate` reads them).
+            (image_records.py) and the dataset gets the columns images and image_pieces (`ImageCollate` reads them).
             Without one, such records are trained as text (a warning says how many).
         image_folder: where relative image paths are read from (default: the data file's folder).
 
@@ -202,9 +202,9 @@ def build_dataset(
     }
     if not any("images" in r for r in rows):
         return Dataset.from_dict(columns)
-    columns.update(images=[r.get("images", []) for r in rows], image_text=[r.get("image_text", "") for r in rows])
+    columns.update(images=[r.get("images", []) for r in rows], image_pieces=[r.get("image_pieces", "[]") for r in rows])
     features = Features({"input_ids": List(Value("int64")), "loss_mask": List(Value("int64")), "length": Value("int64"),
-                         "images": List(Image()), "image_text": Value("string")})
+                         "images": List(Image()), "image_pieces": Value("string")})
     return Dataset.from_dict(columns, features=features)
 
 

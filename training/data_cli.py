@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specheads.training.data import PROGRESS_MIN_RECORDS, asks_any, detect_format, read_records, to_messages
-from specheads.training.image_records import has_images
+from specheads.training.image_records import has_images, image_prompt_of
 from specheads.training.preflight import check_writable_dir, check_writable_file
 from specheads.training.sharegpt import benchmark_prompts
 
@@ -67,11 +67,13 @@ def generate_batch(
     temperature: float,
     seed: int,
     stop_token_ids: list[int] | None = None,
+    inputs: dict[str, torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (token ids) with the target in one left-padded `generate` call.
 
     Args:
         stop_token_ids: tokens that end a continuation (default: the tokenizer's end-of-sequence token).
+        inputs: the prompt forward's extra inputs (one prompt with images: `pixel_values`, ...).
 
     Returns:
         The new tokens of each prompt, cut after the first stop token (kept).
@@ -90,9 +92,29 @@ def generate_batch(
         input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
         max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling,
         **({"eos_token_id": stops} if stop_token_ids is not None else {}),
+        **{name: value.to(target.device) for name, value in (inputs or {}).items()},
     )
     new = out[:, width:].tolist()
     return [row[: next((i + 1 for i, token in enumerate(row) if token in stops), len(row))] for row in new]
+
+
+def answers(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, jobs: list[dict[str, Any]], max_new_tokens: int,
+    temperature: float, seed: int,
+) -> list[list[int]]:
+    """The new tokens of each job of one batch: text prompts in one `generate_batch` call (seeded `seed`), prompts
+    with images (`inputs`) one call each (seeded `seed + 1 + j`: each family batches images its own way)."""
+    new_tokens: list[list[int]] = [[] for _ in jobs]
+    text = [j for j, job in enumerate(jobs) if "inputs" not in job]
+    if text:
+        for j, tokens in zip(text, generate_batch(target, tokenizer, [jobs[j]["prompt_ids"] for j in text],
+                                                  max_new_tokens, temperature, seed)):
+            new_tokens[j] = tokens
+    for j, job in enumerate(jobs):
+        if "inputs" in job:
+            new_tokens[j] = generate_batch(target, tokenizer, [job["prompt_ids"]], max_new_tokens, temperature,
+                                           seed + 1 + j, inputs=job["inputs"])[0]
+    return new_tokens
 
 
 def story_jobs(count: int, seed: int) -> Iterator[dict[str, Any]]:
@@ -114,6 +136,8 @@ def regenerate(
     show_progress: bool = True,
     limit: int | None = None,
     exclude: set[str] | None = None,
+    processor: Any = None,
+    image_folder: str | Path | None = None,
 ) -> int:
     """Have the target write responses (or whole stories) and append them to `output` (JSONL).
 
@@ -123,7 +147,10 @@ def regenerate(
     prompt (a large Hub dataset's first N). `exclude`: whitespace-normalised prompts (a benchmark's) whose
     conversations are skipped. Stories (`stories=N`): the target continues short seed
     openings; records are {"id", "text"}. Batches are seeded by their first id, so a resumed run writes
-    what an uninterrupted one would have.
+    what an uninterrupted one would have. Records with images (image_records.py) need a vision-language target's
+    `processor`: the target answers them seeing their images (one prompt per `generate` call), and the output record
+    keeps the images (`images`: paths, relative ones read from `image_folder`, default the input's folder, or `data:`
+    URLs of images held in the data) with image parts in its messages.
 
     Returns:
         The number of records written by this call.
@@ -140,6 +167,8 @@ def regenerate(
             jobs.append(job)
     elif input_path is not None:
         records = read_records(input_path)
+        if image_folder is None and Path(str(input_path)).exists():
+            image_folder = Path(str(input_path)) if Path(str(input_path)).is_dir() else Path(str(input_path)).parent
         preparing = tqdm(records, desc="prepare prompts", unit="rec",
                          disable=not show_progress or len(records) < PROGRESS_MIN_RECORDS)
         for n, record in enumerate(preparing):
@@ -148,9 +177,9 @@ def regenerate(
             fmt = detect_format(record)
             if fmt == "text":
                 raise ValueError(f"{input_path}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
-            if has_images(record):  # answered without its images, the target would write about pictures it never saw
-                raise ValueError(f"{input_path}, record {n}: holds images, which regenerate does not read; regenerate "
-                                 "the text-only records, and train on the image records as they are")
+            if has_images(record) and processor is None:  # answered blind, the target would make up what they show
+                raise ValueError(f"{input_path}, record {n}: holds images, but the target takes none (regenerate the "
+                                 "image records with a vision-language target, whose processor reads them)")
             messages = to_messages(record, fmt)
             if exclude and asks_any(messages, exclude):
                 continue
@@ -160,7 +189,17 @@ def regenerate(
             if start is None:
                 continue
             first = next((i for i in range(start, len(messages)) if messages[i]["role"] == "assistant"), len(messages))
-            prompt = [m for m in messages[:start] if m["role"] == "system"] + messages[start:first]
+            keep = [i for i in range(start) if messages[i]["role"] == "system"] + list(range(start, first))
+            prompt = [messages[i] for i in keep]
+            if has_images(record):
+                try:
+                    prompt, images, ids, inputs = image_prompt_of(
+                        processor, record, fmt, keep, None if image_folder is None else Path(image_folder))
+                except (ValueError, FileNotFoundError) as err:
+                    raise type(err)(f"{input_path}, record {n}: {err}") from err
+                jobs.append({"id": str(record.get("id", n)), "messages": prompt, "images": images,
+                             "prompt_ids": ids[0].tolist(), "inputs": inputs})
+                continue
             if tokenizer.chat_template:
                 ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
             else:
@@ -179,8 +218,7 @@ def regenerate(
             todo = [j for j in batch if j["id"] not in skip]
             if not todo:
                 continue
-            new_tokens = generate_batch(target, tokenizer, [j["prompt_ids"] for j in batch], max_new_tokens,
-                                        temperature, seed * 1_000_003 + number)
+            new_tokens = answers(target, tokenizer, batch, max_new_tokens, temperature, seed * 1_000_003 + number)
             for job, tokens in zip(batch, new_tokens):
                 if job["id"] in skip:
                     continue
@@ -188,7 +226,8 @@ def regenerate(
                 if stories:
                     record = {"id": job["id"], "text": tokenizer.decode(job["prompt_ids"] + tokens, skip_special_tokens=True)}
                 else:
-                    record = {"id": job["id"], "messages": job["messages"] + [{"role": "assistant", "content": answer}]}
+                    record = {"id": job["id"], **({"images": job["images"]} if "images" in job else {}),
+                              "messages": job["messages"] + [{"role": "assistant", "content": answer}]}
                 f.write(json.dumps(record) + "\n")
                 written += 1
             f.flush()
@@ -213,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--limit", type=int, default=None, help="only the first N conversations of --input")
     regen.add_argument("--exclude", default=None, help="benchmark prompts (e.g. MT-bench JSONL): conversations asking "
                        "one are skipped")
+    regen.add_argument("--image-folder", default=None, help="vision-language targets: where records' relative image "
+                       "paths are read from (default: the input file's folder)")
     regen.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     dump = sub.add_parser("dump-features", help="write the target's features as safetensors shards + index")
     dump.add_argument("--target", default="stories260K")
@@ -345,7 +386,9 @@ def data_main(argv: list[str]) -> int:
         written = regenerate(target, tokenizer, args.output, input_path=args.input, stories=args.stories,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                              temperature=args.temperature, seed=args.seed, limit=args.limit,
-                             exclude=benchmark_prompts(args.exclude) if args.exclude else None)
+                             exclude=benchmark_prompts(args.exclude) if args.exclude else None,
+                             processor=image_processor_for(args.target) if takes_images(target) else None,
+                             image_folder=args.image_folder)
         print(json.dumps({"output": args.output, "written": written}))
         return 0
     if args.tool == "synth-prompts":

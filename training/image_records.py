@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from specheads.inference.multimodal import processor_encode
 from specheads.training.data import collate, conversation_spans, to_messages
 
 IMAGE_PLACEHOLDER = "<image>"
-IMAGE_COLUMNS = ("images", "image_text")  # a tokenized dataset with image records has these two columns too
+IMAGE_COLUMNS = ("images", "image_pieces")  # a tokenized dataset with image records has these two columns too
 
 
 def has_images(record: dict[str, Any]) -> bool:
@@ -147,12 +148,14 @@ def opened_images(refs: list[Any]) -> list[Any]:
 def tokenize_image_record(
     processor: Any, record: dict[str, Any], fmt: str, max_length: int, image_folder: Path | None = None
 ) -> dict[str, Any] | None:
-    """Token ids, loss mask, images and rendered text of one record with images, or None when its images do not fit
-    in `max_length` tokens (cut inside an image, the target's forward would fail).
+    """Token ids, loss mask, images and image pieces of one record with images, or None when its images do not fit in
+    `max_length` tokens (cut inside an image, the target's forward would fail).
 
-    Each piece of the conversation (`conversation_spans`) is tokenized with the images of the turns it writes, so
-    the loss mask knows where the assistant turns are; the pieces together must give the processor's tokens of the
-    whole conversation (checked), which `ImageCollate` makes again for every batch.
+    The conversation is tokenized piece by piece (`conversation_spans`), as text records are (`tokenize_record`), a
+    piece that writes images by the processor with those images (it expands each into its image tokens) and the
+    others by the tokenizer; special tokens go where the processor puts them on a whole chat (`processor_encode`).
+    The image pieces (`image_pieces`, JSON: where each starts, its text, its number of images, whether it opens
+    the conversation) are what `ImageCollate` encodes again for every batch.
     """
     messages, refs = image_conversation(record, fmt, image_folder)
     images = opened_images(refs)
@@ -167,23 +170,22 @@ def tokenize_image_record(
     per_message = [sum(part["type"] == "image" for part in m["content"]) for m in messages]
     ids: list[int] = []
     mask: list[int] = []
-    used = images_end = 0
+    pieces: list[dict[str, Any]] = []
+    used = 0
     for number, (text, trained, covered) in enumerate(spans):
         count = sum(per_message[i] for i in covered)
-        # special tokens (BOS) as the whole conversation gets them (`processor_encode`): in front of the first piece
-        extra = {} if number == 0 else {"add_special_tokens": False}
-        piece = processor_encode(processor, text, images[used: used + count], **extra)["input_ids"][0]
-        used, images_end = used + count, len(ids) + len(piece) if count else images_end
+        opens = number == 0  # the only piece that may get the tokenizer's special tokens (BOS)
+        piece = processor_encode(processor, text, images[used: used + count],
+                                 **({} if opens else {"add_special_tokens": False}))["input_ids"][0]
+        if count:
+            pieces.append({"start": len(ids), "text": text, "images": count, "opens": opens})
+            used += count
+            if len(ids) + len(piece) > max_length:
+                return None
         ids += piece
         mask += [int(trained)] * len(piece)
-    text = "".join(piece for piece, _, _ in spans)
-    whole = processor_encode(processor, text, images)["input_ids"][0]
-    if list(whole) != ids:
-        raise ValueError(f"{type(processor).__name__} tokenizes the conversation ({len(whole)} tokens) other than its "
-                         f"turns one by one ({len(ids)}): the loss mask cannot be placed")
-    if images_end > max_length:
-        return None
-    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "images": refs, "image_text": text}
+    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "images": refs,
+            "image_pieces": json.dumps(pieces)}
 
 
 class ImageCollate:
@@ -199,21 +201,35 @@ class ImageCollate:
         return batch
 
     def row_inputs(self, row: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The processor's inputs for one row other than its tokens; per-token ones (`token_type_ids`, ...) cut to the
-        row's (possibly truncated) length.
+        """The processor's inputs for one row other than its tokens: per-token ones (`token_type_ids`, ...) laid over
+        the whole row (0 on text pieces), the others (`pixel_values`, `image_grid_thw`, ...) of every image piece
+        concatenated in order (image-major, as LLaVA, Qwen2-VL and Gemma 3 take several images).
 
         Raises:
-            ValueError: the processor now tokenizes the row other than when the dataset was made.
+            ValueError: the processor now tokenizes a piece other than when the dataset was made.
         """
-        encoded = dict(processor_encode(self.processor, row["image_text"], opened_images(row["images"]),
-                                        return_tensors="pt"))
-        ids, n = encoded.pop("input_ids")[0], len(row["input_ids"])
-        encoded.pop("attention_mask", None)
-        if ids[:n].tolist() != list(row["input_ids"]):
-            raise ValueError("the processor's tokens of an image row differ from the dataset's: the dataset was made "
-                             "with another processor; tokenize it again")
-        return {name: value[:, :n] if value.dim() == 2 and value.shape == (1, len(ids)) else value
-                for name, value in encoded.items() if value is not None}
+        images, used, n = opened_images(row["images"]), 0, len(row["input_ids"])
+        per_token: dict[str, torch.Tensor] = {}
+        others: dict[str, list[torch.Tensor]] = {}
+        for piece in json.loads(row["image_pieces"]):
+            encoded = dict(processor_encode(self.processor, piece["text"], images[used: used + piece["images"]],
+                                            return_tensors="pt", **({} if piece["opens"] else {"add_special_tokens": False})))
+            used += piece["images"]
+            ids, start = encoded.pop("input_ids")[0], piece["start"]
+            encoded.pop("attention_mask", None)
+            if ids.tolist() != list(row["input_ids"][start: start + len(ids)]):
+                raise ValueError("the processor's tokens of an image row differ from the dataset's: the dataset was "
+                                 "made with another processor; tokenize it again")
+            for name, value in encoded.items():
+                if value is None:
+                    continue
+                if value.dim() == 2 and value.shape == (1, len(ids)):  # one value per token
+                    whole = per_token.setdefault(name, value.new_zeros(1, n))
+                    whole[:, start: start + len(ids)] = value
+                else:
+                    others.setdefault(name, []).append(value)
+        return {**per_token, **{name: torch.cat(values) if len(values) > 1 else values[0]
+                                for name, values in others.items()}}
 
 
 def has_image_rows(dataset: Any) -> bool:
@@ -224,3 +240,39 @@ def has_image_rows(dataset: Any) -> bool:
 def collate_for(dataset: Any, processor: Any) -> Any:
     """The collate function of a tokenized dataset: `ImageCollate` when it holds image rows, else `collate`."""
     return ImageCollate(processor) if has_image_rows(dataset) else collate
+
+
+def image_prompt_of(
+    processor: Any, record: dict[str, Any], fmt: str, keep: list[int], image_folder: Path | None = None
+) -> tuple[list[dict[str, Any]], list[str], torch.Tensor, dict[str, torch.Tensor]]:
+    """A prompt for the target to answer (`data regenerate`) from the turns `keep` of a record with images.
+
+    Returns:
+        (the kept turns as messages with image parts, their images as JSON strings (file paths, or `data:` URLs for
+        images held in the data), input_ids (1, n), the prompt forward's extra inputs (`pixel_values`, ...)).
+    """
+    from specheads.inference.multimodal import encode_image_prompt
+
+    messages, refs = image_conversation(record, fmt, image_folder)
+    owners = [i for i, m in enumerate(messages) for part in m["content"] if part["type"] == "image"]  # per image
+    kept_refs = [ref for ref, owner in zip(refs, owners) if owner in keep]
+    input_ids, inputs = encode_image_prompt(processor, [messages[i] for i in keep], opened_images(kept_refs))
+    return [messages[i] for i in keep], [_json_ref(ref) for ref in kept_refs], input_ids, inputs
+
+
+def _json_ref(ref: Any) -> str:
+    """A `_resolved` image reference as a JSON string: its path, or a `data:` URL of its bytes."""
+    if isinstance(ref, str):
+        return ref
+    if isinstance(ref, dict) and not ref.get("bytes"):
+        return str(ref["path"])
+    if isinstance(ref, dict):
+        data = ref["bytes"]
+    else:  # a PIL image
+        buffer = io.BytesIO()
+        ref.save(buffer, format="PNG")
+        data = buffer.getvalue()
+    from PIL import Image
+
+    kind = (Image.open(io.BytesIO(data)).format or "png").lower()
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()

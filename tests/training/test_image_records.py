@@ -105,7 +105,7 @@ def test_image_conversation_refuses_what_it_cannot_place(tmp_path, record, messa
 def test_image_records_are_tokenized_with_their_image_tokens(story_vlm, image_chats):
     target, tokenizer, processor = story_vlm
     dataset = build_dataset(image_chats, tokenizer, max_length=128, processor=processor)
-    assert has_image_rows(dataset) and dataset.column_names == ["input_ids", "loss_mask", "length", "images", "image_text"]
+    assert has_image_rows(dataset) and dataset.column_names == ["input_ids", "loss_mask", "length", "images", "image_pieces"]
     image_id = target.config.image_token_id
     for i, answer in enumerate(ANSWERS):
         row = dataset[i]
@@ -115,8 +115,12 @@ def test_image_records_are_tokenized_with_their_image_tokens(story_vlm, image_ch
         trained = [t for t, m in zip(ids, mask) if m]  # the answer, and only the answer, is trained
         assert trained == tokenizer(answer, add_special_tokens=False).input_ids
         assert all(m == 0 for t, m in zip(ids, mask) if t == image_id)
-        if with_image:  # the processor's own tokens of the whole conversation (BOS added, as transformers adds it)
-            assert processor(text=[row["image_text"]], images=row["images"])["input_ids"][0] == ids
+        if with_image:  # transformers' own tokens of the whole conversation (answers that merge with no prompt token)
+            record = [json.loads(line) for source in image_chats for line in source.read_text().splitlines()][i]
+            messages = image_conversation(record, "sharegpt" if "conversations" in record else "openai",
+                                          image_chats[0].parent)[0]
+            whole = processor.apply_chat_template(messages, tokenize=True, return_dict=True, images=row["images"])
+            assert list(whole["input_ids"][0]) == ids
     # the prompt part is what `generate --image` feeds the target for the same question and image
     prompt_ids, prompt_inputs = prompt_with_images(processor, "Once upon a time", [dataset[0]["images"][0].convert("RGB")])
     answer_start = dataset[0]["loss_mask"].index(1)
@@ -210,7 +214,7 @@ def test_relative_image_paths_resolve_against_image_folder(story_vlm, tmp_path):
     assert len(dataset[0]["images"]) == 1
 
 
-def test_regenerate_and_medusa2_refuse_image_records(story_vlm, story_vlm_dir, image_chats, stories_file, tmp_path):
+def test_regenerate_without_processor_and_medusa2_refuse_image_records(story_vlm, story_vlm_dir, image_chats, stories_file, tmp_path):
     from specheads.training.config import load_run_config
     from specheads.training.data_cli import regenerate
     from specheads.training.train import train
@@ -218,7 +222,7 @@ def test_regenerate_and_medusa2_refuse_image_records(story_vlm, story_vlm_dir, i
     from .conftest import CONFIGS, overrides
 
     target, tokenizer, _ = story_vlm
-    with pytest.raises(ValueError, match="record 0: holds images, which regenerate does not read"):
+    with pytest.raises(ValueError, match="record 0: holds images, but the target takes none"):
         regenerate(target, tokenizer, tmp_path / "out.jsonl", input_path=image_chats[0], show_progress=False)
     extra = {"target": str(story_vlm_dir), "data.source": str(image_chats[0]), "data.format": "auto", "max_steps": 2}
     config = load_run_config(str(CONFIGS / "medusa2_stories260k.yaml"), overrides(stories_file, tmp_path / "run", **extra))
@@ -266,3 +270,53 @@ def test_per_token_inputs_are_cut_to_a_truncated_row(story_vlm, image_chats):
     inputs = ImageCollate(WithTokenTypes()).row_inputs(cut)
     assert inputs["token_type_ids"].shape == (1, len(cut["input_ids"])) == (1, len(full["input_ids"]) - 3)
     assert inputs["token_type_ids"].sum() == IMAGE_TOKENS and inputs["pixel_values"].shape == (1, 3, 16, 16)
+
+
+def test_regenerate_answers_image_records_seeing_their_images(story_vlm, image_chats, tmp_path):
+    """The target answers each record with images given its images (greedy: its own `generate` on the prompt
+    `generate --image` makes), text records in one batch; the output keeps the images and trains as image records."""
+    from specheads.training.data_cli import regenerate
+
+    target, tokenizer, processor = story_vlm
+    outs = [tmp_path / "answers.jsonl", tmp_path / "answers_openai.jsonl"]
+    for source, out in zip(image_chats, outs):
+        regenerate(target, tokenizer, out, input_path=source, max_new_tokens=12, temperature=0.0, show_progress=False,
+                   processor=processor)
+    records = [json.loads(line) for out in outs for line in out.read_text().splitlines()]
+    assert [len(r.get("images", [])) for r in records] == [1, 0, 1]
+    assert records[0]["images"][0] == str(image_chats[0].parent / "a.png")
+    for record, question in ((records[0], "Once upon a time"), (records[2], "One day")):
+        ids, inputs = prompt_with_images(processor, question, [Image.open(record["images"][0]).convert("RGB")])
+        expected = target.generate(input_ids=ids, **inputs, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+        assert record["messages"][-1]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+    dataset = build_dataset(outs, tokenizer, max_length=128, processor=processor)  # written as it reads back
+    assert has_image_rows(dataset) and [len(dataset[i]["images"]) for i in range(3)] == [1, 0, 1]
+    with pytest.raises(FileNotFoundError, match="record 0: .*does not exist"):
+        regenerate(target, tokenizer, tmp_path / "x.jsonl", input_path=image_chats[0], processor=processor,
+                   image_folder=tmp_path / "elsewhere", show_progress=False)
+
+
+def test_images_in_two_user_turns(story_vlm, tmp_path):
+    """A conversation that shows a second image after the first answer: both answers trained, both images read in
+    order (the row's states are the target's forward with both)."""
+    target, tokenizer, processor = story_vlm
+    a, b = save_image(tmp_path / "a.png", 0), save_image(tmp_path / "b.png", 1)
+    record = {"images": [a, b], "conversations": [
+        {"from": "human", "value": "<image>\nOnce upon a time"}, {"from": "gpt", "value": " there was a cat."},
+        {"from": "human", "value": "<image>\nThen"}, {"from": "gpt", "value": " a dog came."}]}
+    (tmp_path / "two.json").write_text(json.dumps([record]))
+    dataset = build_dataset(tmp_path / "two.json", tokenizer, max_length=128, processor=processor)
+    row = dataset[0]
+    assert row["input_ids"].count(target.config.image_token_id) == 2 * IMAGE_TOKENS
+    trained = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    assert trained == tokenizer(" there was a cat.", add_special_tokens=False).input_ids + \
+        tokenizer(" a dog came.", add_special_tokens=False).input_ids
+    inputs = ImageCollate(processor).row_inputs(row)
+    assert inputs["pixel_values"].shape == (2, 3, 16, 16)
+    images = [image.convert("RGB") for image in row["images"]]
+    expected = processor(images=images, return_tensors="pt")["pixel_values"]
+    assert torch.equal(inputs["pixel_values"], expected)
+    batch = ImageCollate(processor)([row])
+    states, _ = target_states(target, batch["input_ids"], batch["attention_mask"], batch["row_inputs"])
+    alone = target(input_ids=torch.tensor([row["input_ids"]]), pixel_values=expected, output_hidden_states=True)
+    torch.testing.assert_close(states[-1][0], alone.hidden_states[-1][0], rtol=1e-5, atol=1e-5)

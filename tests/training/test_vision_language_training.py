@@ -104,3 +104,14 @@ def test_feature_dump_cli_reads_the_images_and_offline_training_runs(tmp_path, s
              "save_steps": 4}
     assert main(["train", str(CONFIGS / "eagle_stories260k.yaml"), *overrides(stories_file, out, **extra)]) == 0
     assert (out / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("config", ["medusa_stories260k.yaml", "eagle3_stories260k.yaml"])
+def test_every_head_type_trains_on_image_records(tmp_path, stories_file, story_vlm_dir, config):
+    chats = image_story_chats(stories_file, tmp_path)
+    out = tmp_path / "run"
+    extra = {"target": str(story_vlm_dir), "data.source": str(chats), "data.format": "auto", "data.max_length": 96,
+             "max_steps": 3, "save_steps": 3}
+    assert main(["train", str(CONFIGS / config), *overrides(stories_file, out, **extra)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and metrics["loss"] > 0
