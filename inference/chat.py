@@ -4,6 +4,10 @@ Each turn renders the whole history through the tokenizer's chat template, as a 
 one `PromptCache` for the conversation, so the target runs only what the previous turn did not leave in its cache
 (the new user message and the template's tokens around it). The answer is the target's own (greedy: identical to
 `target.generate` on the rendered conversation; sampling: its distribution); the history keeps its decoded text.
+
+With a vision-language target's `processor`, a message may show images (`ask(text, images=[...])`): the processor
+renders the conversation and every turn gives the target all of the conversation's images, as transformers'
+generate takes them; the cache is reused while the images stay the same (`PromptCache.prefill`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class ChatSession:
         chat_template: a Jinja template used instead of the tokenizer's.
         reuse_cache: keep the target's cache between turns (`PromptCache`); False runs the whole conversation
             every turn (the reference).
+        processor: a vision-language target's processor (`multimodal.image_processor_for`): messages may then show
+            images, and it renders the conversation (its chat template unless `chat_template` is given).
         **generate_options: passed to every `lm.generate` call (max_new_tokens, do_sample, temperature, stop_strings,
             logits_processor, ...).
 
@@ -49,14 +55,19 @@ class ChatSession:
         system: str | None = None,
         chat_template: str | None = None,
         reuse_cache: bool = True,
+        processor: Any | None = None,
         **generate_options: Any,
     ) -> None:
         self.lm = lm
+        self.processor = processor
+        if tokenizer is None and processor is not None:
+            tokenizer = processor.tokenizer
         self.tokenizer = tokenizer if tokenizer is not None else lm.tokenizer
         if self.tokenizer is None:
             raise ValueError("ChatSession needs a tokenizer: pass tokenizer= or build the SpeculativeLM with one")
         self.chat_template = chat_template
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+        renderer = self.tokenizer if processor is None else processor
+        if chat_template is None and not getattr(renderer, "chat_template", None):
             raise ValueError(
                 f"the tokenizer of {getattr(self.tokenizer, 'name_or_path', '?')!r} has no chat template; pass "
                 "chat_template= (CLI: --chat-template FILE_OR_TEMPLATE)"
@@ -64,35 +75,62 @@ class ChatSession:
         self.system = system
         self.generate_options = generate_options
         self.cache = PromptCache() if reuse_cache else None
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
+        self.images: list[Any] = []  # the conversation's images (PIL), in the order its messages show them
         self.last_stats: dict[str, Any] = {}
         self.reset()
 
     def reset(self) -> None:
         """Start a new conversation (the system message stays)."""
-        self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+        self.messages = [] if self.system is None else [self._message("system", self.system)]
+        self.images = []
         if self.cache is not None:
             self.cache.reset()
 
+    def _message(self, role: str, text: str, images: int = 0) -> dict[str, Any]:
+        if self.processor is None:
+            return {"role": role, "content": text}
+        return {"role": role, "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}
+
     def render(self) -> torch.Tensor:
         """The conversation so far with the assistant's turn opened: (1, n) ids."""
+        return self.render_with_inputs()[0]
+
+    def render_with_inputs(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The conversation so far with the assistant's turn opened: ((1, n) ids, the extra inputs of its images)."""
+        if self.processor is not None:
+            from .multimodal import encode_image_prompt
+
+            return encode_image_prompt(self.processor, self.messages, self.images, self.chat_template)
         return self.tokenizer.apply_chat_template(
             self.messages, add_generation_prompt=True, chat_template=self.chat_template, return_tensors="pt",
             return_dict=True,
-        )["input_ids"]
+        )["input_ids"], {}
 
-    def ask(self, text: str, streamer: Any | None = None) -> str:
-        """Add the user message `text`, generate the answer (streamed to `streamer` if given), return its text."""
+    def ask(self, text: str, streamer: Any | None = None, images: list[Any] | None = None) -> str:
+        """Add the user message `text` (showing `images`: PIL images or file paths, before the text), generate the
+        answer (streamed to `streamer` if given), return its text."""
         if not text.strip():
             raise ValueError("a chat message must hold some text, got an empty one")
-        self.messages.append({"role": "user", "content": text})
+        if images and self.processor is None:
+            raise ValueError("this ChatSession has no processor, so its messages cannot show images; pass the "
+                             "vision-language target's processor (processor=...)")
+        shown = []
+        if images:
+            from .multimodal import load_images
+
+            shown = load_images(list(images))
+        self.messages.append(self._message("user", text, len(shown)))
+        self.images += shown
         try:
-            input_ids = self.render().to(self.lm.target.device)
-            out = self.lm.generate(input_ids, prompt_cache=self.cache, streamer=streamer, **self.generate_options)
+            input_ids, inputs = self.render_with_inputs()
+            out = self.lm.generate(input_ids.to(self.lm.target.device), prompt_cache=self.cache, streamer=streamer,
+                                   **inputs, **self.generate_options)
         except BaseException:
             self.messages.pop()  # the turn did not happen (an error, Ctrl-C): the history stays as it was
+            del self.images[len(self.images) - len(shown):]
             raise
         answer = self.tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": answer})
+        self.messages.append(self._message("assistant", answer))
         self.last_stats = {**self.lm.last_stats, "prompt_tokens": int(input_ids.shape[1])}
         return answer

@@ -354,7 +354,7 @@ class SpeculativeLM(CpuKernels):
         """
         config = self.target.generation_config if generation_config is None else generation_config
         config, inputs = settings_and_inputs(config, self.target, kwargs)
-        check_prompt_inputs_call(inputs, input_ids, attention_mask, prompt_cache, fast_path, batched)
+        check_prompt_inputs_call(inputs, input_ids, attention_mask, fast_path, batched)
         params, criteria = decoding_settings(
             config, self.tokenizer, do_sample, temperature, top_p, top_k, min_p=min_p, typical_p=typical_p,
             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
@@ -459,15 +459,15 @@ class SpeculativeLM(CpuKernels):
         if max_new_tokens == 0:
             return []
         prefill_start = time.perf_counter()
-        if inputs:
-            last_logits, features = verifier.prefill(prompt, max_new_tokens, inputs=inputs)  # (1, V), (n, h)
-        elif prompt_cache is None:
-            last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
-        else:
+        if prompt_cache is not None:
             last_logits, features, reused = prompt_cache.prefill(verifier, prompt, max_new_tokens, self.target,
-                                                                 self.heads)
+                                                                 self.heads, inputs)
             stats["reused_prompt_tokens"] += reused
             committed_features = [features]  # (n, h), then each round's path: the features of the cache's positions
+        elif inputs:
+            last_logits, features = verifier.prefill(prompt, max_new_tokens, inputs=inputs)  # (1, V), (n, h)
+        else:
+            last_logits, features = verifier.prefill(prompt, max_new_tokens)  # (1, V), (n, h)
         stats["target_forwards"] += 1
         # the sequence so far, for processors that read it (repetition penalty, n-gram blocking, ...)
         context = SequenceContext(prompt, params, sorted(eos), row) if params.reads_sequence else None
@@ -538,5 +538,5 @@ class SpeculativeLM(CpuKernels):
             drafter.remember(prompt, new_tokens)
         if prompt_cache is not None:
             prompt_cache.store_call(prompt, new_tokens, prefix_length, verifier.cache, torch.cat(committed_features),
-                                    self.target, self.heads)
+                                    self.target, self.heads, inputs, getattr(verifier, "position_offset", 0))
         return new_tokens

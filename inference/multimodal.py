@@ -62,7 +62,6 @@ def check_prompt_inputs_call(
     inputs: dict[str, torch.Tensor],
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    prompt_cache: Any,
     fast_path: bool | None,
     batched: bool | None,
 ) -> None:
@@ -81,12 +80,32 @@ def check_prompt_inputs_call(
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError(f"extra model inputs ({names}) need an unpadded prompt; attention_mask has padding")
     for option, value, why in (
-        ("prompt_cache", prompt_cache is not None, "the cache would hold image positions from another call"),
         ("fast_path=True", fast_path is True, "the static-cache fast path runs text prompts only"),
         ("batched=True", batched is True, "rows sharing images are decoded one after another"),
     ):
         if value:
             raise ValueError(f"{option} cannot be combined with extra model inputs ({names}): {why}")
+
+
+def inputs_fingerprint(inputs: dict[str, torch.Tensor]) -> str:
+    """A sha256 of a prompt's extra inputs (names, dtypes, shapes and values): a `PromptCache` reuses the entries of
+    an image prompt only for a call given the very same images."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(inputs):
+        value = inputs[name].detach().contiguous().cpu()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+def image_token_ids(target: PreTrainedModel) -> set[int]:
+    """The ids of the tokens a vision-language target replaces by image (or video) features: what a cached prompt's
+    continuation must not hold, as it runs without pixel inputs. Empty when the config names none."""
+    config = unwrapped(target).config
+    names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    return {value for value in (getattr(config, name, None) for name in names) if isinstance(value, int)}
 
 
 def position_offset(target: PreTrainedModel, inputs: dict[str, torch.Tensor]) -> int:

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from .kv_cache import cache_length, crop_cache
+from .multimodal import image_token_ids, inputs_fingerprint
 from .static_cache import StaticTreeCache
 
 
@@ -58,6 +59,8 @@ class PromptCache:
         self.sequence_number: int | None = None  # a static cache's sequence_number when stored
         self.features: torch.Tensor | None = None  # (S, h) the heads' input features of those positions
         self._models: tuple[PreTrainedModel, PreTrainedModel] | None = None  # (target, heads) that filled it
+        self.inputs_key: str | None = None  # `multimodal.inputs_fingerprint` of the images it holds (None: text)
+        self.position_offset = 0  # the held text positions' offset from cache indices (M-RoPE after an image)
 
     def __len__(self) -> int:
         return 0 if self.tokens is None else int(self.tokens.shape[0])
@@ -65,7 +68,8 @@ class PromptCache:
     def reset(self) -> None:
         """Forget everything held (a new conversation)."""
         self.tokens = self.cache = self.features = self.sequence_number = None
-        self._models = None
+        self._models = self.inputs_key = None
+        self.position_offset = 0
 
     def shared_length(self, prompt: torch.Tensor) -> int:
         """How many leading tokens of `prompt` (n,) the cache holds, at most n - 1 (the target must run the last
@@ -73,15 +77,28 @@ class PromptCache:
         return 0 if self.tokens is None else shared_prefix_length(self.tokens, prompt)
 
     def prefill(
-        self, verifier: Any, prompt: torch.Tensor, max_new_tokens: int, target: PreTrainedModel, heads: PreTrainedModel
+        self, verifier: Any, prompt: torch.Tensor, max_new_tokens: int, target: PreTrainedModel, heads: PreTrainedModel,
+        inputs: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """`verifier.prefill` of the (n,) prompt from the entries this cache holds (a `DynamicTreeVerifier` or the
         fast path's `FastPathRunner`, whose static cache the entries must still be in). Returns the last logits
-        (1, V), the features (n, h) and how many prompt tokens were reused."""
+        (1, V), the features (n, h) and how many prompt tokens were reused.
+
+        `inputs`: the prompt's images (a chat about an image: each call gives the conversation's images again, as
+        transformers' generate takes them). The held entries are reused only for the very same images and only when
+        the tokens after them hold no image token (the rest runs as text, at the held text positions); otherwise the
+        whole prompt runs with its images."""
         static = verifier.cache if isinstance(verifier.cache, StaticTreeCache) else None
-        cache, held_features, reused = self.take(prompt, target, heads, static)
-        held = None if cache is None else (cache, held_features)
-        last_logits, features = verifier.prefill(prompt, max_new_tokens, held)
+        key = images_key(inputs, prompt.shape[0])
+        offset = self.position_offset
+        cache, held_features, reused = self.take(prompt, target, heads, static, key)
+        if cache is None:
+            last_logits, features = verifier.prefill(prompt, max_new_tokens, inputs=inputs) if inputs else \
+                verifier.prefill(prompt, max_new_tokens)
+        elif inputs:
+            last_logits, features = verifier.prefill(prompt, max_new_tokens, (cache, held_features), held_offset=offset)
+        else:
+            last_logits, features = verifier.prefill(prompt, max_new_tokens, (cache, held_features))
         return last_logits, features, reused
 
     def take(
@@ -90,17 +107,26 @@ class PromptCache:
         target: PreTrainedModel,
         heads: PreTrainedModel,
         static_cache: StaticTreeCache | None = None,
+        inputs_key: str | None = None,
     ) -> tuple[Cache | None, torch.Tensor | None, int]:
         """Hand over the cache cropped to the prefix `prompt` shares with it: (cache, (m, h) features, m), or
         (None, None, 0) when nothing is shared or usable. `static_cache`: the fast path's cache this call writes to
-        (the held entries are used only if they are in it, untouched since). The `PromptCache` is emptied: `store`
-        refills it when the call completes."""
+        (the held entries are used only if they are in it, untouched since). `inputs_key`: the fingerprint of the
+        call's images (None: a text prompt); entries held for other images, or a prompt whose tokens after the shared
+        prefix include image tokens, are not used. The `PromptCache` is emptied: `store` refills it when the call
+        completes."""
         if self._models is not None and (self._models[0] is not target or self._models[1] is not heads):
             raise ValueError(
                 "this PromptCache was filled by another target or other heads; use one PromptCache per SpeculativeLM "
                 "and conversation (or call reset())"
             )
         shared = self.shared_length(prompt)
+        if inputs_key != self.inputs_key:  # other images (or none) than those the entries were computed with
+            shared = 0
+        elif inputs_key is not None:  # the rest runs without pixel inputs: it must hold no image token
+            image_tokens = image_token_ids(target)
+            if not image_tokens or any(int(t) in image_tokens for t in prompt[shared:].tolist()):
+                shared = 0
         cache, features, sequence_number = self.cache, self.features, self.sequence_number
         self.reset()
         if static_cache is not None:  # usable only if still this sequence's entries
@@ -147,14 +173,28 @@ class PromptCache:
 
     def store_call(
         self, prompt: torch.Tensor, new_tokens: list[int], committed: int, cache: Cache, features: torch.Tensor,
-        target: PreTrainedModel, heads: PreTrainedModel,
+        target: PreTrainedModel, heads: PreTrainedModel, inputs: dict[str, torch.Tensor] | None = None,
+        position_offset: int = 0,
     ) -> None:
         """`store` a completed `generate` call: the (n,) prompt, its emitted `new_tokens`, and the `committed`
         positions `cache` and the (committed, h) `features` hold. The last emitted token was never run through the
-        target, and a stop inside the last round leaves accepted tokens past the emitted ones: neither is kept."""
+        target, and a stop inside the last round leaves accepted tokens past the emitted ones: neither is kept.
+        `inputs`, `position_offset`: the call's images and its text positions' offset (`multimodal.position_offset`)."""
         held = min(committed, prompt.shape[0] + len(new_tokens))
         sequence = torch.cat([prompt, torch.tensor(new_tokens, dtype=prompt.dtype, device=prompt.device)])
         self.store(sequence[:held], cache, features, target, heads)
+        self.inputs_key = images_key(inputs, prompt.shape[0])
+        self.position_offset = position_offset
+
+
+def images_key(inputs: dict[str, torch.Tensor] | None, prompt_length: int) -> str | None:
+    """The fingerprint of a prompt's images (None for a text prompt): its extra inputs but those with one value per
+    prompt token (`token_type_ids`, `mm_token_type_ids`: they grow with the conversation, and over a shared prefix of
+    the same tokens they agree)."""
+    if not inputs:
+        return None
+    return inputs_fingerprint({name: value for name, value in inputs.items()
+                               if not (value.dim() == 2 and value.shape[-1] == prompt_length)})
 
 
 def check_prompt_cache_call(prompt_cache: object, rows: int, batched: bool | None) -> None:

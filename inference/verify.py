@@ -104,13 +104,16 @@ def verify_tree(
     return (out.logits[0] if with_logits else None), tuple(h[0] for h in out.hidden_states)
 
 
-def prompt_positions(prompt: torch.Tensor, start: int, inputs: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+def prompt_positions(
+    prompt: torch.Tensor, start: int, inputs: dict[str, torch.Tensor] | None, offset: int = 0
+) -> dict[str, torch.Tensor]:
     """The keywords of a prompt forward over `prompt[start:]`: its extra inputs (images), which the target places
-    itself, or else explicit position ids `start ...`: an M-RoPE target keeps its last image prompt's position delta
-    (`rope_deltas`) and would apply it to text run after a cache, where transformers' generate resets it first."""
+    itself, or else explicit position ids `start + offset ...`: an M-RoPE target keeps its last image prompt's
+    position delta (`rope_deltas`) and would apply it to text run after a cache, where transformers' generate resets
+    it first. `offset`: the text positions' offset of the cached part (text after a held image prompt)."""
     if inputs:
         return inputs
-    return {"position_ids": torch.arange(start, prompt.shape[0], device=prompt.device)[None]}
+    return {"position_ids": torch.arange(start + offset, prompt.shape[0] + offset, device=prompt.device)[None]}
 
 
 class DynamicTreeVerifier:
@@ -139,19 +142,25 @@ class DynamicTreeVerifier:
         max_new_tokens: int,
         held: tuple[Cache, torch.Tensor] | None = None,
         inputs: dict[str, torch.Tensor] | None = None,
+        held_offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the (n,) prompt into a fresh cache. Returns the last logits (1, V) and the features (n, h).
 
         `held`: (cache, (m, h) features) of the prompt's first m tokens from an earlier call
-        (`prompt_cache.PromptCache.take`); only the n - m tokens after them are run. `inputs`: the prompt's extra
-        model inputs (images: `multimodal.prompt_inputs`), given to this forward only."""
+        (`prompt_cache.PromptCache.take`); only the n - m tokens after them are run, at their text positions
+        (`held_offset`: the held part's `position_offset`, nonzero after an M-RoPE image). `inputs`: the prompt's
+        extra model inputs (images: `multimodal.prompt_inputs`), given to this forward only (never with `held`: the
+        held part already holds the images)."""
+        if held is not None and inputs:
+            raise ValueError("prefill: a held cache already holds the prompt's images; give inputs without held")
         self.cache, shared = (tree_cache(), None) if held is None else held
         start = 0 if shared is None else shared.shape[0]
         out = self.target(
             input_ids=prompt[None, start:], **cache_kwargs(self.target, self.cache), use_cache=True,
-            output_hidden_states=True, **last_logits_only(self.target), **prompt_positions(prompt, start, inputs),
+            output_hidden_states=True, **last_logits_only(self.target),
+            **prompt_positions(prompt, start, inputs, held_offset),
         )
-        self.position_offset = text_position_offset(self.target, inputs or {})
+        self.position_offset = held_offset if held is not None else text_position_offset(self.target, inputs or {})
         features = self.select_features(out.hidden_states)[0]  # (n - start, h)
         if shared is not None:
             features = torch.cat([shared, features])

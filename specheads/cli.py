@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def _add_decoding_options(p: argparse.ArgumentParser) -> None:
@@ -119,6 +120,9 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
                    help="a Jinja chat template instead of the tokenizer's (needed when it has none)")
     p.add_argument("--no-cache", action="store_true",
                    help="run the whole conversation through the target every turn (default: reuse its cache)")
+    p.add_argument("--image", action="append", default=None, metavar="FILE",
+                   help="a vision-language target: the first message shows this image (repeat for several); "
+                        "`/image FILE` in the chat attaches one to the next message")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -299,22 +303,27 @@ def run_chat(args: argparse.Namespace) -> int:
     """The chat loop: one user message per stdin line; `/reset` starts over, `/exit` (or end of input) quits, Ctrl-C
     during an answer drops that turn."""
     from specheads.inference.chat import ChatSession, read_chat_template
+    from specheads.inference.multimodal import image_processor_for, takes_images
 
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     lm, kernels = _load_lm(args)
+    processor = image_processor_for(args.target) if takes_images(lm.target) else None
+    if args.image and processor is None:
+        raise ValueError(f"--image needs a vision-language target with an image processor; {args.target!r} has none")
     session = ChatSession(lm, system=args.system, chat_template=template, reuse_cache=not args.no_cache,
-                          **_generate_options(args))
+                          processor=processor, **_generate_options(args))
     print(f"[specheads] chat with {args.target} ({', '.join(f'{k}={v}' for k, v in kernels.items())}); "
-          "/reset starts over, /exit quits", file=sys.stderr)
+          f"/reset starts over, {'/image FILE attaches an image, ' if processor else ''}/exit quits", file=sys.stderr)
     try:
-        _chat_loop(session)
+        _chat_loop(session, list(args.image or []))
     finally:
         _save_learned(lm, args)
     return 0
 
 
-def _chat_loop(session) -> None:
-    """Answer stdin's lines until /exit or the end of input."""
+def _chat_loop(session, images: list[str]) -> None:
+    """Answer stdin's lines until /exit or the end of input; `images` (and each `/image FILE`) go with the next
+    message."""
     from transformers import TextStreamer
 
     interactive = sys.stdin.isatty()
@@ -329,11 +338,22 @@ def _chat_loop(session) -> None:
             continue
         if text == "/reset":
             session.reset()
+            images = []
             print("[specheads] new conversation", file=sys.stderr)
+            continue
+        if text.startswith("/image "):
+            path = text[len("/image "):].strip()
+            if session.processor is None or not Path(path).is_file():
+                why = "the target takes no images" if session.processor is None else f"no file {path!r}"
+                print(f"[specheads] /image: {why}", file=sys.stderr)
+            else:
+                images.append(path)
+                print(f"[specheads] {path} goes with the next message", file=sys.stderr)
             continue
         streamer = TextStreamer(session.tokenizer, skip_prompt=True, skip_special_tokens=True)
         try:
-            session.ask(text, streamer=streamer)
+            session.ask(text, streamer=streamer, images=images)
+            images = []
         except KeyboardInterrupt:
             print("\n[specheads] interrupted: the turn is dropped", file=sys.stderr)
             continue

@@ -20,7 +20,7 @@ from specheads.inference.custom_generate import export_for_transformers
 from specheads.inference.multimodal import image_prompt, position_offset
 from specheads.inference.prompt_cache import PromptCache
 
-from ..conftest import VLM_FAMILIES
+from ..conftest import VLM_FAMILIES, VLM_IMAGE
 
 
 def target_greedy(target, ids, inputs, max_new_tokens: int) -> torch.Tensor:
@@ -123,8 +123,6 @@ def test_extra_inputs_are_checked_by_name(tiny_vlm_factory):
     mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones_like(ids)], dim=1)
     with pytest.raises(ValueError, match="need an unpadded prompt"):
         lm.generate(padded, attention_mask=mask, max_new_tokens=4, **inputs)
-    with pytest.raises(ValueError, match="prompt_cache cannot be combined with extra model inputs"):
-        lm.generate(ids, max_new_tokens=4, prompt_cache=PromptCache(), **inputs)
     with pytest.raises(ValueError, match="fast_path=True cannot be combined"):
         lm.generate(ids, max_new_tokens=4, fast_path=True, **inputs)
     # text prompts on a vision-language target need no extra inputs, and take the batched paths as usual
@@ -174,6 +172,53 @@ def test_image_prompts_get_one_bos_as_transformers_processors_give_it(story_vlm_
         expected = processor.apply_chat_template(messages, add_generation_prompt=True, chat_template=template,
                                                  tokenize=True, return_dict=True, images=images)["input_ids"]
         assert input_ids[0].tolist() == list(expected[0]) and input_ids[0].tolist().count(1) == 1
+
+
+def test_a_chat_session_shows_images_and_keeps_its_cache(story_vlm_dir, tmp_path, monkeypatch, capfd):
+    """`ChatSession(processor=...)`: each turn is the target's own answer to the conversation with all its images
+    (rendered by the processor), the cache reused across turns; `specheads chat --image` and `/image FILE` the same."""
+    import io
+    import sys
+
+    from transformers import AutoProcessor
+
+    from specheads.inference.chat import ChatSession
+    from specheads.inference.multimodal import encode_image_prompt, load_images
+
+    target, tokenizer = load_target(story_vlm_dir)
+    processor = AutoProcessor.from_pretrained(story_vlm_dir)
+    heads = heads_for(target, "eagle")
+    a, b = write_image(tmp_path / "a.png"), write_image(tmp_path / "b.png", seed=5)
+
+    def answer(messages, images, max_new_tokens=16):
+        ids, inputs = encode_image_prompt(processor, messages, load_images(images))
+        new = target_greedy(target, ids, inputs, max_new_tokens)[0, ids.shape[1]:]
+        return tokenizer.decode(new, skip_special_tokens=True)
+
+    def user(text, images=0):
+        return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}
+
+    def assistant(text):
+        return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+    session = ChatSession(SpeculativeLM(target, heads), processor=processor, max_new_tokens=16)
+    first = session.ask("Once upon a time", images=[a])
+    assert first == answer([user("Once upon a time", 1)], [a])
+    second = session.ask("Then")
+    history = [user("Once upon a time", 1), assistant(first), user("Then")]
+    assert second == answer(history, [a]) and session.last_stats["reused_prompt_tokens"] > 16
+    third = session.ask("Look", images=[b])  # a new image: the whole conversation runs again, with both images
+    assert third == answer([*history, assistant(second), user("Look", 1)], [a, b])
+    assert session.last_stats["reused_prompt_tokens"] == 0
+    with pytest.raises(ValueError, match="has no processor, so its messages cannot show images"):
+        ChatSession(SpeculativeLM(target, heads), tokenizer=tokenizer, chat_template="{{ 'x' }}").ask("Hi", images=[a])
+
+    heads.save_pretrained(tmp_path / "heads")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"Once upon a time\nThen\n/image {b}\nLook\n"))
+    assert main(["chat", "--target", str(story_vlm_dir), "--heads", str(tmp_path / "heads"), "--image", a,
+                 "--max-new-tokens", "16"]) == 0
+    out, err = capfd.readouterr()
+    assert first in out and second in out and third in out and f"{b} goes with the next message" in err
 
 
 def test_cli_generate_answers_a_question_about_an_image(story_vlm_dir, tmp_path, capsys):
@@ -274,6 +319,47 @@ def test_text_after_an_image_prompt_keeps_plain_positions(tiny_vlm_factory):
     assert torch.equal(lm.generate(follow_up, max_new_tokens=10, prompt_cache=cache),
                        target_greedy(target, follow_up, {}, 10))
     assert lm.last_stats["reused_prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_a_chat_about_an_image_reuses_its_cache(tiny_vlm_factory, family):
+    """A `PromptCache` across the turns of a conversation about an image (each turn gives the images again, as
+    transformers' generate takes them): the next turn runs only its new text, at the text positions the target
+    itself uses (M-RoPE: after the grid's delta), with the target's own greedy output; other images, or new tokens
+    that hold an image, run the whole prompt."""
+    target, ids, inputs = tiny_vlm_factory(family)
+
+    def inputs_of(prompt, images=inputs):  # per-token inputs (Gemma 3, Qwen) cover the whole prompt, as a processor's
+        return {name: (prompt == VLM_IMAGE).long() if name.endswith("token_type_ids") else value
+                for name, value in images.items()}
+
+    lm = SpeculativeLM(target, heads_for(target, "eagle"))
+    cache = PromptCache()
+    out = lm.generate(ids, max_new_tokens=10, prompt_cache=cache, **inputs)
+    assert torch.equal(out, target_greedy(target, ids, inputs, 10))
+    follow_up = torch.cat([out, torch.tensor([[5, 9, 4]])], dim=1)
+    expected = target_greedy(target, follow_up, inputs_of(follow_up), 10)
+    assert torch.equal(lm.generate(follow_up, max_new_tokens=10, prompt_cache=cache, **inputs_of(follow_up)), expected)
+    assert lm.last_stats["reused_prompt_tokens"] == out.shape[1] - 1  # all but the answer's last token
+    third = torch.cat([expected, torch.tensor([[6, 8]])], dim=1)
+    assert torch.equal(lm.generate(third, max_new_tokens=8, prompt_cache=cache, **inputs_of(third)),
+                       target_greedy(target, third, inputs_of(third), 8))
+    assert lm.last_stats["reused_prompt_tokens"] == expected.shape[1] - 1
+    # another picture behind the same tokens: nothing reused, the new image's answer
+    other = inputs_of(third, {**inputs, "pixel_values": inputs["pixel_values"] + 1})
+    assert torch.equal(lm.generate(third, max_new_tokens=8, prompt_cache=cache, **other),
+                       target_greedy(target, third, other, 8))
+    assert lm.last_stats["reused_prompt_tokens"] == 0
+    # an edit before the image: the tokens after the shared prefix hold the image, so it all runs again
+    edited = third.clone()
+    edited[0, 0] = 7
+    assert torch.equal(lm.generate(edited, max_new_tokens=8, prompt_cache=cache, **other),
+                       target_greedy(target, edited, other, 8))
+    assert lm.last_stats["reused_prompt_tokens"] == 0
+    # the same conversation as text after it (no images given): the image entries are not used for it
+    text = torch.tensor([[3, 14, 15, 92, 65, 5, 9]])
+    assert torch.equal(lm.generate(text, max_new_tokens=8, prompt_cache=cache), target_greedy(target, text, {}, 8))
+    assert lm.last_stats["reused_prompt_tokens"] == 0
 
 
 def data_url(path) -> str:
