@@ -105,9 +105,6 @@ def build_batch_request(
         check_prompt_cache_call(prompt_cache, 1, None)
     checked = prompt_inputs(lm.target, inputs or {})
     check_prompt_inputs_call(checked, input_ids, None, None, None)
-    if checked and prompt_cache is not None:  # (generate takes both: a chat about an image)
-        raise ValueError(f"prompt_cache cannot be combined with extra model inputs ({', '.join(sorted(checked))}) in a "
-                         "BatchEngine request: its prompt prefills alone, in one forward")
     return BatchRequest(
         prompt, budget, params, set(eos_ids(eos_token_id, config)), options.get("acceptance", "exact"),
         None if criteria is None else StopChecker(criteria, prompt), streamer,

@@ -490,7 +490,7 @@ class BatchEngine:
         if request.prompt_cache is not None and not request.cancelled and request.error is None:
             request.prompt_cache.store_call(request.prompt, request.new_tokens, source.shape[0],
                                             row_cache(cache, b, source), torch.cat(row.committed_features),
-                                            self.lm.target, self.lm.heads)
+                                            self.lm.target, self.lm.heads, request.inputs, request.position_offset)
         if request.streamer is not None and request.error is None:
             request.streamer.end()
 

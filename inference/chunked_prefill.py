@@ -12,7 +12,9 @@ Each chunk is one row without padding, so the target builds its own causal mask 
 (sliding windows included), as `DynamicTreeVerifier.prefill` does after a held cache.
 
 A request with images (`BatchRequest.inputs`, inference/multimodal.py) runs here too, alone and in one forward that
-gets them, so that the target places and embeds the images itself; it records the text positions' offset.
+gets them, so that the target places and embeds the images itself; it records the text positions' offset. When its
+prompt cache holds the same images (a conversation's next turn, `PromptCache.take`), only the new text runs, in
+chunks like any text, at the held text positions.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers.cache_utils import Cache
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.kv_cache import tree_cache
 from specheads.inference.multimodal import position_offset
+from specheads.inference.prompt_cache import images_key
 from specheads.inference.verify import last_logits_only, prompt_positions
 
 
@@ -42,13 +45,16 @@ class ChunkedPrefill:
         self.cache: Cache = tree_cache()
         self.features: list[torch.Tensor] = []  # (c, h) per chunk run (the held prefix's first)
         self.done = self.reused = self.forwards = 0  # prompt tokens the cache holds; of those, reused; forwards run
+        self.held_offset = 0  # the held entries' text position offset (M-RoPE, after an image)
         if request.prompt_cache is not None:
-            held, features, reused = request.prompt_cache.take(request.prompt, lm.target, lm.heads)
+            offset = request.prompt_cache.position_offset  # (take empties the cache)
+            held, features, reused = request.prompt_cache.take(
+                request.prompt, lm.target, lm.heads, inputs_key=images_key(request.inputs, request.prompt.shape[0]))
             if held is not None:
-                self.cache, self.done, self.reused = held, reused, reused
+                self.cache, self.done, self.reused, self.held_offset = held, reused, reused, offset
                 self.features.append(features)
                 request.reused_prompt_tokens += reused
-        if request.inputs:  # images: the whole prompt in one forward (a chunk boundary could cut an image)
+        if request.inputs and not self.reused:  # images: the whole prompt in one forward (a chunk could cut one)
             chunk = None
         self.chunk = self.remaining if chunk is None else chunk  # None: the rest in one forward
         self.last_logits: torch.Tensor | None = None  # (1, V) at the prompt's last position, once finished
@@ -76,21 +82,28 @@ class ChunkedPrefill:
         out = target(
             input_ids=prompt[None, self.done:end], **cache_kwargs(target, self.cache), use_cache=True,
             output_hidden_states=True, **last_logits_only(target),
-            **prompt_positions(prompt[:end], self.done, self.request.inputs),
+            **prompt_positions(prompt[:end], self.done, self.images, self.held_offset),
         )
         self.features.append(self.lm.heads.select_features(out.hidden_states)[0])  # (end - done, h)
         self.done, self.forwards = end, self.forwards + 1
         if end == prompt.shape[0]:
             self.last_logits = out.logits[0, -1:]
-            self.request.position_offset = position_offset(target, self.request.inputs)
+            self.request.position_offset = self.held_offset if self.reused else position_offset(target, self.images)
+
+    @property
+    def images(self) -> dict[str, torch.Tensor]:
+        """The extra inputs this prompt's forward gets: its images unless the held entries hold them."""
+        return {} if self.reused else self.request.inputs
 
     def leave(self) -> Any:
         """The request leaves before its prompt is done (cancelled): it ends, and its prompt cache, if any, keeps the
         prompt tokens run so far (the held ones included), so that the conversation's next request need not run
         them. Returns the request."""
         if self.request.prompt_cache is not None and self.done > 0:
-            self.request.prompt_cache.store(self.request.prompt[: self.done], self.cache, torch.cat(self.features),
-                                            self.lm.target, self.lm.heads)
+            prompt = self.request.prompt
+            self.request.prompt_cache.store(prompt[: self.done], self.cache, torch.cat(self.features), self.lm.target,
+                                            self.lm.heads, images_key(self.request.inputs, prompt.shape[0]),
+                                            self.held_offset if self.reused else position_offset(self.lm.target, self.images))
         self.request.finished = True
         return self.request
 

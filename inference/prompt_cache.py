@@ -154,10 +154,13 @@ class PromptCache:
         features: torch.Tensor,
         target: PreTrainedModel,
         heads: PreTrainedModel,
+        inputs_key: str | None = None,
+        position_offset: int = 0,
     ) -> None:
         """Keep a completed call's state: `tokens` (S,) whose entries `cache` holds and their (S, h) `features`.
         The cache may hold more positions (accepted tokens after a stop); they are cropped away (a static cache's
-        are left in place and never read: the next prefill writes from the shared length on)."""
+        are left in place and never read: the next prefill writes from the shared length on). `inputs_key`,
+        `position_offset`: the images the entries were computed with (`images_key`) and the text positions' offset."""
         length = tokens.shape[0]
         if features.shape[0] < length or cache_length(cache) < length:
             raise ValueError(
@@ -170,6 +173,7 @@ class PromptCache:
             crop_cache(cache, length)
         self.tokens, self.cache, self.features = tokens, cache, features[:length]
         self._models = (target, heads)
+        self.inputs_key, self.position_offset = inputs_key, position_offset
 
     def store_call(
         self, prompt: torch.Tensor, new_tokens: list[int], committed: int, cache: Cache, features: torch.Tensor,
@@ -182,9 +186,7 @@ class PromptCache:
         `inputs`, `position_offset`: the call's images and its text positions' offset (`multimodal.position_offset`)."""
         held = min(committed, prompt.shape[0] + len(new_tokens))
         sequence = torch.cat([prompt, torch.tensor(new_tokens, dtype=prompt.dtype, device=prompt.device)])
-        self.store(sequence[:held], cache, features, target, heads)
-        self.inputs_key = images_key(inputs, prompt.shape[0])
-        self.position_offset = position_offset
+        self.store(sequence[:held], cache, features, target, heads, images_key(inputs, prompt.shape[0]), position_offset)
 
 
 def images_key(inputs: dict[str, torch.Tensor] | None, prompt_length: int) -> str | None:

@@ -141,8 +141,8 @@ class CompletionService:
                 raise ApiError(str(err)) from err
         start = time.perf_counter()
         # only the first run uses the pool: the others would evict other conversations' slots for the same prompt
-        # (a prompt with images keeps no conversation cache: the next turn runs them again)
-        tickets = [self.loop.submit(job, pooled=run == 0 and not request.inputs) for run, job in enumerate(jobs)]
+        # (a conversation about images keeps its slot while its images stay the same: `PromptCache.take`)
+        tickets = [self.loop.submit(job, pooled=run == 0) for run, job in enumerate(jobs)]
         streams = [LogprobsStream(job, request.logprobs, self.tokenizer, chat) for job in jobs]
         try:
             while on_text is not None and (not all(t.done for t in tickets) or not pieces.empty()):

@@ -301,8 +301,22 @@ def test_image_requests_join_a_running_batch_of_text_rows(tiny_vlm_factory, fami
     for request, prompt in zip(text_rows, texts):
         assert request.new_tokens == target_greedy(target, prompt, {}, 24)[0, prompt.shape[1]:].tolist()
     assert engine.stats["batched_forwards"] < engine.stats["target_forwards"]  # rows shared forwards
-    with pytest.raises(ValueError, match="prompt_cache cannot be combined with extra model inputs"):
-        lm.batch_request(ids, max_new_tokens=4, inputs=inputs, prompt_cache=PromptCache())
+    # a conversation's next turn about the same image, from its prompt cache: only the new text runs (in chunks)
+    cache = PromptCache()
+    first = lm.batch_request(ids, max_new_tokens=10, inputs=inputs, prompt_cache=cache)
+    engine = BatchEngine(lm, prefill_chunk=2)
+    engine.add([first])
+    while not first.finished:
+        engine.step()
+    follow_up = torch.cat([ids, torch.tensor([first.new_tokens]), torch.tensor([[5, 9, 4, 6, 8]])], dim=1)
+    follow_inputs = {name: (follow_up == VLM_IMAGE).long() if name.endswith("token_type_ids") else value
+                     for name, value in inputs.items()}
+    second = lm.batch_request(follow_up, max_new_tokens=10, inputs=follow_inputs, prompt_cache=cache)
+    engine.add([second])
+    while not second.finished:
+        engine.step()
+    assert second.reused_prompt_tokens == ids.shape[1] + 9
+    assert second.new_tokens == target_greedy(target, follow_up, follow_inputs, 10)[0, follow_up.shape[1]:].tolist()
 
 
 def test_text_after_an_image_prompt_keeps_plain_positions(tiny_vlm_factory):
@@ -393,6 +407,17 @@ def test_the_server_answers_chat_requests_with_images(story_vlm_dir, tmp_path):
         expected = target_greedy(target, ids, inputs, 16)[0, ids.shape[1]:]
         assert choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
         assert usage["prompt_tokens"] == ids.shape[1]
+        # the next turn re-sends the conversation with its image: only the new text runs, the answer still the target's
+        # (the answer's space back in front: this template joins turns with nothing between them)
+        turns = [*body["messages"], {"role": "assistant", "content": " " + choices[0].text},
+                 {"role": "user", "content": [{"type": "text", "text": "Then"}]}]
+        choices, usage, _ = service.complete(service.parse({"messages": turns}, chat=True))
+        ids, inputs = encode_image_prompt(processor, [
+            {"role": "user", "content": content}, {"role": "assistant", "content": [{"type": "text", "text": turns[1]["content"]}]},
+            {"role": "user", "content": [{"type": "text", "text": "Then"}]}], [Image.open(image).convert("RGB")])
+        expected = target_greedy(target, ids, inputs, 16)[0, ids.shape[1]:]
+        assert choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 16  # the image's tokens among them
         for part, needle in (({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
                               "expected a data: URL"),
                              ({"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
