@@ -2,6 +2,7 @@
 
     specheads data regenerate --target stories260K --stories 2048 --output stories.jsonl
     specheads data regenerate --target T --input prompts.jsonl --output regenerated.jsonl
+    specheads data regenerate --target MY_VLM --input llava_instruct.jsonl --output answers.jsonl   # with images
     specheads data synth-prompts --target T --count 20000 --output synth.jsonl --exclude bench.jsonl   # new prompts
     specheads data dump-features --target T --data regenerated.jsonl --out features/
     specheads data draft-vocab --heads H --data regenerated.jsonl --size 8192 --out H-8k/   # EAGLE heads
