@@ -33,7 +33,14 @@ from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
 from specheads.inference.lookup import check_lookup_settings
 from specheads.inference.multimodal import image_processor_when_asked
 from specheads.inference.onednn import CPU_LINEAR_CHOICES, OneDNNLinear
-from specheads.inference.prompts import Prompt, calibration_prompts, follow_up, read_prompts, tokenize_prompts
+from specheads.inference.prompts import (
+    Prompt,
+    add_chat_template_kwargs,
+    calibration_prompts,
+    follow_up,
+    read_prompts,
+    tokenize_prompts,
+)
 from specheads.inference.round_budget import parse_max_round_nodes
 
 SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-path -> graphed_rounds= / fast_path=
@@ -73,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graft the corpus' guesses only while they earn this many accepted tokens per node, in the "
                    "prompt or after matches of the same length (0: always)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    add_chat_template_kwargs(p)
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts decoded together: consecutive prompts in left-padded batches of N, plain "
                    "`target.generate` on each batch against batched speculative decoding (one target forward verifies "
@@ -390,8 +398,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if lm.max_round_nodes == "auto":  # measured once, before anything is timed (the first batch would pay for it)
         lm.verification_ms_by_tokens()
     rows = read_prompts(args.prompts, args.category, args.limit, getattr(args, "per_category", None))
+    template_kwargs = getattr(args, "chat_template_kwargs", None)
     prompts = tokenize_prompts(rows, lm.tokenizer, chat=False if args.no_chat else None,
-                               processor=image_processor_when_asked(rows, args.target))
+                               processor=image_processor_when_asked(rows, args.target), template_kwargs=template_kwargs)
     if not prompts:
         raise ValueError(f"no prompts selected from {args.prompts}")
     turns = getattr(args, "turns", 1)
@@ -452,7 +461,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for prompt in tqdm(prompts, desc=f"bench {mode}", unit="prompt"):
             answers: list[str] = []
             for turn in range(1, min(turns, len(prompt.turns)) + 1):  # a record with fewer turns runs those it has
-                asked = prompt if turn == 1 else follow_up(prompt, answers, lm.tokenizer)
+                asked = prompt if turn == 1 else follow_up(prompt, answers, lm.tokenizer, template_kwargs)
                 outputs: dict[str, torch.Tensor] = {}
                 row = run_prompt(lm, asked, mode, args, assistant, static_decoder, constraint, outputs)
                 rows.append({**row, "turn": turn, "prompt_tokens": asked.input_ids.shape[-1]})

@@ -41,6 +41,7 @@ class ChatSession:
             every turn (the reference).
         processor: a vision-language target's processor (`multimodal.image_processor_for`): messages may then show
             images, and it renders the conversation (its chat template unless `chat_template` is given).
+        chat_template_kwargs: keywords of the chat template (`enable_thinking=False`, ...).
         **generate_options: passed to every `lm.generate` call (max_new_tokens, do_sample, temperature, stop_strings,
             logits_processor, ...).
 
@@ -56,10 +57,12 @@ class ChatSession:
         chat_template: str | None = None,
         reuse_cache: bool = True,
         processor: Any | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **generate_options: Any,
     ) -> None:
         self.lm = lm
         self.processor = processor
+        self.template_kwargs = dict(chat_template_kwargs or {})
         if tokenizer is None and processor is not None:
             tokenizer = processor.tokenizer
         self.tokenizer = tokenizer if tokenizer is not None else lm.tokenizer
@@ -101,10 +104,11 @@ class ChatSession:
         if self.processor is not None:
             from .multimodal import encode_image_prompt
 
-            return encode_image_prompt(self.processor, self.messages, self.images, self.chat_template)
+            return encode_image_prompt(self.processor, self.messages, self.images, self.chat_template,
+                                       self.template_kwargs)
         return self.tokenizer.apply_chat_template(
             self.messages, add_generation_prompt=True, chat_template=self.chat_template, return_tensors="pt",
-            return_dict=True,
+            return_dict=True, **self.template_kwargs,
         )["input_ids"], {}
 
     def ask(self, text: str, streamer: Any | None = None, images: list[Any] | None = None) -> str:

@@ -157,12 +157,14 @@ def image_processor_when_asked(rows: list[dict[str, Any]], target_name_or_path: 
 
 
 def encode_image_prompt(
-    processor: Any, messages: list[dict[str, Any]], images: list[Any], chat_template: str | None = None
+    processor: Any, messages: list[dict[str, Any]], images: list[Any], chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """(input_ids (1, n), the extra model inputs) of chat `messages` whose contents list `{"type": "image"}` and
     `{"type": "text", "text": ...}` parts, the images (PIL) in their order; the assistant's turn opened (with
-    `chat_template` instead of the processor's when given)."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, chat_template=chat_template)
+    `chat_template` instead of the processor's when given; `template_kwargs`: the template's keywords)."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, chat_template=chat_template,
+                                         **(template_kwargs or {}))
     encoded = dict(processor_encode(processor, text, images, return_tensors="pt"))
     input_ids = encoded.pop("input_ids")
     encoded.pop("attention_mask", None)  # one unpadded prompt: all ones
@@ -195,7 +197,7 @@ def load_images(images: list[Any]) -> list[Any]:
 
 
 def prompt_with_images(
-    processor: Any, text: str, images: list[Any], chat: bool | None = None
+    processor: Any, text: str, images: list[Any], chat: bool | None = None, template_kwargs: dict[str, Any] | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(input_ids (1, n), extra model inputs) of one user turn holding `images` (PIL), then `text`, written with the
     processor's chat template (`chat=False`: the processor's image token per image, then the text, no template;
@@ -206,7 +208,8 @@ def prompt_with_images(
             raise ValueError(f"the target's processor ({type(processor).__name__}) has no chat template; use no chat "
                              "template (--no-chat)")
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        return encode_image_prompt(processor, [{"role": "user", "content": content}], images)
+        return encode_image_prompt(processor, [{"role": "user", "content": content}], images,
+                                   template_kwargs=template_kwargs)
     if not getattr(processor, "image_token", None):
         raise ValueError(f"the target's processor ({type(processor).__name__}) names no image token for a prompt "
                          "without the chat template; use the chat template")
@@ -216,7 +219,8 @@ def prompt_with_images(
 
 
 def image_prompt(
-    target_name_or_path: str, text: str, image_paths: list[str], chat: bool | None = None
+    target_name_or_path: str, text: str, image_paths: list[str], chat: bool | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
     """A prompt with images for a vision-language target, made by the target's processor (`prompt_with_images`).
 
@@ -225,6 +229,7 @@ def image_prompt(
         text: the question.
         image_paths: image files (anything Pillow opens).
         chat: apply the chat template (default: when the processor has one).
+        template_kwargs: the chat template's keywords (`enable_thinking=False`, ...).
 
     Returns:
         (input_ids (1, n), the extra model inputs for `generate` (`pixel_values`, ...), the processor).
@@ -238,4 +243,4 @@ def image_prompt(
     if processor is None:
         raise ValueError(f"target {target_name_or_path!r} ships no processor that takes images; expected a "
                          "vision-language target (LLaVA, Qwen2-VL, Gemma 3, Idefics3, ...)")
-    return (*prompt_with_images(processor, text, images, chat), processor)
+    return (*prompt_with_images(processor, text, images, chat, template_kwargs), processor)

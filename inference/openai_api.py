@@ -144,7 +144,9 @@ def _data_url_image(part: dict[str, Any], where: str) -> Any:
     return image.convert("RGB")
 
 
-def _image_chat_prompt(messages: list[Any], processor: Any, chat_template: str | None) -> tuple[torch.Tensor, dict]:
+def _image_chat_prompt(
+    messages: list[Any], processor: Any, chat_template: str | None, template_kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, dict]:
     """(ids (1, n), extra model inputs) of chat messages with `image_url` parts, through the target's processor."""
     from specheads.inference.multimodal import encode_image_prompt
 
@@ -169,29 +171,37 @@ def _image_chat_prompt(messages: list[Any], processor: Any, chat_template: str |
     if chat_template is None and not getattr(processor, "chat_template", None):
         raise ApiError("this model's processor has no chat template: start the server with --chat-template",
                        param="messages")
-    return encode_image_prompt(processor, converted, images, chat_template)
+    return encode_image_prompt(processor, converted, images, chat_template, template_kwargs)
 
 
 def chat_prompt(
-    body: dict[str, Any], tokenizer: PreTrainedTokenizerBase, chat_template: str | None, processor: Any = None
+    body: dict[str, Any], tokenizer: PreTrainedTokenizerBase, chat_template: str | None, processor: Any = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the (1, n) ids of a chat request's messages through the chat template, the assistant's turn opened; the
     prompt's extra model inputs). Messages with `image_url` parts (base64 data URLs) go through `processor`, a
-    vision-language target's: the extra inputs are then its images (`pixel_values`, ...); else they are empty."""
+    vision-language target's: the extra inputs are then its images (`pixel_values`, ...); else they are empty.
+    The template gets the server's `template_kwargs` updated by the request's `chat_template_kwargs` (vLLM's field:
+    `{"enable_thinking": false}`, ...)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(f"messages={messages!r}: expected a non-empty list of {{role, content}}", param="messages")
+    asked = body.get("chat_template_kwargs") or {}
+    if not isinstance(asked, dict):
+        raise ApiError(f"chat_template_kwargs={asked!r}: expected an object of the chat template's keywords",
+                       param="chat_template_kwargs")
+    template_kwargs = {**(template_kwargs or {}), **asked}
     if _has_images(messages):
         if processor is None:
             raise ApiError("messages hold image_url parts, but this model takes no images (a text target)",
                            param="messages")
-        return _image_chat_prompt(messages, processor, chat_template)
+        return _image_chat_prompt(messages, processor, chat_template, template_kwargs)
     texts = [_message_text(m, i) for i, m in enumerate(messages)]
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ApiError("this model's tokenizer has no chat template: use /v1/completions, or start the server with "
                        "--chat-template", param="messages")
     return tokenizer.apply_chat_template(texts, add_generation_prompt=True, chat_template=chat_template,
-                                         return_tensors="pt", return_dict=True)["input_ids"], {}
+                                         return_tensors="pt", return_dict=True, **template_kwargs)["input_ids"], {}
 
 
 def completion_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
@@ -209,7 +219,7 @@ def completion_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase) 
 
 def parse_request(
     body: Any, chat: bool, tokenizer: PreTrainedTokenizerBase, defaults: dict[str, Any],
-    chat_template: str | None = None, processor: Any = None,
+    chat_template: str | None = None, processor: Any = None, template_kwargs: dict[str, Any] | None = None,
 ) -> ParsedRequest:
     """Check a request body and turn it into a `ParsedRequest`.
 
@@ -219,6 +229,7 @@ def parse_request(
         defaults: the server's `generate` options, for the fields a request leaves out.
         chat_template: a Jinja template used instead of the tokenizer's.
         processor: a vision-language target's processor: chat messages may then hold `image_url` parts.
+        template_kwargs: the server's chat template keywords (a request's `chat_template_kwargs` update them).
     """
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -230,7 +241,7 @@ def parse_request(
     if best_of not in (None, n):
         raise ApiError(f"best_of={best_of!r} is not supported: choices are not ranked (ask for n={best_of} and pick)",
                        param="best_of")
-    input_ids, inputs = chat_prompt(body, tokenizer, chat_template, processor) if chat else (
+    input_ids, inputs = chat_prompt(body, tokenizer, chat_template, processor, template_kwargs) if chat else (
         completion_prompt(body, tokenizer), {})
 
     options = dict(defaults)

@@ -3,6 +3,7 @@ lines."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,10 +130,12 @@ def prompt_row(record: object, where: str, number: int, folder: Path | None = No
 
 
 def tokenize_prompts(
-    rows: list[dict], tokenizer: PreTrainedTokenizerBase, chat: bool | None = None, processor: Any = None
+    rows: list[dict], tokenizer: PreTrainedTokenizerBase, chat: bool | None = None, processor: Any = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[Prompt]:
-    """Tokenise; the chat template is applied when the tokenizer has one (unless chat=False). Rows with `images`
-    are made by `processor`, a vision-language target's (`multimodal.prompt_with_images`; a ValueError without one)."""
+    """Tokenise; the chat template is applied when the tokenizer has one (unless chat=False), with `template_kwargs`
+    (`enable_thinking=False`, ...). Rows with `images` are made by `processor`, a vision-language target's
+    (`multimodal.prompt_with_images`; a ValueError without one)."""
     use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
     prompts = []
     for row in rows:
@@ -142,12 +145,13 @@ def tokenize_prompts(
             if processor is None:
                 raise ValueError(f"prompt {row['prompt_id']} has images, but the target takes none here (it ships no "
                                  "image processor, or this command reads text prompts only)")
-            ids, inputs = prompt_with_images(processor, row["text"], load_images(row["images"]), chat)
+            ids, inputs = prompt_with_images(processor, row["text"], load_images(row["images"]), chat, template_kwargs)
             prompts.append(Prompt(row["prompt_id"], row["category"], row["text"], ids, (row["text"],), inputs))
             continue
         if use_chat:
             ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": row["text"]}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+                [{"role": "user", "content": row["text"]}], add_generation_prompt=True, return_tensors="pt", return_dict=True,
+                **(template_kwargs or {}),
             )["input_ids"]
         else:
             ids = tokenizer(row["text"], return_tensors="pt").input_ids
@@ -155,9 +159,12 @@ def tokenize_prompts(
     return prompts
 
 
-def follow_up(prompt: Prompt, answers: list[str], tokenizer: PreTrainedTokenizerBase) -> Prompt:
-    """Turn k + 1 of a multi-turn prompt, given the k answers so far: the chat template over the first k + 1 user
-    turns with the answers between them (MT-bench's second turn reads the first answer, as in its judge setup)."""
+def follow_up(
+    prompt: Prompt, answers: list[str], tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None = None
+) -> Prompt:
+    """Turn k + 1 of a multi-turn prompt, given the k answers so far: the chat template (with `template_kwargs`) over
+    the first k + 1 user turns with the answers between them (MT-bench's second turn reads the first answer, as in
+    its judge setup)."""
     k = len(answers)
     if not 0 < k < len(prompt.turns):
         raise ValueError(f"prompt {prompt.prompt_id} has {len(prompt.turns)} turns; cannot ask turn {k + 1}")
@@ -167,7 +174,8 @@ def follow_up(prompt: Prompt, answers: list[str], tokenizer: PreTrainedTokenizer
     for question, answer in zip(prompt.turns, answers):
         messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": prompt.turns[k]})
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
+                                        **(template_kwargs or {}))
     return Prompt(prompt.prompt_id, prompt.category, prompt.turns[k], ids["input_ids"], prompt.turns)
 
 
@@ -186,3 +194,22 @@ def calibration_prompts(prompts: list[Prompt], count: int = 4) -> list[Prompt]:
         (rest if prompt.category in categories else firsts).append(prompt)
         categories.add(prompt.category)
     return (firsts + rest)[:count]
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object given on the command line (`--chat-template-kwargs '{"enable_thinking": false}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object ({{\"key\": value}}), got "
+                                         f"{type(value).__name__}")
+    return value
+
+
+def add_chat_template_kwargs(p: argparse.ArgumentParser) -> None:
+    """`--chat-template-kwargs JSON`: keywords of the chat template (generate, chat, serve, bench, data)."""
+    p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help="keywords of the chat template, e.g. '{\"enable_thinking\": false}' (Qwen3-style reasoning "
+                        "switch); give heads' training data the same ones (data.chat_template_kwargs)")

@@ -72,12 +72,13 @@ class CompletionService:
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
                  chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8,
-                 processor: Any = None) -> None:
+                 processor: Any = None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
         self.defaults = dict(defaults or {})
         self.chat_template, self.processor = chat_template, processor
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # a request's `chat_template_kwargs` update them
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
         self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
@@ -108,7 +109,8 @@ class CompletionService:
         if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
             raise ApiError(f"model {body['model']!r} is not served here; this server serves {self.model_name!r}",
                            status=404, param="model", error_type="not_found_error")
-        return parse_request(body, chat, self.tokenizer, self.defaults, self.chat_template, self.processor)
+        return parse_request(body, chat, self.tokenizer, self.defaults, self.chat_template, self.processor,
+                             self.chat_template_kwargs)
 
     def complete(
         self, request: ParsedRequest, chat: bool = True, on_text: Any = None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def _add_decoding_options(p: argparse.ArgumentParser) -> None:
-    """The model, decoding and CPU-kernel options `generate` and `chat` share."""
+    """The model, decoding and CPU-kernel options `generate`, `chat` and `serve` share."""
     # torch is loaded by now (the package imports it)
     from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
     from specheads.inference.corpus_gate import MIN_GAIN, PROBE_EVERY
@@ -18,6 +18,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES
     from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
     from specheads.inference.onednn import CPU_LINEAR_CHOICES
+    from specheads.inference.prompts import add_chat_template_kwargs
     from specheads.inference.round_budget import parse_max_round_nodes
 
     p.add_argument("--target", default="stories260K", help="target path, Hub id, alias or peft adapter (default: stories260K)")
@@ -83,6 +84,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's, one per core; set it when other work shares the machine)")
     p.add_argument("--seed", type=int, default=0)
+    add_chat_template_kwargs(p)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -156,7 +158,7 @@ def build_server(args: argparse.Namespace):
     defaults = {k: v for k, v in _generate_options(args).items() if v is not None}
     processor = image_processor_for(args.target)  # a vision-language target's: chat requests may hold images
     service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template,
-                                args.api_key, args.max_batch, processor)
+                                args.api_key, args.max_batch, processor, args.chat_template_kwargs)
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]
@@ -260,13 +262,15 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.image:  # before loading the model: a missing image or processor fails fast
         from specheads.inference.multimodal import image_prompt
 
-        input_ids, images, _ = image_prompt(args.target, args.prompt, args.image, chat=args.chat)
+        input_ids, images, _ = image_prompt(args.target, args.prompt, args.image, chat=args.chat,
+                                            template_kwargs=args.chat_template_kwargs)
     lm, kernels = _load_lm(args)
     tokenizer = lm.tokenizer
     if not args.image:
         # the same rule as `specheads bench`: a chat model answers its chat template, not raw text
         prompt = {"prompt_id": "cli", "category": "cli", "text": args.prompt}
-        input_ids = tokenize_prompts([prompt], tokenizer, chat=args.chat)[0].input_ids  # (1, n)
+        input_ids = tokenize_prompts([prompt], tokenizer, chat=args.chat,
+                                     template_kwargs=args.chat_template_kwargs)[0].input_ids  # (1, n)
     constraint = constraint_from_options(tokenizer, args.json_schema, args.regex)
     processors = None if constraint is None else [constraint]
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
@@ -287,7 +291,8 @@ def run_generate_file(args: argparse.Namespace) -> int:
         raise ValueError("generate --prompts needs --out FILE (the answers' JSONL)")
     rows = read_prompts(args.prompts, limit=args.limit)  # before loading the model: a bad path fails fast
     lm, kernels = _load_lm(args)
-    prompts = tokenize_prompts(rows, lm.tokenizer, chat=args.chat, processor=image_processor_when_asked(rows, args.target))
+    prompts = tokenize_prompts(rows, lm.tokenizer, chat=args.chat, processor=image_processor_when_asked(rows, args.target),
+                               template_kwargs=args.chat_template_kwargs)
     constraint = constraint_from_options(lm.tokenizer, args.json_schema, args.regex)
     try:
         totals = generate_file(lm, prompts, args.out, args.max_batch, args.seed, constraint, **_generate_options(args))
@@ -311,7 +316,7 @@ def run_chat(args: argparse.Namespace) -> int:
     if args.image and processor is None:
         raise ValueError(f"--image needs a vision-language target with an image processor; {args.target!r} has none")
     session = ChatSession(lm, system=args.system, chat_template=template, reuse_cache=not args.no_cache,
-                          processor=processor, **_generate_options(args))
+                          processor=processor, chat_template_kwargs=args.chat_template_kwargs, **_generate_options(args))
     print(f"[specheads] chat with {args.target} ({', '.join(f'{k}={v}' for k, v in kernels.items())}); "
           f"/reset starts over, {'/image FILE attaches an image, ' if processor else ''}/exit quits", file=sys.stderr)
     try:

@@ -44,6 +44,9 @@ class DataSection:
     exclude_prompts: str = ""  # benchmark prompts (e.g. MT-bench JSONL): conversations asking one are not trained on
     # records' relative image paths are read from here (default: the data file's folder); vision-language targets
     image_folder: str | None = None
+    # keywords of the chat template, as the target is prompted at inference (`--chat-template-kwargs`), e.g.
+    # {enable_thinking: false} for Qwen3-style reasoning switches
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

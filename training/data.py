@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,21 +105,36 @@ def message_text(content: Any) -> str:
     return str(content)
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, template_kwargs: dict[str, Any] | None = None
+) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         **(template_kwargs or {}))
 
 
-def conversation_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+class NotIncrementalTemplate(ValueError):
+    """The chat template renders a conversation's earlier turns otherwise once later turns follow (Qwen3's drops
+    their reasoning), so a turn's text cannot be cut out of the whole conversation's."""
+
+
+def conversation_segments(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+) -> list[tuple[str, bool]]:
     """Cut a conversation into (text, is_assistant) pieces whose concatenation is the rendered conversation.
 
     With a chat template: the text of assistant turn i is what rendering messages[: i + 1] adds after
     rendering messages[:i] with the generation prompt. Without one: "role: text" lines, with the answer
-    and an end-of-sequence token trained.
+    and an end-of-sequence token trained. `template_kwargs`: the chat template's keywords (`enable_thinking`, ...).
+
+    Raises:
+        NotIncrementalTemplate: the template renders earlier turns otherwise once later ones follow.
     """
-    return [(text, trained) for text, trained, _ in conversation_spans(tokenizer, messages)]
+    return [(text, trained) for text, trained, _ in conversation_spans(tokenizer, messages, template_kwargs)]
 
 
-def conversation_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> list[tuple[str, bool, range]]:
+def conversation_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+) -> list[tuple[str, bool, range]]:
     """`conversation_segments` with, for each piece, the range of `messages` whose content it writes (a piece that
     is only a role marker or the template's tail writes none). `tokenizer` is a tokenizer, or a processor with a
     chat template (messages whose contents are lists of parts: vision-language records)."""
@@ -127,13 +143,16 @@ def conversation_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> list[t
         done, first = "", 0  # the rendered text so far; the first message it does not cover yet
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                prompt = _render(tokenizer, messages[:i], generation_prompt=True)
-                full = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+                prompt = _render(tokenizer, messages[:i], True, template_kwargs)
+                full = _render(tokenizer, messages[: i + 1], False, template_kwargs)
                 if not prompt.startswith(done) or not full.startswith(prompt):
-                    raise ValueError("the chat template does not render conversations incrementally; cannot mask turns")
+                    where = "its generation prompt" if prompt.startswith(done) else "an earlier turn"
+                    raise NotIncrementalTemplate(
+                        f"the chat template renders assistant turn {i} otherwise than {where} led to expect; cannot "
+                        "cut the turns out of the whole conversation")
                 spans += [(prompt[len(done):], False, range(first, i)), (full[len(prompt):], True, range(i, i + 1))]
                 done, first = full, i + 1
-        rest = _render(tokenizer, messages, generation_prompt=False)[len(done):]
+        rest = _render(tokenizer, messages, False, template_kwargs)[len(done):]
         if rest:
             spans.append((rest, False, range(first, len(messages))))
         return spans
@@ -147,29 +166,84 @@ def conversation_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> list[t
 
 
 def tokenize_record(
-    tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], fmt: str, max_length: int
+    tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], fmt: str, max_length: int,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, list[int]]:
-    """Token ids and loss mask of one record (truncated to max_length tokens)."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    """Token ids and loss mask of one record (truncated to max_length tokens); `template_kwargs`: the chat template's
+    keywords (`enable_thinking`, ...).
+
+    Raises:
+        NotIncrementalTemplate: a conversation the template cannot render turn by turn (`tokenized_examples` splits
+            it into one example per assistant turn instead).
+    """
     if fmt == "text":
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         ids = bos + tokenizer(str(record["text"]), add_special_tokens=False).input_ids
         mask = [0] * len(bos) + [1] * (len(ids) - len(bos))
-    else:
-        ids, mask = [], []
-        segments = conversation_segments(tokenizer, to_messages(record, fmt))
-        if not tokenizer.chat_template:
-            ids, mask = list(bos), [0] * len(bos)
-        for text, trained in segments:
-            piece = tokenizer(text, add_special_tokens=False).input_ids
-            ids += piece
-            mask += [int(trained)] * len(piece)
+        return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
+    return _tokenized(tokenizer, conversation_segments(tokenizer, to_messages(record, fmt), template_kwargs), max_length)
+
+
+def _tokenized(tokenizer: PreTrainedTokenizerBase, segments: list[tuple[str, bool]], max_length: int) -> dict[str, list[int]]:
+    """Token ids and loss mask of conversation pieces (a BOS in front when there is no chat template to write it)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and not tokenizer.chat_template else []
+    ids, mask = list(bos), [0] * len(bos)
+    for text, trained in segments:
+        piece = tokenizer(text, add_special_tokens=False).input_ids
+        ids += piece
+        mask += [int(trained)] * len(piece)
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
+
+
+def tokenized_examples(
+    tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], fmt: str, max_length: int,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[dict[str, list[int]]]:
+    """The examples of one record: itself (`tokenize_record`), or, for a conversation the chat template cannot
+    render turn by turn (Qwen3 drops earlier turns' reasoning once a later user turn follows; a generation prompt
+    writes more than the turn's own rendering, as `<think></think>` with enable_thinking=False), one example per
+    assistant turn: the prompt the target answers that turn after, then the answer, the only part trained
+    (`answer_after_prompt`). Each turn is then trained with the context it has when the target answers it."""
+    try:
+        return [tokenize_record(tokenizer, record, fmt, max_length, template_kwargs)]
+    except NotIncrementalTemplate:
+        messages = to_messages(record, fmt)
+        examples = []
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                prompt, answer = answer_after_prompt(tokenizer, messages, i, template_kwargs)
+                examples.append(_tokenized(tokenizer, [(prompt, False), (answer, True)], max_length))
+        return examples
+
+
+def answer_after_prompt(
+    tokenizer: Any, messages: list[dict[str, Any]], i: int, template_kwargs: dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """(the prompt the target answers assistant turn i after: messages[:i] with the generation prompt, the answer as
+    the template writes it after that prompt).
+
+    The answer is what rendering messages[: i + 1] adds to the prompt. A generation prompt that writes more than the
+    template's rendering of the turn (Qwen3's `<think></think>` with enable_thinking=False) is kept, and the answer
+    starts where the two renderings part: the tokens the target produced after exactly that prompt.
+
+    Raises:
+        NotIncrementalTemplate: the renderings part before the turn (the template rewrites the earlier ones).
+    """
+    prompt = _render(tokenizer, messages[:i], True, template_kwargs)
+    full = _render(tokenizer, messages[: i + 1], False, template_kwargs)
+    if full.startswith(prompt):
+        return prompt, full[len(prompt):]
+    shared = len(os.path.commonprefix([prompt, full]))
+    if shared < len(_render(tokenizer, messages[:i], False, template_kwargs)):
+        raise NotIncrementalTemplate(f"the chat template renders the conversation before assistant turn {i} otherwise "
+                                     "when the turn follows; cannot cut the turn out")
+    return prompt, full[shared:]
 
 
 def build_dataset(
     source: str | Path | Sequence[str | Path], tokenizer: PreTrainedTokenizerBase, fmt: str = "auto",
     max_length: int = 512, progress: bool = True, exclude: set[str] | None = None, processor: Any = None,
-    image_folder: str | Path | None = None,
+    image_folder: str | Path | None = None, chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Dataset:
     """Tokenize one data source, or a list of them (a mixture, concatenated in order), into a `datasets.Dataset`
     with columns input_ids, loss_mask, length.
@@ -184,6 +258,9 @@ def build_dataset(
             (image_records.py) and the dataset gets the columns images and image_pieces (`ImageCollate` reads them).
             Without one, such records are trained as text (a warning says how many).
         image_folder: where relative image paths are read from (default: the data file's folder).
+        chat_template_kwargs: keywords of the chat template (`enable_thinking=False`, ...): give those the target is
+            prompted with at inference. A conversation the template cannot render turn by turn (Qwen3 drops earlier
+            turns' reasoning) becomes one example per assistant turn (`tokenized_examples`; a log line counts them).
 
     Raises:
         ValueError: an unknown format, a record without its format's field, or a source without trainable
@@ -194,7 +271,8 @@ def build_dataset(
         raise ValueError("no data source given (an empty list)")
     rows: list[dict[str, Any]] = []
     for one in sources:
-        rows += _tokenized_rows(one, tokenizer, fmt, max_length, progress, exclude, processor, image_folder)
+        rows += _tokenized_rows(one, tokenizer, fmt, max_length, progress, exclude, processor, image_folder,
+                                chat_template_kwargs)
     columns = {
         "input_ids": [r["input_ids"] for r in rows],
         "loss_mask": [r["loss_mask"] for r in rows],
@@ -211,6 +289,7 @@ def build_dataset(
 def _tokenized_rows(
     source: str | Path, tokenizer: PreTrainedTokenizerBase, fmt: str, max_length: int, progress: bool,
     exclude: set[str] | None = None, processor: Any = None, image_folder: str | Path | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One source's records, checked against their format and tokenized (rows of fewer than 3 tokens dropped)."""
     # imported here: image_records builds on this module's conversation helpers
@@ -246,17 +325,23 @@ def _tokenized_rows(
         image_folder = path.parent if path.is_file() else path if path.is_dir() else None
     bar = tqdm(records, desc=f"tokenize {Path(str(source)).name}", unit="rec",
                disable=not progress or len(records) < (1 if read_images else PROGRESS_MIN_RECORDS))
-    rows, too_long = [], 0
+    rows, too_long, split = [], 0, 0
     for number, record in enumerate(bar):
         if not (read_images and has_images(record)):
-            rows.append(tokenize_record(tokenizer, record, fmt, max_length))
+            examples = tokenized_examples(tokenizer, record, fmt, max_length, chat_template_kwargs)
+            split += len(examples) > 1
+            rows += examples
             continue
         try:
-            row = tokenize_image_record(processor, record, fmt, max_length, None if image_folder is None else Path(image_folder))
+            row = tokenize_image_record(processor, record, fmt, max_length,
+                                        None if image_folder is None else Path(image_folder), chat_template_kwargs)
         except (ValueError, FileNotFoundError) as err:
             raise type(err)(f"data source {str(source)!r}, record {number}: {err}") from err
         too_long += row is None
         rows += [row] if row is not None else []
+    if split:
+        logger.info("data source %r: the chat template renders earlier turns otherwise once later ones follow; %d "
+                    "multi-turn conversations were cut into one example per assistant turn", str(source), split)
     if too_long:
         logger.warning("data source %r: left out %d records whose images do not fit in data.max_length=%d tokens",
                        str(source), too_long, max_length)

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specheads.inference.prompts import add_chat_template_kwargs
 from specheads.training.data import PROGRESS_MIN_RECORDS, asks_any, detect_format, read_records, to_messages
 from specheads.training.image_records import has_images, image_prompt_of
 from specheads.training.preflight import check_writable_dir, check_writable_file
@@ -139,6 +140,7 @@ def regenerate(
     exclude: set[str] | None = None,
     processor: Any = None,
     image_folder: str | Path | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> int:
     """Have the target write responses (or whole stories) and append them to `output` (JSONL).
 
@@ -151,7 +153,9 @@ def regenerate(
     what an uninterrupted one would have. Records with images (image_records.py) need a vision-language target's
     `processor`: the target answers them seeing their images (one prompt per `generate` call), and the output record
     keeps the images (`images`: paths, relative ones read from `image_folder`, default the input's folder, or `data:`
-    URLs of images held in the data) with image parts in its messages.
+    URLs of images held in the data) with image parts in its messages. `chat_template_kwargs`: keywords of the chat
+    template (`enable_thinking=False`: a Qwen3-style target answers without reasoning); train with the same ones
+    (`data.chat_template_kwargs`).
 
     Returns:
         The number of records written by this call.
@@ -195,14 +199,16 @@ def regenerate(
             if has_images(record):
                 try:
                     prompt, images, ids, inputs = image_prompt_of(
-                        processor, record, fmt, keep, None if image_folder is None else Path(image_folder))
+                        processor, record, fmt, keep, None if image_folder is None else Path(image_folder),
+                        chat_template_kwargs)
                 except (ValueError, FileNotFoundError) as err:
                     raise type(err)(f"{input_path}, record {n}: {err}") from err
                 jobs.append({"id": str(record.get("id", n)), "messages": prompt, "images": images,
                              "prompt_ids": ids[0].tolist(), "inputs": inputs})
                 continue
             if tokenizer.chat_template:
-                ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+                ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                    **(chat_template_kwargs or {}))["input_ids"]
             else:
                 text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
                 ids = tokenizer(text).input_ids
@@ -255,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "one are skipped")
     regen.add_argument("--image-folder", default=None, help="vision-language targets: where records' relative image "
                        "paths are read from (default: the input file's folder)")
+    add_chat_template_kwargs(regen)
     regen.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     dump = sub.add_parser("dump-features", help="write the target's features as safetensors shards + index")
     dump.add_argument("--target", default="stories260K")
@@ -271,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "must equal the heads' feature_layers)")
     dump.add_argument("--image-folder", default=None, help="vision-language targets: where records' relative image "
                       "paths are read from (default: the data file's folder)")
+    add_chat_template_kwargs(dump)
     dump.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
     vocab = sub.add_parser("draft-vocab", help="EAGLE heads: draft over the N most frequent trained tokens of the data "
                            "(a cheaper draft projection on large vocabularies; outputs stay exact); EAGLE-3 heads: widen "
@@ -389,7 +397,7 @@ def data_main(argv: list[str]) -> int:
                              temperature=args.temperature, seed=args.seed, limit=args.limit,
                              exclude=benchmark_prompts(args.exclude) if args.exclude else None,
                              processor=image_processor_for(args.target) if takes_images(target) else None,
-                             image_folder=args.image_folder)
+                             image_folder=args.image_folder, chat_template_kwargs=args.chat_template_kwargs)
         print(json.dumps({"output": args.output, "written": written}))
         return 0
     if args.tool == "synth-prompts":
@@ -406,7 +414,7 @@ def data_main(argv: list[str]) -> int:
     # a vision-language target reads the records' images: the dump stores the features heads read after an image
     processor = image_processor_for(args.target) if takes_images(target) else None
     dataset = build_dataset(args.data, tokenizer, args.format, args.max_length, processor=processor,
-                            image_folder=args.image_folder)
+                            image_folder=args.image_folder, chat_template_kwargs=args.chat_template_kwargs)
     layer = target.config.get_text_config().num_hidden_layers  # the final, post-norm state heads read
     tapped = tapped_layers_for(args.head_type, args.feature_layers, layer)
     index = dump_features(target, dataset, args.out, layer, batch_size=args.batch_size,

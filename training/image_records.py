@@ -146,7 +146,8 @@ def opened_images(refs: list[Any]) -> list[Any]:
 
 
 def tokenize_image_record(
-    processor: Any, record: dict[str, Any], fmt: str, max_length: int, image_folder: Path | None = None
+    processor: Any, record: dict[str, Any], fmt: str, max_length: int, image_folder: Path | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Token ids, loss mask, images and image pieces of one record with images, or None when its images do not fit in
     `max_length` tokens (cut inside an image, the target's forward would fail).
@@ -155,13 +156,14 @@ def tokenize_image_record(
     piece that writes images by the processor with those images (it expands each into its image tokens) and the
     others by the tokenizer; special tokens go where the processor puts them on a whole chat (`processor_encode`).
     The image pieces (`image_pieces`, JSON: where each starts, its text, its number of images, whether it opens
-    the conversation) are what `ImageCollate` encodes again for every batch.
+    the conversation) are what `ImageCollate` encodes again for every batch. `template_kwargs`: the chat template's
+    keywords.
     """
     messages, refs = image_conversation(record, fmt, image_folder)
     images = opened_images(refs)
     tokenizer = processor.tokenizer
     if getattr(processor, "chat_template", None):
-        spans = conversation_spans(processor, messages)
+        spans = conversation_spans(processor, messages, template_kwargs)
     else:  # "role: text" lines, the processor's image token where each image goes (as `generate --no-chat`)
         flat = [{"role": m["role"], "content": "".join(processor.image_token if p["type"] == "image" else p["text"]
                                                         for p in m["content"])} for m in messages]
@@ -243,7 +245,8 @@ def collate_for(dataset: Any, processor: Any) -> Any:
 
 
 def image_prompt_of(
-    processor: Any, record: dict[str, Any], fmt: str, keep: list[int], image_folder: Path | None = None
+    processor: Any, record: dict[str, Any], fmt: str, keep: list[int], image_folder: Path | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str], torch.Tensor, dict[str, torch.Tensor]]:
     """A prompt for the target to answer (`data regenerate`) from the turns `keep` of a record with images.
 
@@ -256,7 +259,8 @@ def image_prompt_of(
     messages, refs = image_conversation(record, fmt, image_folder)
     owners = [i for i, m in enumerate(messages) for part in m["content"] if part["type"] == "image"]  # per image
     kept_refs = [ref for ref, owner in zip(refs, owners) if owner in keep]
-    input_ids, inputs = encode_image_prompt(processor, [messages[i] for i in keep], opened_images(kept_refs))
+    input_ids, inputs = encode_image_prompt(processor, [messages[i] for i in keep], opened_images(kept_refs),
+                                            template_kwargs=template_kwargs)
     return [messages[i] for i in keep], [_json_ref(ref) for ref in kept_refs], input_ids, inputs
 
 

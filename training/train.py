@@ -330,7 +330,8 @@ def held_out_examples(
     if config.data.eval_source:
         # its own format, detected: a held-out file need not be written like the training data
         eval_examples: Any = build_dataset(config.data.eval_source, tokenizer, "auto", config.data.max_length,
-                                           progress=progress, processor=processor, image_folder=config.data.image_folder)
+                                           progress=progress, processor=processor, image_folder=config.data.image_folder,
+                                           chat_template_kwargs=config.data.chat_template_kwargs)
         train_indices, make_eval_batch = list(range(len(examples))), collate_for(eval_examples, processor)
     else:
         train_indices, eval_indices = split_eval_indices(len(examples), config.data.eval_fraction, config.seed)
@@ -406,7 +407,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         exclude = benchmark_prompts(config.data.exclude_prompts) if config.data.exclude_prompts else None
         examples = build_dataset(config.data.source, tokenizer, config.data.format, config.data.max_length,
                                  progress=accelerator.is_local_main_process, exclude=exclude, processor=processor,
-                                 image_folder=config.data.image_folder)
+                                 image_folder=config.data.image_folder,
+                                 chat_template_kwargs=config.data.chat_template_kwargs)
         lengths, make_batch = list(examples["length"]), collate_for(examples, processor)
         if joint is not None and has_image_rows(examples):
             raise ValueError("joint.enabled=true (Medusa-2) trains on text records only; the data holds records with "
