@@ -475,6 +475,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "tree": lm.tree_description(), "environment": environment(lm), "fast_path": getattr(args, "fast_path", "auto"),
         "command": "specheads bench " + " ".join(getattr(args, "argv", [])),
     }
+    if template_kwargs:  # how the prompts were rendered: heads trained on another rendering accept less
+        results["chat_template_kwargs"] = template_kwargs
     if constraint is not None:
         results["constraint"] = {"json_schema": getattr(args, "json_schema", None), "regex": getattr(args, "regex", None)}
     if tree_report:

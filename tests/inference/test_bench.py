@@ -417,3 +417,9 @@ def test_bench_turns_run_later_turns_over_the_earlier_answers(tmp_path, eagle_he
 
     with pytest.raises(ValueError, match="needs the target's chat template"):
         bench_main([*argv, "--no-chat"])
+
+
+def test_bench_records_the_chat_template_keywords(tmp_path, eagle_heads_dir):
+    results, _ = run_bench(tmp_path, eagle_heads_dir, "Once upon a time\n", "--modes", "greedy",
+                           "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert results["chat_template_kwargs"] == {"enable_thinking": False} and results["greedy_identical"] is True
