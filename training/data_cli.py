@@ -290,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--target", default=None, help="default: the heads' target_name_or_path")
     vocab.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
     vocab.add_argument("--max-length", type=int, default=768)
+    add_chat_template_kwargs(vocab)
     corpus = sub.add_parser("lookup-corpus", help="the target's answers as a corpus for corpus lookup (`--lookup-corpus`: "
                             "their continuations of the context become draft branches)")
     corpus.add_argument("--target", default="stories260K", help="whose tokenizer and chat template tokenize the answers")
@@ -299,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder may hold it)")
     corpus.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
     corpus.add_argument("--max-length", type=int, default=4096, help="tokens per conversation at most")
+    add_chat_template_kwargs(corpus)
     synth = sub.add_parser("synth-prompts", help="the target writes user prompts (Magpie) for regenerate to answer")
     synth.add_argument("--target", default="smollm2-135m-instruct", help="an instruction-tuned target (chat template)")
     synth.add_argument("--count", type=int, required=True, help="prompts the output should hold")
@@ -377,11 +379,12 @@ def data_main(argv: list[str]) -> int:
     else:
         check_writable_dir(args.out, f"{args.tool} --out")
     if args.tool == "lookup-corpus":
-        print(json.dumps(write_lookup_corpus(args.target, args.data, args.out, args.format, args.max_length)))
+        print(json.dumps(write_lookup_corpus(args.target, args.data, args.out, args.format, args.max_length,
+                                             args.chat_template_kwargs)))
         return 0
     if args.tool == "draft-vocab":
         print(json.dumps(add_draft_vocab(args.heads, args.data, args.size, args.out, args.target, args.format,
-                                         args.max_length)))
+                                         args.max_length, args.chat_template_kwargs)))
         return 0
     if args.tool == "synth-prompts":  # imported here: synth_prompts imports this module
         from specheads.training.synth_prompts import check_openings, synthesize_prompts
@@ -425,7 +428,8 @@ def data_main(argv: list[str]) -> int:
 
 
 def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name: str | None = None,
-                    fmt: str = "auto", max_length: int = 768) -> dict[str, Any]:
+                    fmt: str = "auto", max_length: int = 768,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """`specheads data draft-vocab`: save EAGLE heads that draft over the `size` most frequent trained tokens of
     `data` to `out`, or EAGLE-3 heads whose draft vocabulary is widened to `size` (their own tokens plus the most
     frequent others; train them on with `init_heads=out`). Returns a summary (out, draft_vocab_size, coverage of
@@ -452,7 +456,7 @@ def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name
     if head_type == "eagle3" and size <= heads.draft_vocab_size:
         raise ValueError(f"--size {size}: these eagle3 heads already draft over {heads.draft_vocab_size} tokens; "
                          "draft-vocab widens an eagle3 vocabulary (a narrower one is chosen when training from scratch)")
-    dataset = build_dataset(data, tokenizer, fmt, max_length)
+    dataset = build_dataset(data, tokenizer, fmt, max_length, chat_template_kwargs=chat_template_kwargs)
     counts = count_trained_tokens(dataset["input_ids"], dataset["loss_mask"], heads.config.vocab_size)
     keep = special_token_ids(tokenizer, target) + (heads.d2t.tolist() if head_type == "eagle3" else [])
     vocab = build_draft_vocab(counts, size, keep)
@@ -465,7 +469,8 @@ def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name
     return {"out": out, "draft_vocab_size": size, "coverage": round(vocab.coverage, 4)}
 
 
-def write_lookup_corpus(target_name: str, data: str, out: str, fmt: str = "auto", max_length: int = 4096) -> dict[str, Any]:
+def write_lookup_corpus(target_name: str, data: str, out: str, fmt: str = "auto", max_length: int = 4096,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """`specheads data lookup-corpus`: tokenize the answers of `data` as `target_name`'s chat template renders them
     and save them as a corpus lookup's store in the folder `out`. Returns a summary (file, answers, tokens)."""
     from transformers import AutoTokenizer
@@ -475,7 +480,7 @@ def write_lookup_corpus(target_name: str, data: str, out: str, fmt: str = "auto"
     from specheads.training.data import build_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(target_name))
-    dataset = build_dataset(data, tokenizer, fmt, max_length)
+    dataset = build_dataset(data, tokenizer, fmt, max_length, chat_template_kwargs=chat_template_kwargs)
     answers = [span for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]) for span in answer_spans(ids, mask)]
     Path(out).mkdir(parents=True, exist_ok=True)
     path = write_corpus_file(out, documents_array(answers))  # no suffix array: it is built where the corpus is used

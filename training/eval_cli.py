@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from specheads.inference.prompts import add_chat_template_kwargs
 from specheads.training.config import RunConfig
 
 
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, help="cpu or cuda (default: where load_target puts the target)")
     p.add_argument("--out", default=None, help="also write the metrics as JSON here")
+    p.add_argument("--image-folder", default=None, help="--data on a vision-language target: where records' relative "
+                   "image paths are read from (default: the data file's folder)")
+    add_chat_template_kwargs(p)
     return p
 
 
@@ -51,7 +55,8 @@ def answer_prompts(target: Any, tokenizer: Any, path: str, args: argparse.Namesp
     """The target's greedy answers to the prompts, as rows {input_ids, loss_mask} scored on the answer only."""
     from specheads.inference.prompts import read_prompts, tokenize_prompts
 
-    prompts = tokenize_prompts(read_prompts(path, categories=args.category, limit=args.limit), tokenizer)
+    prompts = tokenize_prompts(read_prompts(path, categories=args.category, limit=args.limit), tokenizer,
+                               template_kwargs=args.chat_template_kwargs)
     rows = []
     for prompt in tqdm(prompts, desc="target answers", unit="prompt"):
         ids = prompt.input_ids.to(target.device)
@@ -63,10 +68,13 @@ def answer_prompts(target: Any, tokenizer: Any, path: str, args: argparse.Namesp
     return rows
 
 
-def score_heads(heads: Any, target: Any, rows: Any, pad_id: int, args: argparse.Namespace) -> dict[str, float]:
-    """The training loss's metrics of `heads` on `rows` (eval mode, no input noise), floats rounded to 4 places."""
-    from specheads.training.data import collate
+def score_heads(
+    heads: Any, target: Any, rows: Any, pad_id: int, args: argparse.Namespace, processor: Any = None
+) -> dict[str, float]:
+    """The training loss's metrics of `heads` on `rows` (eval mode, no input noise), floats rounded to 4 places; rows
+    with images (a vision-language target's data) are read with the target's `processor`."""
     from specheads.training.evaluate import evaluate
+    from specheads.training.image_records import collate_for
     from specheads.training.train import compute_loss
 
     config = RunConfig(target=args.target)
@@ -76,7 +84,7 @@ def score_heads(heads: Any, target: Any, rows: Any, pad_id: int, args: argparse.
         config.loss.ttt_steps = args.ttt_steps
     metrics = evaluate(
         lambda batch: compute_loss(config, heads, heads, target, batch, []),
-        rows, lambda batch_rows: collate(batch_rows, pad_id), args.batch_size, target.device,
+        rows, lambda batch_rows: collate_for(rows, processor)(batch_rows, pad_id), args.batch_size, target.device,
     )
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}
 
@@ -94,6 +102,7 @@ def comparison_table(reports: list[dict[str, Any]]) -> str:
 def eval_main(argv: list[str] | None = None) -> int:
     """Entry point of `specheads eval`: prints (and with --out writes) the held-out metrics as JSON."""
     from specheads import load_heads, load_target
+    from specheads.inference.multimodal import image_processor_for, takes_images
     from specheads.training.data import build_dataset
 
     args = build_parser().parse_args(argv)
@@ -109,16 +118,19 @@ def eval_main(argv: list[str] | None = None) -> int:
     # all loaded (and checked against the target) before the minutes the target's answers may take
     heads_models = [load_heads(name, target=target).to(device=target.device, dtype=target.dtype).eval()
                     for name in heads_list]
+    processor = None
     if args.prompts:
         rows: Any = answer_prompts(target, tokenizer, args.prompts, args)
     else:
-        rows = build_dataset(args.data, tokenizer, "auto", args.max_length)
+        processor = image_processor_for(args.target) if takes_images(target) else None  # records' images read
+        rows = build_dataset(args.data, tokenizer, "auto", args.max_length, processor=processor,
+                             image_folder=args.image_folder, chat_template_kwargs=args.chat_template_kwargs)
         if args.limit:
             rows = rows.select(range(min(args.limit, len(rows))))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     reports = [
         {"heads": name, "target": str(args.target), "source": args.prompts or args.data, "examples": len(rows),
-         **score_heads(heads, target, rows, pad_id, args)}
+         **score_heads(heads, target, rows, pad_id, args, processor)}
         for name, heads in zip(heads_list, heads_models, strict=True)
     ]
     result: Any = reports[0] if len(reports) == 1 else reports

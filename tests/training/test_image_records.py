@@ -18,7 +18,7 @@ from transformers import AutoProcessor
 
 from specheads import load_target
 from specheads.inference.multimodal import prompt_with_images
-from specheads.training.data import build_dataset, conversation_segments, to_messages
+from specheads.training.data import build_dataset, collate, conversation_segments, to_messages
 from specheads.training.features import OfflineFeatures, dataset_sha256, dump_features, target_states
 from specheads.training.image_records import ImageCollate, has_image_rows, image_conversation
 
@@ -320,3 +320,33 @@ def test_images_in_two_user_turns(story_vlm, tmp_path):
     states, _ = target_states(target, batch["input_ids"], batch["attention_mask"], batch["row_inputs"])
     alone = target(input_ids=torch.tensor([row["input_ids"]]), pixel_values=expected, output_hidden_states=True)
     torch.testing.assert_close(states[-1][0], alone.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
+
+
+def test_eval_scores_heads_on_image_records(story_vlm, story_vlm_dir, image_chats, tmp_path, capsys):
+    """`specheads eval --data` on a vision-language target reads the records' images (the same scores as the
+    training loss computes on `ImageCollate` batches)."""
+    from specheads import create_heads
+    from specheads.cli import main
+    from specheads.training.config import RunConfig
+    from specheads.training.evaluate import evaluate
+    from specheads.training.train import compute_loss
+
+    target, tokenizer, processor = story_vlm
+    torch.manual_seed(0)
+    heads = create_heads(target, "eagle").eval()
+    heads.save_pretrained(tmp_path / "heads")
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--target", str(story_vlm_dir), "--heads", str(tmp_path / "heads"), "--data",
+                 str(image_chats[0]), "--out", str(out)]) == 0
+    scored = json.loads(out.read_text())
+    dataset = build_dataset(image_chats[0], tokenizer, max_length=768, processor=processor)
+    config = RunConfig(target=str(story_vlm_dir))
+    config.loss.input_noise = 0.0
+    expected = evaluate(lambda batch: compute_loss(config, heads, heads, target, batch, []), dataset,
+                        ImageCollate(processor), 4, target.device, progress=False)
+    assert scored["examples"] == 2 and scored["tokens"] == expected["tokens"]
+    assert scored["loss"] == pytest.approx(expected["loss"], abs=1e-4)
+    as_text = build_dataset(image_chats[0], tokenizer, max_length=768)  # the same records, their images unread
+    blind = evaluate(lambda batch: compute_loss(config, heads, heads, target, batch, []), as_text,
+                     lambda rows: collate(rows), 4, target.device, progress=False)
+    assert abs(blind["loss"] - scored["loss"]) > 1e-3
