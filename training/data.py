@@ -84,7 +84,9 @@ def detect_format(record: dict[str, Any]) -> str:
 
 
 def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, str]]:
-    """A ShareGPT or OpenAI record as a list of {"role", "content"} messages."""
+    """A ShareGPT or OpenAI record as a list of {"role", "content"} messages; a turn's `reasoning_content` (a
+    reasoning model's thoughts, as vLLM and DeepSeek's API return them) is kept for the chat templates that render
+    it (Qwen3's)."""
     if fmt == "sharegpt":
         messages = []
         for turn in record["conversations"]:
@@ -92,9 +94,19 @@ def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, str]]:
             if speaker not in SHAREGPT_ROLES:
                 raise ValueError(f"ShareGPT turn has unknown speaker from={turn.get('from')!r}; "
                                  f"expected one of {sorted(SHAREGPT_ROLES)}")
-            messages.append({"role": SHAREGPT_ROLES[speaker], "content": str(turn.get("value", ""))})
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": str(turn.get("value", "")),
+                             **_reasoning(turn)})
         return messages
-    return [{"role": str(m["role"]), "content": message_text(m["content"])} for m in record["messages"]]
+    return [{"role": str(m["role"]), "content": message_text(m["content"]), **_reasoning(m)} for m in record["messages"]]
+
+
+def _reasoning(turn: dict[str, Any]) -> dict[str, str]:
+    return {"reasoning_content": str(turn["reasoning_content"])} if turn.get("reasoning_content") else {}
+
+
+def reads_reasoning(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a message's `reasoning_content`."""
+    return "reasoning_content" in str(getattr(tokenizer, "chat_template", None) or "")
 
 
 def message_text(content: Any) -> str:
@@ -314,6 +326,12 @@ def _tokenized_rows(
             "plain-text records have no turns to place them in"
         logger.warning("data source %r: %d of %d records hold images, which training does not read (%s): the heads "
                        "train on their text alone, as if no image were there", str(source), with_images, len(records), why)
+    if fmt != "text" and not reads_reasoning(tokenizer):
+        thoughtful = sum(1 for r in records if any("reasoning_content" in m for m in to_messages(r, fmt)))
+        if thoughtful:
+            logger.warning("data source %r: %d records hold reasoning_content, which the chat template never renders: "
+                           "their reasoning is not trained (put it in the content, inside the model's thinking tags)",
+                           str(source), thoughtful)
     if exclude and fmt != "text":
         kept = [r for r in records if not asks_any(to_messages(r, fmt), exclude)]
         if len(kept) < len(records):

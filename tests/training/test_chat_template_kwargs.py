@@ -25,6 +25,8 @@ THINKING_TEMPLATE = (
     "{%- set content = m['content'] -%}"
     "{%- if '</think>' in content and loop.index0 < ns.last_user -%}"
     "{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
+    "{%- if m.get('reasoning_content') and loop.index0 > ns.last_user -%}"
+    "{%- set content = '<think>' + m['reasoning_content'] + '</think>' + content -%}{%- endif -%}"
     "<|assistant|>{{ content }}<|end|>"
     "{%- else -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%- endif -%}"
     "{%- endfor -%}"
@@ -137,3 +139,21 @@ def test_regenerate_prompts_the_target_with_the_keywords(thinking_tokenizer, tar
     ids = torch.tensor([prompt_ids(thinking_tokenizer, [{"role": "user", "content": "Tell a story."}], **NO_THINKING)])
     expected = target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
     assert answer == thinking_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_reasoning_content_is_trained_where_the_template_renders_it(thinking_tokenizer, target_and_tokenizer, tmp_path,
+                                                                    caplog):
+    record = {"messages": [{"role": "user", "content": "Tell a story."},
+                           {"role": "assistant", "content": "There was a cat.", "reasoning_content": "a cat story"}]}
+    data = tmp_path / "thoughts.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    row = build_dataset(data, thinking_tokenizer, max_length=128)[0]
+    trained = thinking_tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    assert trained.startswith("<think>a cat story</think>There was a cat.")
+    plain = copy.deepcopy(target_and_tokenizer[1])  # a template that never reads reasoning_content: said so
+    plain.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}" \
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    with caplog.at_level(logging.WARNING):
+        row = build_dataset(data, plain, max_length=128)[0]
+    assert "1 records hold reasoning_content, which the chat template never renders" in caplog.text
+    assert "a cat story" not in plain.decode(row["input_ids"])
