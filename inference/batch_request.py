@@ -104,7 +104,7 @@ def build_batch_request(
     if prompt_cache is not None:
         check_prompt_cache_call(prompt_cache, 1, None)
     checked = prompt_inputs(lm.target, inputs or {})
-    check_prompt_inputs_call(checked, input_ids, None, None, None)
+    check_prompt_inputs_call(checked, input_ids, None, None)
     return BatchRequest(
         prompt, budget, params, set(eos_ids(eos_token_id, config)), options.get("acceptance", "exact"),
         None if criteria is None else StopChecker(criteria, prompt), streamer,

@@ -42,7 +42,7 @@ from specheads.inference.lookup import LookupDrafter
 from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_static, write_tree_mask
 from specheads.inference.static_drafting import StaticEagleDrafter
 from specheads.inference.tree import TreeBuffers
-from specheads.inference.verify import sliding_window_of
+from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
 
 if TYPE_CHECKING:
     from specheads.inference.generate import SpeculativeLM
@@ -134,16 +134,17 @@ class TreeVerifier:
         """Hide every slot again (call once per new sequence: the tree mask only ever unmasks upwards)."""
         self.mask.fill_(torch.finfo(self.mask.dtype).min)
 
-    def load(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> None:
-        """Fill the static inputs for a tree of n <= N nodes written at slots [prefix, prefix + N)."""
+    def load(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int, position_offset: int = 0) -> None:
+        """Fill the static inputs for a tree of n <= N nodes written at slots [prefix, prefix + N), at text positions
+        `position_offset` from the slots (nonzero after an M-RoPE image)."""
         n = tokens.shape[0]
         if n > self.num_slots:
             raise ValueError(f"a tree of {n} nodes does not fit a verifier padded to {self.num_slots} nodes")
         self.cache.check_room(prefix_length + self.num_slots)
         self.ids[0, :n] = tokens
         self.ids[0, n:] = 0  # padding tokens: any valid id (they only see themselves)
-        self.positions[0, :n] = tree.depth + prefix_length
-        self.positions[0, n:] = prefix_length
+        self.positions[0, :n] = tree.depth + prefix_length + position_offset
+        self.positions[0, n:] = prefix_length + position_offset
         torch.add(self.slot_offsets, prefix_length, out=self.write)
         write_tree_mask(self.mask, tree.ancestors, prefix_length, self.pad_block)
 
@@ -264,6 +265,7 @@ class FastPathRunner:
         self.greedy_round: GraphedGreedyRound | None = None  # kept with its graph while the static drafter stays
         self.graphed_prefill = False  # prompts through `GraphedPrefill` (set by `generate` from the SpeculativeLM)
         self.prompt_graphs: GraphedPrefill | None = None  # created on first use
+        self.position_offset = 0  # the sequence's text positions' offset from its slots (M-RoPE, after an image)
 
     @property
     def capacity(self) -> int:
@@ -311,21 +313,34 @@ class FastPathRunner:
         return self.greedy_round
 
     def prefill(
-        self, prompt: torch.Tensor, max_new_tokens: int = 0, held: tuple[StaticTreeCache, torch.Tensor] | None = None
+        self, prompt: torch.Tensor, max_new_tokens: int = 0, held: tuple[StaticTreeCache, torch.Tensor] | None = None,
+        inputs: dict[str, torch.Tensor] | None = None, held_offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the (n,) prompt into slots [0, n) (eager: prompt lengths vary; `graphed_prefill`: padded, a CUDA graph per
         padded length). Returns last logits (1, V), features (n, h).
 
         `held`: (this runner's cache, (m, h) features) when its slots [0, m) still hold the prompt's first m tokens
-        (`prompt_cache.PromptCache.take`); only the tokens after them are run (eagerly), into slots [m, n).
+        (`prompt_cache.PromptCache.take`); only the tokens after them are run (eagerly), into slots [m, n), at
+        `held_offset` from them (the held part's text position offset). `inputs`: the prompt's images: the prompt runs
+        as the dynamic path runs it (the target places and embeds the images itself, with its own masks) and its
+        entries are copied into the static cache; the rounds then verify at the text positions after the image.
         Raises a ValueError first when prompt + max_new_tokens + the drafter's trees do not fit the cache.
         """
         self.cache.check_room(prompt.shape[0] + max_new_tokens + self.reserve)
-        if held is not None:
+        self.position_offset = held_offset if held is not None else 0
+        if inputs:
+            if held is not None:
+                raise ValueError("FastPathRunner.prefill: a held cache already holds the prompt's images")
+            dynamic = DynamicTreeVerifier(self.target, self.select_features)
+            last_logits, features = dynamic.prefill(prompt, max_new_tokens, inputs=inputs)
+            self.cache.load_prefix(dynamic.cache, prompt.shape[0])
+            self.position_offset = dynamic.position_offset
+        elif held is not None:
             if held[0] is not self.cache:
                 raise ValueError("FastPathRunner.prefill: the held entries are not in this runner's cache")
             start = held[1].shape[0]
-            out = prefill_static(self.target, self.cache, prompt[start:], output_hidden_states=True, start=start)
+            out = prefill_static(self.target, self.cache, prompt[start:], output_hidden_states=True, start=start,
+                                 position_offset=held_offset)
             last_logits = out.logits[0, -1:]
             features = torch.cat([held[1], self.select_features(out.hidden_states)[0]])
         elif self.graphed_prefill:
@@ -348,7 +363,7 @@ class FastPathRunner:
         """
         num_nodes = tokens.shape[0]
         verifier = self.verifier(padded_slots(num_nodes, self.fixed_slots))
-        verifier.load(tokens, tree, prefix_length)
+        verifier.load(tokens, tree, prefix_length, self.position_offset)
         logits, features = verifier.run()
         return logits[:num_nodes], features[:num_nodes]
 

@@ -354,7 +354,7 @@ class SpeculativeLM(CpuKernels):
         """
         config = self.target.generation_config if generation_config is None else generation_config
         config, inputs = settings_and_inputs(config, self.target, kwargs)
-        check_prompt_inputs_call(inputs, input_ids, attention_mask, fast_path, batched)
+        check_prompt_inputs_call(inputs, input_ids, attention_mask, batched)
         params, criteria = decoding_settings(
             config, self.tokenizer, do_sample, temperature, top_p, top_k, min_p=min_p, typical_p=typical_p,
             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
@@ -385,7 +385,7 @@ class SpeculativeLM(CpuKernels):
         can_batch = hasattr(self.drafter, "fork")
         if prompt_cache is not None:
             check_prompt_cache_call(prompt_cache, len(prompts), batched)
-        runner = None if inputs else fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
+        runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
@@ -488,7 +488,7 @@ class SpeculativeLM(CpuKernels):
         constrain_drafts(drafter, context, self.heads.config.vocab_size)  # processors that ban: allowed drafts only
         graphed = None
         if (isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact" and context is None
-                and recorder is None and prompt_cache is None):
+                and recorder is None and prompt_cache is None and not verifier.position_offset):
             wanted = verifier.use_graphs if self.graphed_rounds is None else self.graphed_rounds
             graphed = verifier.graphed_round(drafter) if wanted else None
         if graphed is not None and not done:

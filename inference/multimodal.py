@@ -62,7 +62,6 @@ def check_prompt_inputs_call(
     inputs: dict[str, torch.Tensor],
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    fast_path: bool | None,
     batched: bool | None,
 ) -> None:
     """Raise a ValueError naming the option that extra model inputs (images) cannot be combined with.
@@ -80,7 +79,6 @@ def check_prompt_inputs_call(
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError(f"extra model inputs ({names}) need an unpadded prompt; attention_mask has padding")
     for option, value, why in (
-        ("fast_path=True", fast_path is True, "the static-cache fast path runs text prompts only"),
         ("batched=True", batched is True, "rows sharing images are decoded one after another"),
     ):
         if value:

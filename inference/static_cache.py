@@ -153,6 +153,21 @@ class StaticTreeCache(Cache):
             )
         self.shared.kv[..., :length, :].copy_(kv[..., :length, :])
 
+    def load_prefix(self, source: Cache, length: int) -> None:
+        """Copy the first `length` positions of every layer of `source` (a `DynamicCache` of the same model) into
+        slots [0, length), as the next sequence: a prompt prefilled on the dynamic path (one with images, which the
+        target places and embeds itself) continues on this cache."""
+        self.check_room(length)
+        if len(source.layers) != len(self.layers):
+            raise ValueError(f"StaticTreeCache.load_prefix: {len(source.layers)} layers given, this cache holds "
+                             f"{len(self.layers)}")
+        for layer, given in zip(self.layers, source.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(given.keys, given.values)
+            layer.keys[:, :, :length].copy_(given.keys[:, :, :length])
+            layer.values[:, :, :length].copy_(given.values[:, :, :length])
+        self.sequence_number += 1
+
     def set_write_positions(self, positions: torch.Tensor) -> None:
         """Where the next forward writes its T tokens: a (T,) long tensor on the model's device.
 
@@ -204,9 +219,11 @@ def prefill_static(
     prompt: torch.Tensor,
     output_hidden_states: bool = False,
     start: int = 0,
+    position_offset: int = 0,
 ):
     """Run the (n,) prompt through `target` into slots [start, start + n) of `cache` (eager: prompt lengths vary);
-    with `start` > 0 the slots before it must hold the sequence's first `start` tokens (`PromptCache` reuse).
+    with `start` > 0 the slots before it must hold the sequence's first `start` tokens (`PromptCache` reuse), and
+    `position_offset` is their text positions' offset from the slots (M-RoPE, after an image).
 
     Returns the model output (the last position's logits (1, 1, V), and hidden states when asked). The caller sets
     its own bookkeeping (`committed_length`, masks) afterwards.
@@ -218,7 +235,7 @@ def prefill_static(
     return target(
         input_ids=prompt[None],
         attention_mask=prefill_mask(n, cache.capacity, target.dtype, device, start),
-        position_ids=positions[None],
+        position_ids=positions[None] + position_offset,
         **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=output_hidden_states,

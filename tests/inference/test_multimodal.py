@@ -123,8 +123,8 @@ def test_extra_inputs_are_checked_by_name(tiny_vlm_factory):
     mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones_like(ids)], dim=1)
     with pytest.raises(ValueError, match="need an unpadded prompt"):
         lm.generate(padded, attention_mask=mask, max_new_tokens=4, **inputs)
-    with pytest.raises(ValueError, match="fast_path=True cannot be combined"):
-        lm.generate(ids, max_new_tokens=4, fast_path=True, **inputs)
+    with pytest.raises(ValueError, match="batched=True cannot be combined"):
+        lm.generate(ids, max_new_tokens=4, batched=True, **inputs)
     # text prompts on a vision-language target need no extra inputs, and take the batched paths as usual
     assert torch.equal(lm.generate(batch, max_new_tokens=8), target.generate(batch, max_new_tokens=8, do_sample=False))
 
@@ -333,6 +333,34 @@ def test_text_after_an_image_prompt_keeps_plain_positions(tiny_vlm_factory):
     assert torch.equal(lm.generate(follow_up, max_new_tokens=10, prompt_cache=cache),
                        target_greedy(target, follow_up, {}, 10))
     assert lm.last_stats["reused_prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_5_vl", "idefics3"])
+@pytest.mark.parametrize("head_type", ["eagle", "medusa"])
+def test_image_prompts_on_the_static_cache_fast_path(tiny_vlm_factory, family, head_type):
+    """fast_path=True (the GPU path, run eagerly here): the image prompt prefills as on the dynamic path, its entries
+    move into the static cache, and the rounds verify at the text positions after the image (M-RoPE: checked to
+    matter); the target's own greedy output, also for a chat's next turn from a prompt cache (Gemma 3's sliding
+    window keeps it off the fast path)."""
+    target, ids, inputs = tiny_vlm_factory(family)
+    lm = SpeculativeLM(target, heads_for(target, head_type), tree_depth=4, tree_top_k=3, tree_num_nodes=12)
+    expected = target_greedy(target, ids, inputs, 24)
+    assert torch.equal(lm.generate(ids, max_new_tokens=24, fast_path=True, **inputs), expected)
+    assert lm.last_stats["fast_path"] and lm._fast_runner.position_offset == (-12 if "qwen" in family else 0)
+    cache = PromptCache()
+    out = lm.generate(ids, max_new_tokens=10, fast_path=True, prompt_cache=cache, **inputs)
+    follow_up = torch.cat([out, torch.tensor([[5, 9, 4]])], dim=1)
+    follow_inputs = {name: (follow_up == VLM_IMAGE).long() if name.endswith("token_type_ids") else value
+                     for name, value in inputs.items()}
+    assert torch.equal(lm.generate(follow_up, max_new_tokens=10, fast_path=True, prompt_cache=cache, **follow_inputs),
+                       target_greedy(target, follow_up, follow_inputs, 10))
+    assert lm.last_stats["reused_prompt_tokens"] == out.shape[1] - 1
+    # a text prompt after it starts from plain positions again
+    text = torch.tensor([[1, 7, 3, 8, 2, 11]])
+    assert torch.equal(lm.generate(text, max_new_tokens=10, fast_path=True), target_greedy(target, text, {}, 10))
+    # whole-round graphs (EAGLE, greedy): used after an image at plain positions, stepped aside from after an M-RoPE one
+    graphed = SpeculativeLM(target, lm.heads, tree_depth=4, tree_top_k=3, tree_num_nodes=12, graphed_rounds=True)
+    assert torch.equal(graphed.generate(ids, max_new_tokens=24, fast_path=True, **inputs), expected)
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
