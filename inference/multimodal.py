@@ -92,9 +92,9 @@ def inputs_fingerprint(inputs: dict[str, torch.Tensor]) -> str:
 
     digest = hashlib.sha256()
     for name in sorted(inputs):
-        value = inputs[name].detach().contiguous().cpu()
+        value = inputs[name].detach().cpu().contiguous()
         digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
-        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
     return digest.hexdigest()
 
 
