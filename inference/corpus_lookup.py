@@ -342,7 +342,7 @@ def write_corpus_file(path: str | Path, tokens: np.ndarray) -> Path:
 
 
 def answer_spans(input_ids: Sequence[int], loss_mask: Sequence[int], lead: int = ANSWER_LEAD) -> list[list[int]]:
-    """The answers of one tokenized conversation (`training.data.tokenize_record`: `loss_mask` 1 on assistant
+    """The answers of one tokenized conversation (`training.conversations.tokenize_record`: `loss_mask` 1 on assistant
     tokens), each with the `lead` tokens before it (the assistant header), as corpus documents."""
     spans, start = [], None
     for i, trained in enumerate([*loss_mask, 0]):

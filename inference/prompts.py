@@ -110,7 +110,8 @@ def prompt_row(record: object, where: str, number: int, folder: Path | None = No
     if turns is None and isinstance(record.get("prompt"), list):  # e.g. HuggingFaceH4/mt_bench_prompts
         turns = record["prompt"]
     if turns is None and ("messages" in record or "conversations" in record):
-        from specheads.training.data import detect_format, to_messages
+        from specheads.training.conversations import to_messages
+        from specheads.training.data import detect_format
 
         messages = to_messages(record, detect_format(record))
         turns = [m["content"] for m in messages if m["role"] == "user"] or None

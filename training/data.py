@@ -8,15 +8,15 @@ Formats (one record each):
     openai:   {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
     text:     {"text": "..."}                      (every token is trained; stories260K's own stories)
 
-Conversations go through the tokenizer's chat template when it has one, else a plain "role: text" layout.
-The loss mask is 1 on assistant tokens only: `loss_mask[i] == 1` means "predicting token i is trained".
+Conversations go through the tokenizer's chat template when it has one, else a plain "role: text" layout
+(conversations.py); records with images through a vision-language target's processor (image_records.py). The loss
+mask is 1 on assistant tokens only: `loss_mask[i] == 1` means "predicting token i is trained".
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +27,12 @@ from datasets import Dataset, Features, Image, List, Value
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from specheads.training.conversations import asks_any, reads_reasoning, to_messages, tokenized_examples
 from specheads.training.data_sources import read_dataset_source, read_parquet
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_MIN_RECORDS = 1000  # tokenizing runs ~1-2 ms a conversation: a bar from here on
-
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 
 
 def read_records(source: str | Path) -> list[dict[str, Any]]:
@@ -81,175 +79,6 @@ def detect_format(record: dict[str, Any]) -> str:
             return fmt
     raise ValueError(f"cannot tell the data format of a record with keys {sorted(record)}; "
                      "expected 'conversations' (ShareGPT), 'messages' (OpenAI) or 'text'")
-
-
-def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, str]]:
-    """A ShareGPT or OpenAI record as a list of {"role", "content"} messages; a turn's `reasoning_content` (a
-    reasoning model's thoughts, as vLLM and DeepSeek's API return them) is kept for the chat templates that render
-    it (Qwen3's)."""
-    if fmt == "sharegpt":
-        messages = []
-        for turn in record["conversations"]:
-            speaker = str(turn.get("from", "")).lower()
-            if speaker not in SHAREGPT_ROLES:
-                raise ValueError(f"ShareGPT turn has unknown speaker from={turn.get('from')!r}; "
-                                 f"expected one of {sorted(SHAREGPT_ROLES)}")
-            messages.append({"role": SHAREGPT_ROLES[speaker], "content": str(turn.get("value", "")),
-                             **_reasoning(turn)})
-        return messages
-    return [{"role": str(m["role"]), "content": message_text(m["content"]), **_reasoning(m)} for m in record["messages"]]
-
-
-def _reasoning(turn: dict[str, Any]) -> dict[str, str]:
-    return {"reasoning_content": str(turn["reasoning_content"])} if turn.get("reasoning_content") else {}
-
-
-def reads_reasoning(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template renders a message's `reasoning_content`."""
-    return "reasoning_content" in str(getattr(tokenizer, "chat_template", None) or "")
-
-
-def message_text(content: Any) -> str:
-    """A message's text: the string itself, or the text parts of a list of content parts (`{"type": "text",
-    "text": ...}`) joined; other parts (images) are left out."""
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict) and part.get("type") == "text")
-    return str(content)
-
-
-def _render(
-    tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, template_kwargs: dict[str, Any] | None = None
-) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                         **(template_kwargs or {}))
-
-
-class NotIncrementalTemplate(ValueError):
-    """The chat template renders a conversation's earlier turns otherwise once later turns follow (Qwen3's drops
-    their reasoning), so a turn's text cannot be cut out of the whole conversation's."""
-
-
-def conversation_segments(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
-) -> list[tuple[str, bool]]:
-    """Cut a conversation into (text, is_assistant) pieces whose concatenation is the rendered conversation.
-
-    With a chat template: the text of assistant turn i is what rendering messages[: i + 1] adds after
-    rendering messages[:i] with the generation prompt. Without one: "role: text" lines, with the answer
-    and an end-of-sequence token trained. `template_kwargs`: the chat template's keywords (`enable_thinking`, ...).
-
-    Raises:
-        NotIncrementalTemplate: the template renders earlier turns otherwise once later ones follow.
-    """
-    return [(text, trained) for text, trained, _ in conversation_spans(tokenizer, messages, template_kwargs)]
-
-
-def conversation_spans(
-    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
-) -> list[tuple[str, bool, range]]:
-    """`conversation_segments` with, for each piece, the range of `messages` whose content it writes (a piece that
-    is only a role marker or the template's tail writes none). `tokenizer` is a tokenizer, or a processor with a
-    chat template (messages whose contents are lists of parts: vision-language records)."""
-    spans: list[tuple[str, bool, range]] = []
-    if tokenizer.chat_template:
-        done, first = "", 0  # the rendered text so far; the first message it does not cover yet
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                prompt = _render(tokenizer, messages[:i], True, template_kwargs)
-                full = _render(tokenizer, messages[: i + 1], False, template_kwargs)
-                if not prompt.startswith(done) or not full.startswith(prompt):
-                    where = "its generation prompt" if prompt.startswith(done) else "an earlier turn"
-                    raise NotIncrementalTemplate(
-                        f"the chat template renders assistant turn {i} otherwise than {where} led to expect; cannot "
-                        "cut the turns out of the whole conversation")
-                spans += [(prompt[len(done):], False, range(first, i)), (full[len(prompt):], True, range(i, i + 1))]
-                done, first = full, i + 1
-        rest = _render(tokenizer, messages, False, template_kwargs)[len(done):]
-        if rest:
-            spans.append((rest, False, range(first, len(messages))))
-        return spans
-    eos = tokenizer.eos_token or ""
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            spans += [("assistant: ", False, range(i, i)), (message["content"] + eos + "\n", True, range(i, i + 1))]
-        else:
-            spans.append((f"{message['role']}: {message['content']}\n", False, range(i, i + 1)))
-    return spans
-
-
-def tokenize_record(
-    tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], fmt: str, max_length: int,
-    template_kwargs: dict[str, Any] | None = None,
-) -> dict[str, list[int]]:
-    """Token ids and loss mask of one record (truncated to max_length tokens); `template_kwargs`: the chat template's
-    keywords (`enable_thinking`, ...).
-
-    Raises:
-        NotIncrementalTemplate: a conversation the template cannot render turn by turn (`tokenized_examples` splits
-            it into one example per assistant turn instead).
-    """
-    if fmt == "text":
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        ids = bos + tokenizer(str(record["text"]), add_special_tokens=False).input_ids
-        mask = [0] * len(bos) + [1] * (len(ids) - len(bos))
-        return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
-    return _tokenized(tokenizer, conversation_segments(tokenizer, to_messages(record, fmt), template_kwargs), max_length)
-
-
-def _tokenized(tokenizer: PreTrainedTokenizerBase, segments: list[tuple[str, bool]], max_length: int) -> dict[str, list[int]]:
-    """Token ids and loss mask of conversation pieces (a BOS in front when there is no chat template to write it)."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and not tokenizer.chat_template else []
-    ids, mask = list(bos), [0] * len(bos)
-    for text, trained in segments:
-        piece = tokenizer(text, add_special_tokens=False).input_ids
-        ids += piece
-        mask += [int(trained)] * len(piece)
-    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
-
-
-def tokenized_examples(
-    tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], fmt: str, max_length: int,
-    template_kwargs: dict[str, Any] | None = None,
-) -> list[dict[str, list[int]]]:
-    """The examples of one record: itself (`tokenize_record`), or, for a conversation the chat template cannot
-    render turn by turn (Qwen3 drops earlier turns' reasoning once a later user turn follows; a generation prompt
-    writes more than the turn's own rendering, as `<think></think>` with enable_thinking=False), one example per
-    assistant turn: the prompt the target answers that turn after, then the answer, the only part trained
-    (`answer_after_prompt`). Each turn is then trained with the context it has when the target answers it."""
-    try:
-        return [tokenize_record(tokenizer, record, fmt, max_length, template_kwargs)]
-    except NotIncrementalTemplate:
-        messages = to_messages(record, fmt)
-        examples = []
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                prompt, answer = answer_after_prompt(tokenizer, messages, i, template_kwargs)
-                examples.append(_tokenized(tokenizer, [(prompt, False), (answer, True)], max_length))
-        return examples
-
-
-def answer_after_prompt(
-    tokenizer: Any, messages: list[dict[str, Any]], i: int, template_kwargs: dict[str, Any] | None = None
-) -> tuple[str, str]:
-    """(the prompt the target answers assistant turn i after: messages[:i] with the generation prompt, the answer as
-    the template writes it after that prompt).
-
-    The answer is what rendering messages[: i + 1] adds to the prompt. A generation prompt that writes more than the
-    template's rendering of the turn (Qwen3's `<think></think>` with enable_thinking=False) is kept, and the answer
-    starts where the two renderings part: the tokens the target produced after exactly that prompt.
-
-    Raises:
-        NotIncrementalTemplate: the renderings part before the turn (the template rewrites the earlier ones).
-    """
-    prompt = _render(tokenizer, messages[:i], True, template_kwargs)
-    full = _render(tokenizer, messages[: i + 1], False, template_kwargs)
-    if full.startswith(prompt):
-        return prompt, full[len(prompt):]
-    shared = len(os.path.commonprefix([prompt, full]))
-    if shared < len(_render(tokenizer, messages[:i], False, template_kwargs)):
-        raise NotIncrementalTemplate(f"the chat template renders the conversation before assistant turn {i} otherwise "
-                                     "when the turn follows; cannot cut the turn out")
-    return prompt, full[shared:]
 
 
 def build_dataset(
@@ -371,16 +200,6 @@ def _tokenized_rows(
         raise ValueError(f"data source {str(source)!r} ({fmt} format) has no assistant tokens to train on; "
                          "each conversation needs at least one assistant/gpt turn")
     return rows
-
-
-def normalized(text: str) -> str:
-    """`text` with each run of whitespace made one space: how prompts are compared (benchmark exclusion)."""
-    return " ".join(text.split())
-
-
-def asks_any(messages: list[dict[str, str]], prompts: set[str]) -> bool:
-    """Whether a conversation (`to_messages`) has a user turn among `prompts` (`normalized` texts)."""
-    return any(m["role"] == "user" and normalized(m["content"]) in prompts for m in messages)
 
 
 def collate(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

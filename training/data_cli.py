@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specheads.inference.prompts import add_chat_template_kwargs
-from specheads.training.data import PROGRESS_MIN_RECORDS, asks_any, detect_format, read_records, to_messages
+from specheads.training.conversations import asks_any, to_messages
+from specheads.training.data import PROGRESS_MIN_RECORDS, detect_format, read_records
 from specheads.training.image_records import has_images, image_prompt_of
 from specheads.training.preflight import check_writable_dir, check_writable_file
 from specheads.training.sharegpt import benchmark_prompts

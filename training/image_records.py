@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from specheads.inference.multimodal import processor_encode
-from specheads.training.data import collate, conversation_spans, to_messages
+from specheads.training.conversations import conversation_spans, to_messages
+from specheads.training.data import collate
 
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_COLUMNS = ("images", "image_pieces")  # a tokenized dataset with image records has these two columns too

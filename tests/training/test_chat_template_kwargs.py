@@ -12,7 +12,8 @@ import logging
 import pytest
 import torch
 
-from specheads.training.data import NotIncrementalTemplate, build_dataset, tokenize_record
+from specheads.training.conversations import NotIncrementalTemplate, tokenize_record
+from specheads.training.data import build_dataset
 
 # a Qwen3-style template (written for these tests): the generation prompt closes an empty <think> block when
 # enable_thinking is false, and an assistant turn before the last user message loses its reasoning

@@ -8,13 +8,13 @@ import json
 import pytest
 from datasets import Dataset
 
+from specheads.training.conversations import tokenize_record
 from specheads.training.data import (
     BatchOrder,
     build_dataset,
     collate,
     micro_batches_for_process,
     read_records,
-    tokenize_record,
 )
 
 CHAT_TEMPLATE = (

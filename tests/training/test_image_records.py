@@ -18,7 +18,8 @@ from transformers import AutoProcessor
 
 from specheads import load_target
 from specheads.inference.multimodal import prompt_with_images
-from specheads.training.data import build_dataset, collate, conversation_segments, to_messages
+from specheads.training.conversations import conversation_segments, to_messages
+from specheads.training.data import build_dataset, collate
 from specheads.training.features import OfflineFeatures, dataset_sha256, dump_features, target_states
 from specheads.training.image_records import ImageCollate, has_image_rows, image_conversation
 
