@@ -17,14 +17,17 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system",
+                  # LLaMA-Factory's ShareGPT: a function call is the assistant's turn, its result the tool's
+                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
+# fields of an OpenAI message the chat templates that know them render: a reasoning model's thoughts (vLLM's and
+# DeepSeek's API field), an assistant's tool calls, a tool result's call id and name
+MESSAGE_FIELDS = ("reasoning_content", "tool_calls", "tool_call_id", "name")
 
 
-
-def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, str]]:
-    """A ShareGPT or OpenAI record as a list of {"role", "content"} messages; a turn's `reasoning_content` (a
-    reasoning model's thoughts, as vLLM and DeepSeek's API return them) is kept for the chat templates that render
-    it (Qwen3's)."""
+def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, Any]]:
+    """A ShareGPT or OpenAI record as a list of {"role", "content"} messages; a turn's `MESSAGE_FIELDS`
+    (`reasoning_content`, `tool_calls`, ...) are kept for the chat templates that render them (Qwen3's, ...)."""
     if fmt == "sharegpt":
         messages = []
         for turn in record["conversations"]:
@@ -33,18 +36,33 @@ def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, str]]:
                 raise ValueError(f"ShareGPT turn has unknown speaker from={turn.get('from')!r}; "
                                  f"expected one of {sorted(SHAREGPT_ROLES)}")
             messages.append({"role": SHAREGPT_ROLES[speaker], "content": str(turn.get("value", "")),
-                             **_reasoning(turn)})
+                             **_message_fields(turn)})
         return messages
-    return [{"role": str(m["role"]), "content": message_text(m["content"]), **_reasoning(m)} for m in record["messages"]]
+    return [{"role": str(m["role"]), "content": message_text(m.get("content")), **_message_fields(m)}
+            for m in record["messages"]]
 
 
-def _reasoning(turn: dict[str, Any]) -> dict[str, str]:
-    return {"reasoning_content": str(turn["reasoning_content"])} if turn.get("reasoning_content") else {}
+def _message_fields(turn: dict[str, Any]) -> dict[str, Any]:
+    return {name: turn[name] for name in MESSAGE_FIELDS if turn.get(name)}
 
 
-def reads_reasoning(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template renders a message's `reasoning_content`."""
-    return "reasoning_content" in str(getattr(tokenizer, "chat_template", None) or "")
+def record_template_kwargs(record: dict[str, Any], template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat template's keywords for one record: the run's, plus the record's `tools` (the functions its
+    conversation may call, which tool-calling templates describe in the prompt)."""
+    return {**(template_kwargs or {}), **({"tools": record["tools"]} if record.get("tools") else {})}
+
+
+def unrendered_fields(tokenizer: Any, records: list[dict[str, Any]], fmt: str) -> dict[str, int]:
+    """{field: how many records hold it} for the `MESSAGE_FIELDS` and record `tools` that the tokenizer's chat
+    template never mentions (so never renders: what they hold would go untrained)."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    counts: dict[str, int] = {}
+    for record in records:
+        present = {name for message in to_messages(record, fmt) for name in MESSAGE_FIELDS if name in message}
+        present |= {"tools"} if record.get("tools") else set()
+        for name in present - {name for name in present if name in template}:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def message_text(content: Any) -> str:
@@ -52,7 +70,7 @@ def message_text(content: Any) -> str:
     "text": ...}`) joined; other parts (images) are left out."""
     if isinstance(content, list):
         return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict) and part.get("type") == "text")
-    return str(content)
+    return "" if content is None else str(content)  # None: an assistant turn that only calls tools
 
 
 def _render(
@@ -131,7 +149,8 @@ def tokenize_record(
         ids = bos + tokenizer(str(record["text"]), add_special_tokens=False).input_ids
         mask = [0] * len(bos) + [1] * (len(ids) - len(bos))
         return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
-    return _tokenized(tokenizer, conversation_segments(tokenizer, to_messages(record, fmt), template_kwargs), max_length)
+    segments = conversation_segments(tokenizer, to_messages(record, fmt), record_template_kwargs(record, template_kwargs))
+    return _tokenized(tokenizer, segments, max_length)
 
 
 def _tokenized(tokenizer: PreTrainedTokenizerBase, segments: list[tuple[str, bool]], max_length: int) -> dict[str, list[int]]:
@@ -157,7 +176,7 @@ def tokenized_examples(
     try:
         return [tokenize_record(tokenizer, record, fmt, max_length, template_kwargs)]
     except NotIncrementalTemplate:
-        messages = to_messages(record, fmt)
+        messages, template_kwargs = to_messages(record, fmt), record_template_kwargs(record, template_kwargs)
         examples = []
         for i, message in enumerate(messages):
             if message["role"] == "assistant":

@@ -27,7 +27,7 @@ from datasets import Dataset, Features, Image, List, Value
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from specheads.training.conversations import asks_any, reads_reasoning, to_messages, tokenized_examples
+from specheads.training.conversations import asks_any, to_messages, tokenized_examples, unrendered_fields
 from specheads.training.data_sources import read_dataset_source, read_parquet
 
 logger = logging.getLogger(__name__)
@@ -155,12 +155,9 @@ def _tokenized_rows(
             "plain-text records have no turns to place them in"
         logger.warning("data source %r: %d of %d records hold images, which training does not read (%s): the heads "
                        "train on their text alone, as if no image were there", str(source), with_images, len(records), why)
-    if fmt != "text" and not reads_reasoning(tokenizer):
-        thoughtful = sum(1 for r in records if any("reasoning_content" in m for m in to_messages(r, fmt)))
-        if thoughtful:
-            logger.warning("data source %r: %d records hold reasoning_content, which the chat template never renders: "
-                           "their reasoning is not trained (put it in the content, inside the model's thinking tags)",
-                           str(source), thoughtful)
+    for name, count in (unrendered_fields(tokenizer, records, fmt) if fmt != "text" else {}).items():
+        logger.warning("data source %r: %d records hold %s, which the chat template never renders: it is not trained "
+                       "(reasoning: put it in the content, inside the model's thinking tags)", str(source), count, name)
     if exclude and fmt != "text":
         kept = [r for r in records if not asks_any(to_messages(r, fmt), exclude)]
         if len(kept) < len(records):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specheads.inference.multimodal import processor_encode
-from specheads.training.conversations import conversation_spans, to_messages
+from specheads.training.conversations import conversation_spans, record_template_kwargs, to_messages
 from specheads.training.data import collate
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -59,10 +59,10 @@ def image_conversation(
     refs: list[Any] = []
     messages = []
     for message, content in zip(to_messages(record, fmt), raw):
-        parts = _content_parts(content, pending, refs)
+        parts = _content_parts("" if content is None else content, pending, refs)  # None: a turn that only calls tools
         if message["role"] == "assistant" and any(part["type"] == "image" for part in parts):
             raise ValueError("an assistant turn holds an image; images must be in the user's (or system's) turns")
-        messages.append({"role": message["role"], "content": parts})
+        messages.append({**message, "content": parts})  # its other fields (tool_calls, ...) as they are
     if not refs and pending:  # no placeholders: the images open the first user turn
         first_user = next((m for m in messages if m["role"] == "user"), None)
         if first_user is None:
@@ -164,7 +164,7 @@ def tokenize_image_record(
     images = opened_images(refs)
     tokenizer = processor.tokenizer
     if getattr(processor, "chat_template", None):
-        spans = conversation_spans(processor, messages, template_kwargs)
+        spans = conversation_spans(processor, messages, record_template_kwargs(record, template_kwargs))
     else:  # "role: text" lines, the processor's image token where each image goes (as `generate --no-chat`)
         flat = [{"role": m["role"], "content": "".join(processor.image_token if p["type"] == "image" else p["text"]
                                                         for p in m["content"])} for m in messages]

@@ -156,5 +156,44 @@ def test_reasoning_content_is_trained_where_the_template_renders_it(thinking_tok
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     with caplog.at_level(logging.WARNING):
         row = build_dataset(data, plain, max_length=128)[0]
-    assert "1 records hold reasoning_content, which the chat template never renders" in caplog.text
+    assert "1 records hold reasoning_content, which the chat template never renders: it is not trained" in caplog.text
     assert "a cat story" not in plain.decode(row["input_ids"])
+
+
+TOOL_TEMPLATE = (  # a tool-calling template written for these tests: tools in the prompt, calls and results rendered
+    "{%- if tools -%}<|tools|>{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}<|end|>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' and m.get('tool_calls') -%}"
+    "<|assistant|>{% for c in m['tool_calls'] %}<call>{{ c['function']['name'] }}({{ c['function']['arguments'] }})"
+    "</call>{% endfor %}<|end|>"
+    "{%- elif m['role'] == 'tool' -%}<|tool|>{{ m['content'] }}<|end|>"
+    "{%- else -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+def test_tool_calling_conversations_train_the_calls_as_the_template_renders_them(target_and_tokenizer, tmp_path):
+    tokenizer = copy.deepcopy(target_and_tokenizer[1])
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    call = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    record = {"tools": tools, "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "1", "content": "rain"},
+        {"role": "assistant", "content": "It rains."}]}
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    row = build_dataset(data, tokenizer, max_length=256)[0]
+    text = tokenizer.decode(row["input_ids"])
+    trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    assert text.startswith("<|tools|>weather<|end|>")  # the record's tools reach the template
+    assert '<call>weather({"city": "Oslo"})</call>' in trained and "It rains." in trained and "rain<" not in trained
+    # ShareGPT's function_call / observation turns (LLaMA-Factory's layout) are the assistant's and the tool's
+    sharegpt = {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "weather()"},
+                                  {"from": "observation", "value": "rain"}, {"from": "gpt", "value": "It rains."}]}
+    row = tokenize_record(tokenizer, sharegpt, "sharegpt", 256)
+    trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    assert "weather()" in trained and "It rains." in trained and "rain<" not in trained
