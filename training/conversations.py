@@ -60,8 +60,9 @@ def unrendered_fields(tokenizer: Any, records: list[dict[str, Any]], fmt: str) -
     for record in records:
         present = {name for message in to_messages(record, fmt) for name in MESSAGE_FIELDS if name in message}
         present |= {"tools"} if record.get("tools") else set()
-        for name in present - {name for name in present if name in template}:
-            counts[name] = counts.get(name, 0) + 1
+        for name in present:
+            if name not in template:
+                counts[name] = counts.get(name, 0) + 1
     return counts
 
 
