@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specheads.inference.prompts import add_chat_template_kwargs
-from specheads.training.conversations import asks_any, to_messages
+from specheads.training.conversations import asks_any, record_template_kwargs, to_messages
 from specheads.training.data import PROGRESS_MIN_RECORDS, detect_format, read_records
 from specheads.training.image_records import has_images, image_prompt_of
 from specheads.training.preflight import check_writable_dir, check_writable_file
@@ -197,23 +197,25 @@ def regenerate(
             first = next((i for i in range(start, len(messages)) if messages[i]["role"] == "assistant"), len(messages))
             keep = [i for i in range(start) if messages[i]["role"] == "system"] + list(range(start, first))
             prompt = [messages[i] for i in keep]
+            template_kwargs = record_template_kwargs(record, chat_template_kwargs)  # the record's tools too
+            tools = {"tools": record["tools"]} if record.get("tools") else {}  # kept in the output record
             if has_images(record):
                 try:
                     prompt, images, ids, inputs = image_prompt_of(
                         processor, record, fmt, keep, None if image_folder is None else Path(image_folder),
-                        chat_template_kwargs)
+                        template_kwargs)
                 except (ValueError, FileNotFoundError) as err:
                     raise type(err)(f"{input_path}, record {n}: {err}") from err
                 jobs.append({"id": str(record.get("id", n)), "messages": prompt, "images": images,
-                             "prompt_ids": ids[0].tolist(), "inputs": inputs})
+                             "prompt_ids": ids[0].tolist(), "inputs": inputs, **tools})
                 continue
             if tokenizer.chat_template:
                 ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                    **(chat_template_kwargs or {}))["input_ids"]
+                                                    **template_kwargs)["input_ids"]
             else:
                 text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
                 ids = tokenizer(text).input_ids
-            jobs.append({"id": str(record.get("id", n)), "messages": prompt, "prompt_ids": list(ids)})
+            jobs.append({"id": str(record.get("id", n)), "messages": prompt, "prompt_ids": list(ids), **tools})
     else:
         raise ValueError("regenerate needs --input FILE (conversations) or --stories N")
     # a fixed batch layout (job order) with per-batch seeds keeps resumes exact
@@ -234,7 +236,7 @@ def regenerate(
                 if stories:
                     record = {"id": job["id"], "text": tokenizer.decode(job["prompt_ids"] + tokens, skip_special_tokens=True)}
                 else:
-                    record = {"id": job["id"], **({"images": job["images"]} if "images" in job else {}),
+                    record = {"id": job["id"], **{key: job[key] for key in ("images", "tools") if key in job},
                               "messages": job["messages"] + [{"role": "assistant", "content": answer}]}
                 f.write(json.dumps(record) + "\n")
                 written += 1

@@ -197,3 +197,21 @@ def test_tool_calling_conversations_train_the_calls_as_the_template_renders_them
     row = tokenize_record(tokenizer, sharegpt, "sharegpt", 256)
     trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
     assert "weather()" in trained and "It rains." in trained and "rain<" not in trained
+
+
+def test_regenerate_gives_the_target_the_records_tools(target_and_tokenizer, tmp_path):
+    from specheads.training.data_cli import regenerate
+
+    target = target_and_tokenizer[0]
+    tokenizer = copy.deepcopy(target_and_tokenizer[1])
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"id": "a", "tools": tools, "messages": [{"role": "user", "content": "Weather?"}]}) + "\n")
+    out = tmp_path / "answers.jsonl"
+    regenerate(target, tokenizer, out, input_path=data, max_new_tokens=8, temperature=0.0, show_progress=False)
+    written = json.loads(out.read_text())
+    ids = torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": "Weather?"}], tools=tools)])
+    assert tokenizer.decode(ids[0]).startswith("<|tools|>weather")
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    assert written["tools"] == tools and written["messages"][-1]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
