@@ -356,9 +356,9 @@ class BatchEngine:
             cached_positions = torch.arange(cache_width, device=device)[None, :] - pad[:, None]  # (B, S); < 0: padding
             mask = windowed(mask, position_ids, torch.cat([cached_positions, position_ids], dim=1), self.window,
                             self.per_layer_types)
-        offsets = [row.request.position_offset for row in rows]  # nonzero: text after an M-RoPE image
-        if any(offsets):
-            position_ids = position_ids + torch.tensor(offsets, device=device)[:, None]
+        if any(row.request.position_offset for row in rows):  # text after an M-RoPE image: nothing built otherwise
+            offsets = torch.tensor([row.request.position_offset for row in rows], device=device)
+            position_ids = position_ids + offsets[:, None]
         out = target(
             input_ids=tokens, attention_mask=mask,
             position_ids=position_ids, **cache_kwargs(target, self.cache), use_cache=True, output_hidden_states=True,

@@ -143,8 +143,9 @@ class TreeVerifier:
         self.cache.check_room(prefix_length + self.num_slots)
         self.ids[0, :n] = tokens
         self.ids[0, n:] = 0  # padding tokens: any valid id (they only see themselves)
-        self.positions[0, :n] = tree.depth + prefix_length + position_offset
-        self.positions[0, n:] = prefix_length + position_offset
+        start = prefix_length + position_offset  # an int: one tensor add per round, as before the offset
+        self.positions[0, :n] = tree.depth + start
+        self.positions[0, n:] = start
         torch.add(self.slot_offsets, prefix_length, out=self.write)
         write_tree_mask(self.mask, tree.ancestors, prefix_length, self.pad_block)
 

@@ -180,18 +180,25 @@ def processor_encode(processor: Any, text: str, images: list[Any], **kwargs: Any
 
 
 def load_images(images: list[Any]) -> list[Any]:
-    """RGB PIL images of `images`: file paths (a FileNotFoundError lists the missing ones) or PIL images."""
+    """RGB PIL images of `images`: file paths (a FileNotFoundError lists the missing ones), PIL images, or a `datasets`
+    Image column's `{"bytes", "path"}` dicts."""
+    import io
     from pathlib import Path
 
     try:
         from PIL import Image
     except ImportError as err:
-        raise ImportError("reading image files needs Pillow: pip install 'specheads[vision]'") from err
-    paths = [image for image in images if not isinstance(image, Image.Image)]
+        raise ImportError("reading images needs Pillow: pip install 'specheads[vision]'") from err
+    paths = [image for image in images if isinstance(image, (str, Path))]
     missing = [str(path) for path in paths if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"image file(s) {missing} do not exist")
-    return [(image if isinstance(image, Image.Image) else Image.open(image)).convert("RGB") for image in images]
+    opened = []
+    for image in images:
+        if isinstance(image, dict):
+            image = io.BytesIO(image["bytes"]) if image.get("bytes") else image["path"]
+        opened.append((image if isinstance(image, Image.Image) else Image.open(image)).convert("RGB"))
+    return opened
 
 
 def prompt_with_images(
@@ -211,7 +218,7 @@ def prompt_with_images(
     if not getattr(processor, "image_token", None):
         raise ValueError(f"the target's processor ({type(processor).__name__}) names no image token for a prompt "
                          "without the chat template; use the chat template")
-    encoded = dict(processor(images=images, text=processor.image_token * len(images) + text, return_tensors="pt"))
+    encoded = dict(processor_encode(processor, processor.image_token * len(images) + text, images, return_tensors="pt"))
     encoded.pop("attention_mask", None)
     return encoded.pop("input_ids"), encoded
 

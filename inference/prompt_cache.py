@@ -92,13 +92,10 @@ class PromptCache:
         key = images_key(inputs, prompt.shape[0])
         offset = self.position_offset
         cache, held_features, reused = self.take(prompt, target, heads, static, key)
-        if cache is None:
-            last_logits, features = verifier.prefill(prompt, max_new_tokens, inputs=inputs) if inputs else \
-                verifier.prefill(prompt, max_new_tokens)
-        elif inputs:
+        if cache is None:  # the whole prompt, with its images
+            last_logits, features = verifier.prefill(prompt, max_new_tokens, inputs=inputs)
+        else:  # the held entries hold the images: the rest runs as text, at their text positions
             last_logits, features = verifier.prefill(prompt, max_new_tokens, (cache, held_features), held_offset=offset)
-        else:
-            last_logits, features = verifier.prefill(prompt, max_new_tokens, (cache, held_features))
         return last_logits, features, reused
 
     def take(

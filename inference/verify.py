@@ -95,7 +95,7 @@ def verify_tree(
     out = target(
         input_ids=tokens[None],
         attention_mask=attention_mask,
-        position_ids=(tree.depth + prefix_length + position_offset)[None],
+        position_ids=(tree.depth + (prefix_length + position_offset))[None],  # one add: the ints first
         **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=True,

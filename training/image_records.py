@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specheads.inference.multimodal import processor_encode
+from specheads.inference.multimodal import load_images, processor_encode
 from specheads.training.conversations import conversation_spans, record_template_kwargs, to_messages
 from specheads.training.data import collate
 
@@ -132,20 +132,6 @@ def _resolved(ref: Any, image_folder: Path | None) -> Any:
                      "a {'bytes', 'path'} dict")
 
 
-def opened_images(refs: list[Any]) -> list[Any]:
-    """RGB PIL images of `_resolved` references."""
-    try:
-        from PIL import Image
-    except ImportError as err:
-        raise ImportError("training on records with images needs Pillow: pip install 'specheads[vision]'") from err
-    images = []
-    for ref in refs:
-        if isinstance(ref, dict):
-            ref = io.BytesIO(ref["bytes"]) if ref.get("bytes") else ref["path"]
-        images.append((ref if isinstance(ref, Image.Image) else Image.open(ref)).convert("RGB"))
-    return images
-
-
 def tokenize_image_record(
     processor: Any, record: dict[str, Any], fmt: str, max_length: int, image_folder: Path | None = None,
     template_kwargs: dict[str, Any] | None = None,
@@ -161,7 +147,7 @@ def tokenize_image_record(
     keywords.
     """
     messages, refs = image_conversation(record, fmt, image_folder)
-    images = opened_images(refs)
+    images = load_images(refs)
     tokenizer = processor.tokenizer
     if getattr(processor, "chat_template", None):
         spans = conversation_spans(processor, messages, record_template_kwargs(record, template_kwargs))
@@ -211,7 +197,7 @@ class ImageCollate:
         Raises:
             ValueError: the processor now tokenizes a piece other than when the dataset was made.
         """
-        images, used, n = opened_images(row["images"]), 0, len(row["input_ids"])
+        images, used, n = load_images(row["images"]), 0, len(row["input_ids"])
         per_token: dict[str, torch.Tensor] = {}
         others: dict[str, list[torch.Tensor]] = {}
         for piece in json.loads(row["image_pieces"]):
@@ -260,7 +246,7 @@ def image_prompt_of(
     messages, refs = image_conversation(record, fmt, image_folder)
     owners = [i for i, m in enumerate(messages) for part in m["content"] if part["type"] == "image"]  # per image
     kept_refs = [ref for ref, owner in zip(refs, owners) if owner in keep]
-    input_ids, inputs = encode_image_prompt(processor, [messages[i] for i in keep], opened_images(kept_refs),
+    input_ids, inputs = encode_image_prompt(processor, [messages[i] for i in keep], load_images(kept_refs),
                                             template_kwargs=template_kwargs)
     return [messages[i] for i in keep], [_json_ref(ref) for ref in kept_refs], input_ids, inputs
 

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ from specheads.inference.multimodal import image_processor_for, takes_images
 from specheads.targets import logit_transforms
 from specheads.training.best_heads import BEST_DIR, BEST_METRIC, BestHeads, save_heads
 from specheads.training.chain_attention import use_ttt_chain_attention, wants_ttt_chain_attention
+from specheads.training.checkpoints import STATE_FILE, latest_checkpoint, save_checkpoint
 from specheads.training.config import RunConfig, config_to_dict, load_run_config
 from specheads.training.data import BatchOrder, batch_to, build_dataset, micro_batches_for_process
 from specheads.training.draft_vocab import (
@@ -66,9 +66,6 @@ from specheads.training.losses import (
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 from specheads.training.sharegpt import benchmark_prompts
 from specheads.training.target_labels import TargetLabels
-
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "train_state.json"
 
 
 # --- setup ----------------------------------------------------------------------------------------------
@@ -151,39 +148,6 @@ def flat_hparams(config: RunConfig) -> dict[str, Any]:
 
     walk("", config_to_dict(config))
     return flat
-
-
-# --- checkpoints ----------------------------------------------------------------------------------------
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder (one with train_state.json), or None."""
-    root = Path(output_dir) / CHECKPOINTS
-    done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file()) if root.is_dir() else []
-    return done[-1] if done else None
-
-
-def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, step: int, keep: int) -> Path:
-    """Save model, optimizer, scheduler, RNG and the data position atomically: temp folder, then rename.
-
-    Keeps the newest `keep` checkpoints. Every process calls this (each writes its own RNG state).
-    """
-    root = Path(output_dir) / CHECKPOINTS
-    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        root.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
-        for old in complete[: max(0, len(complete) - keep)]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
 
 
 # --- one step -------------------------------------------------------------------------------------------
