@@ -2,11 +2,13 @@
 
 `parse_request` checks a `/v1/chat/completions` or `/v1/completions` body and turns it into the prompt's token ids
 and `generate` keyword arguments; every refusal is an `ApiError` naming the field, its value and what was expected.
-The fields that would change the answer in a way this engine cannot (best_of > n, tools, presence / frequency
-penalties, logit biases, streamed log-probabilities) are refused rather than ignored; fields that do not change it (user,
+The fields that would change the answer in a way this engine cannot (best_of > n, presence / frequency
+penalties, logit biases, the deprecated `functions`) are refused rather than ignored; fields that do not change it (user,
 metadata) are ignored. Extensions, as vLLM takes them: top_k, min_p, repetition_penalty. Log-probabilities are the
 target's own, from its raw logits (vLLM's default), for the answer's tokens (not a stop string's, nor a final EOS).
 A vision-language target's chat messages may hold `image_url` parts (base64 data URLs): its processor makes the prompt.
+Chat requests may carry `tools` (inference/tool_calls.py): the chat template shows them, the answer's calls come back
+as `tool_calls`.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from .tool_calls import ToolCall, ToolRequest, template_message, tool_request
+
 PENALTY = "use repetition_penalty (transformers' multiplicative penalty)"
 REFUSED = {  # field -> (the values that leave the answer as it is, why any other is refused)
-    "tools": ((None, []), "tool calls are not supported"),
-    "tool_choice": ((None, "none"), "tool calls are not supported"),
-    "functions": ((None, []), "function calls are not supported"),
+    "functions": ((None, []), "use tools (the deprecated functions field is not supported)"),
+    "function_call": ((None, "none"), "use tool_choice (the deprecated function_call field is not supported)"),
     "logit_bias": ((None, {}), "logit biases are not supported"),
     "presence_penalty": ((None, 0), PENALTY),
     "frequency_penalty": ((None, 0), PENALTY),
@@ -35,7 +38,7 @@ REFUSED = {  # field -> (the values that leave the answer as it is, why any othe
     "suffix": ((None, ""), "suffixes are not supported"),
 }
 MAX_CHOICES = 16  # n at most: the choices of one request are rows of the running batch
-ROLES = ("system", "developer", "user", "assistant")  # "developer": OpenAI's newer name for system instructions
+ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer": OpenAI's newer name for system instructions
 
 
 class ApiError(Exception):
@@ -64,6 +67,7 @@ class ParsedRequest:
     logprobs: int | None = None  # None: none returned; k: each token's log-probability and its k likeliest rivals
     n: int = 1  # choices to return (sampled independently; greedy ones are all the same answer)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the prompt's images (a vision-language target)
+    tools: ToolRequest | None = None  # a chat request's tools: the answer's calls are read out of its text
 
 
 @dataclass
@@ -73,6 +77,8 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: dict[str, Any] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the calls read out of the answer (`text` is the rest)
+    unsent: str = ""  # streamed: the content held back while it could have been a call, sent at the end
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None,
@@ -101,7 +107,7 @@ def _stop_strings(body: dict[str, Any]) -> list[str]:
     return stops
 
 
-def _message_text(message: Any, index: int) -> dict[str, str]:
+def _message_text(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         role = message.get("role") if isinstance(message, dict) else message
         raise ApiError(f"messages[{index}]: role {role!r}, expected one of {', '.join(ROLES)}", param="messages")
@@ -112,9 +118,17 @@ def _message_text(message: Any, index: int) -> dict[str, str]:
             raise ApiError(f"messages[{index}].content has parts of type {kinds}: only 'text' parts are supported "
                            "(and 'image_url' ones by a vision-language target)", param="messages")
         content = "".join(str(part.get("text", "")) for part in content)
+    if content is None and message["role"] == "assistant" and message.get("tool_calls"):
+        content = ""  # an assistant turn that only calls tools
     if not isinstance(content, str):
         raise ApiError(f"messages[{index}].content={content!r}: expected a string", param="messages")
-    return {"role": "system" if message["role"] == "developer" else message["role"], "content": content}
+    calls = message.get("tool_calls")
+    if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+        raise ApiError(f"messages[{index}].tool_calls={calls!r}: expected an assistant's list of {{'id', 'type': "
+                       "'function', 'function': {'name', 'arguments'}}", param="messages")
+    return {"role": "system" if message["role"] == "developer" else message["role"], "content": content,
+            **template_message(message)}
 
 
 def _has_images(messages: list[Any]) -> bool:
@@ -145,7 +159,8 @@ def _data_url_image(part: dict[str, Any], where: str) -> Any:
 
 
 def _image_chat_prompt(
-    messages: list[Any], processor: Any, chat_template: str | None, template_kwargs: dict[str, Any]
+    messages: list[Any], processor: Any, chat_template: str | None, template_kwargs: dict[str, Any],
+    tools: ToolRequest | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """(ids (1, n), extra model inputs) of chat messages with `image_url` parts, through the target's processor."""
     from specheads.inference.multimodal import encode_image_prompt
@@ -171,18 +186,31 @@ def _image_chat_prompt(
     if chat_template is None and not getattr(processor, "chat_template", None):
         raise ApiError("this model's processor has no chat template: start the server with --chat-template",
                        param="messages")
+    if tools is not None:
+        _check_template_shows_tools(lambda kwargs: processor.apply_chat_template(
+            converted, add_generation_prompt=True, chat_template=chat_template, tokenize=False, **kwargs),
+            template_kwargs, tools)
     return encode_image_prompt(processor, converted, images, chat_template, template_kwargs)
+
+
+def _check_template_shows_tools(render: Any, template_kwargs: dict[str, Any], tools: ToolRequest) -> None:
+    """Refuse tools the chat template leaves out of the prompt (`render(kwargs)` is the prompt's text): the model
+    could not know them. `tool_choice` "none" is let through (nothing is asked of the tools)."""
+    if tools.parses_calls and render(template_kwargs) == render(
+            {k: v for k, v in template_kwargs.items() if k != "tools"}):
+        raise ApiError("tools: this model's chat template does not show tools to the model (its prompt is the same "
+                       "without them): start the server with a --chat-template that renders `tools`", param="tools")
 
 
 def chat_prompt(
     body: dict[str, Any], tokenizer: PreTrainedTokenizerBase, chat_template: str | None, processor: Any = None,
-    template_kwargs: dict[str, Any] | None = None,
+    template_kwargs: dict[str, Any] | None = None, tools: ToolRequest | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the (1, n) ids of a chat request's messages through the chat template, the assistant's turn opened; the
     prompt's extra model inputs). Messages with `image_url` parts (base64 data URLs) go through `processor`, a
     vision-language target's: the extra inputs are then its images (`pixel_values`, ...); else they are empty.
     The template gets the server's `template_kwargs` updated by the request's `chat_template_kwargs` (vLLM's field:
-    `{"enable_thinking": false}`, ...)."""
+    `{"enable_thinking": false}`, ...) and the request's `tools`, which it must show to the model."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(f"messages={messages!r}: expected a non-empty list of {{role, content}}", param="messages")
@@ -190,16 +218,20 @@ def chat_prompt(
     if not isinstance(asked, dict):
         raise ApiError(f"chat_template_kwargs={asked!r}: expected an object of the chat template's keywords",
                        param="chat_template_kwargs")
-    template_kwargs = {**(template_kwargs or {}), **asked}
+    template_kwargs = {**(template_kwargs or {}), **asked, **({"tools": tools.tools} if tools else {})}
     if _has_images(messages):
         if processor is None:
             raise ApiError("messages hold image_url parts, but this model takes no images (a text target)",
                            param="messages")
-        return _image_chat_prompt(messages, processor, chat_template, template_kwargs)
+        return _image_chat_prompt(messages, processor, chat_template, template_kwargs, tools)
     texts = [_message_text(m, i) for i, m in enumerate(messages)]
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ApiError("this model's tokenizer has no chat template: use /v1/completions, or start the server with "
                        "--chat-template", param="messages")
+    if tools is not None:
+        _check_template_shows_tools(lambda kwargs: tokenizer.apply_chat_template(
+            texts, add_generation_prompt=True, chat_template=chat_template, tokenize=False, **kwargs),
+            template_kwargs, tools)
     return tokenizer.apply_chat_template(texts, add_generation_prompt=True, chat_template=chat_template,
                                          return_tensors="pt", return_dict=True, **template_kwargs)["input_ids"], {}
 
@@ -220,6 +252,7 @@ def completion_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase) 
 def parse_request(
     body: Any, chat: bool, tokenizer: PreTrainedTokenizerBase, defaults: dict[str, Any],
     chat_template: str | None = None, processor: Any = None, template_kwargs: dict[str, Any] | None = None,
+    tool_parser: str | None = None,
 ) -> ParsedRequest:
     """Check a request body and turn it into a `ParsedRequest`.
 
@@ -230,6 +263,8 @@ def parse_request(
         chat_template: a Jinja template used instead of the tokenizer's.
         processor: a vision-language target's processor: chat messages may then hold `image_url` parts.
         template_kwargs: the server's chat template keywords (a request's `chat_template_kwargs` update them).
+        tool_parser: the name of the parser that reads tool calls out of answers (`tool_calls.PARSERS`; None: no
+            parser, so `tool_choice` "auto" is refused while "required" and named functions still work).
     """
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -241,7 +276,8 @@ def parse_request(
     if best_of not in (None, n):
         raise ApiError(f"best_of={best_of!r} is not supported: choices are not ranked (ask for n={best_of} and pick)",
                        param="best_of")
-    input_ids, inputs = chat_prompt(body, tokenizer, chat_template, processor, template_kwargs) if chat else (
+    tools = _tools(body, chat, tool_parser)
+    input_ids, inputs = chat_prompt(body, tokenizer, chat_template, processor, template_kwargs, tools) if chat else (
         completion_prompt(body, tokenizer), {})
 
     options = dict(defaults)
@@ -269,11 +305,37 @@ def parse_request(
     if not isinstance(stream_options, dict):
         raise ApiError(f"stream_options={stream_options!r}: expected an object", param="stream_options")
     logprobs = _logprobs(body, chat)
+    json_schema = _json_schema(body.get("response_format"))
+    if tools is not None and tools.forced:  # the answer is the calls' JSON
+        if json_schema is not None:
+            raise ApiError(f"response_format and tool_choice={body.get('tool_choice')!r} both constrain the answer: "
+                           "send one of them", param="response_format")
+        json_schema = tools.schema()
     return ParsedRequest(
         input_ids=input_ids, options=options, stop=options["stop_strings"] or [], stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)), seed=_number(body, "seed", int),
-        json_schema=_json_schema(body.get("response_format")), logprobs=logprobs, n=n, inputs=inputs,
+        json_schema=json_schema, logprobs=logprobs, n=n, inputs=inputs, tools=tools,
     )
+
+
+def _tools(body: dict[str, Any], chat: bool, tool_parser: str | None) -> ToolRequest | None:
+    """The request's checked `tools` / `tool_choice` / `parallel_tool_calls` (None: no tools)."""
+    if not chat:
+        for name in ("tools", "tool_choice"):
+            if body.get(name) not in (None, [], "none"):
+                raise ApiError(f"{name} is a chat field: send tools to /v1/chat/completions", param=name)
+        return None
+    try:
+        tools = tool_request(body)
+    except ValueError as err:
+        name, _, why = str(err).partition(": ")
+        raise ApiError(f"{name}={why}", param=name) from err
+    if tools is not None and tools.choice == "auto" and tool_parser is None:
+        raise ApiError("tool_choice='auto' needs a tool-call parser, and this model's chat template shows no call "
+                       "format this server knows: start it with --tool-call-parser (hermes, llama3_json), or ask for "
+                       "tool_choice 'required' or a named function (the answer is then constrained to the calls' "
+                       "JSON)", param="tool_choice")
+    return tools
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -345,8 +407,12 @@ def _json_schema(response_format: Any) -> dict[str, Any] | None:
     return schema
 
 
-def finish_reason(stopped_by_string: bool, new_tokens: list[int], max_new_tokens: int, eos: set[int]) -> str:
-    """OpenAI's finish_reason: "length" when the answer hit max_tokens without ending, else "stop"."""
+def finish_reason(stopped_by_string: bool, new_tokens: list[int], max_new_tokens: int, eos: set[int],
+                  called_tools: bool = False) -> str:
+    """OpenAI's finish_reason: "length" when the answer hit max_tokens without ending, else "tool_calls" when it
+    holds tool calls, else "stop"."""
+    if called_tools and not stopped_by_string:
+        return "tool_calls"
     if stopped_by_string or (new_tokens and new_tokens[-1] in eos) or len(new_tokens) < max_new_tokens:
         return "stop"
     return "length"
@@ -360,6 +426,9 @@ def response_body(chat: bool, model: str, choices: list[Choice], usage: dict[str
         entry: dict[str, Any] = {"index": index, "finish_reason": choice.finish_reason, "logprobs": choice.logprobs}
         if chat:
             entry["message"] = {"role": "assistant", "content": choice.text}
+            if choice.tool_calls:  # content is null when the answer is only calls, as OpenAI's
+                entry["message"] = {"role": "assistant", "content": choice.text or None,
+                                    "tool_calls": [call.body() for call in choice.tool_calls]}
         else:
             entry["text"] = choice.text
         body_choices.append(entry)
@@ -368,14 +437,18 @@ def response_body(chat: bool, model: str, choices: list[Choice], usage: dict[str
 
 
 def chunk_body(chat: bool, request_id: str, model: str, text: str | None = None, reason: str | None = None,
-               first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None,
+               tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
     """One streamed piece of choice `index` (the first of a chat carries the role; the last the finish_reason),
-    with the log-probabilities of the tokens that piece's text is made of, when asked for."""
+    with the log-probabilities of the tokens that piece's text is made of, when asked for, or the answer's tool
+    calls (each whole, in one delta: clients join a call's argument pieces, here there is one)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": logprobs}
     if chat:
-        delta: dict[str, str] = {"role": "assistant"} if first else {}
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [call.body(i) for i, call in enumerate(tool_calls)]
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

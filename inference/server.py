@@ -43,6 +43,7 @@ from .prompt_cache import PromptCachePool
 from .serving_loop import COUNTERS, LABELED_COUNTERS, ServingLoop
 from .target_support import context_limit
 from .text_deltas import TextDeltas
+from .tool_calls import ContentStream, detect_parser, make_parser
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 FALLBACK_MAX_TOKENS = 4096  # a request without max_tokens, on a target whose config states no context length
@@ -68,17 +69,26 @@ class CompletionService:
         max_batch: requests generated together at most (continuous batching); 1 answers one at a time.
         processor: a vision-language target's processor (`multimodal.image_processor_for`): chat messages may then
             hold `image_url` parts (base64 data URLs); such requests prefill alone and keep no conversation cache.
+        chat_template_kwargs: keywords for the chat template (a request's `chat_template_kwargs` update them).
+        tool_parser: how answers' tool calls are read (inference/tool_calls.py): "auto" (the format the chat template
+            shows, when it is one of `tool_calls.PARSERS`), a parser's name, or None (requests with tools must then
+            force the calls: `tool_choice` "required" or a named function).
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
                  chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8,
-                 processor: Any = None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 processor: Any = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 tool_parser: str | None = "auto") -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
         self.defaults = dict(defaults or {})
         self.chat_template, self.processor = chat_template, processor
         self.chat_template_kwargs = dict(chat_template_kwargs or {})  # a request's `chat_template_kwargs` update them
+        if tool_parser == "auto":
+            template = chat_template or getattr(processor, "chat_template", None) or self.tokenizer.chat_template
+            tool_parser = detect_parser(template if isinstance(template, str) else None)
+        self.tool_parser = None if tool_parser is None else make_parser(tool_parser)
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
         self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
@@ -110,7 +120,7 @@ class CompletionService:
             raise ApiError(f"model {body['model']!r} is not served here; this server serves {self.model_name!r}",
                            status=404, param="model", error_type="not_found_error")
         return parse_request(body, chat, self.tokenizer, self.defaults, self.chat_template, self.processor,
-                             self.chat_template_kwargs)
+                             self.chat_template_kwargs, self.tool_parser and self.tool_parser.name)
 
     def complete(
         self, request: ParsedRequest, chat: bool = True, on_text: Any = None
@@ -120,7 +130,9 @@ class CompletionService:
         `on_text(index, piece, logprobs)` gets each streamed piece, with the log-probabilities of the tokens its text
         is made of when the request asks for them (else None), on this thread; if it raises, the generation is
         cancelled and the error passes on. Streamed, a choice's `logprobs` then holds the tokens not yet sent with a
-        piece (None if none), so that the pieces' and the last chunk's together are the non-streamed answer's."""
+        piece (None if none), so that the pieces' and the last chunk's together are the non-streamed answer's.
+        With tools, the calls are read out of each answer (`Choice.tool_calls`, `text` the rest); streamed, the text
+        that may still become a call is held back, and what of the content was not sent is `Choice.unsent`."""
         sampled = bool(request.options.get("do_sample"))
         runs = request.n if sampled else 1
         pieces: queue.SimpleQueue[tuple[int, str, int]] = queue.SimpleQueue()
@@ -129,10 +141,20 @@ class CompletionService:
         if options.get("max_new_tokens") is None:
             options["max_new_tokens"] = self._room(ids.shape[1])
         jobs, deltas = [], []
+        contents = [ContentStream(request.tools, self.tool_parser) for _ in range(runs)] if request.tools else []
+
+        def send(piece: str, run: int) -> None:
+            # a piece goes with the count of tokens its text covers (read on the loop thread, as it is sent); with
+            # tools, only the part that is surely content (the rest may still be a call)
+            if contents:
+                piece = contents[run].feed(piece)
+                if not piece and request.logprobs is None:
+                    return
+            pieces.put((run, piece, deltas[run].covered))
+
         for run in range(runs):
-            # a piece goes with the count of tokens its text covers (read on the loop thread, as it is sent)
-            send = None if on_text is None else (lambda piece, run=run: pieces.put((run, piece, deltas[run].covered)))
-            deltas.append(TextDeltas(self.tokenizer, request.stop, send))
+            deltas.append(TextDeltas(self.tokenizer, request.stop,
+                                     None if on_text is None else (lambda piece, run=run: send(piece, run))))
             processors = None if request.json_schema is None else [self._constraint(request.json_schema)]
             seed = None if request.seed is None else request.seed + run
             try:
@@ -163,12 +185,16 @@ class CompletionService:
             raise
         seconds = time.perf_counter() - start
         choices = []
-        for job, delta, stream in zip(jobs, deltas, streams):
+        for run, (job, delta, stream) in enumerate(zip(jobs, deltas, streams)):
             new = job.new_tokens
             logprobs = None
             if request.logprobs is not None:  # the answer's own tokens (those not streamed yet)
                 logprobs = stream.take(answer_tokens(self.tokenizer, new, delta.text), final=on_text is None)
-            choices.append(Choice(delta.text, finish_reason(delta.stopped, new, job.max_new_tokens, job.eos), logprobs))
+            content, calls = (delta.text, []) if request.tools is None else request.tools.read_calls(
+                delta.text, self.tool_parser)
+            unsent = content[contents[run].sent:] if contents and on_text is not None else ""
+            reason = finish_reason(delta.stopped, new, job.max_new_tokens, job.eos, called_tools=bool(calls))
+            choices.append(Choice(content, reason, logprobs, calls, unsent))
         choices = [choices[index % runs] for index in range(request.n)]
         generated = sum(len(job.new_tokens) for job in jobs)
         completion = sum(len(jobs[index % runs].new_tokens) for index in range(request.n))
@@ -307,10 +333,10 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         self.end_headers()
 
         def send(index: int, piece: str | None, logprobs: dict[str, Any] | None = None, reason: str | None = None,
-                 first: bool = False) -> None:
+                 first: bool = False, tool_calls: list | None = None) -> None:
             try:
                 self.wfile.write(sse(chunk_body(chat, request_id, model, piece, reason, first=first, index=index,
-                                                logprobs=logprobs)))
+                                                logprobs=logprobs, tool_calls=tool_calls)))
                 self.wfile.flush()
             except OSError as err:  # the client left: stop generating for it
                 raise ClientGone() from err
@@ -320,6 +346,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                 send(index, None, first=True)
             choices, usage, stats = self.service.complete(request, chat, on_text=send)
             for index, choice in enumerate(choices):  # with the log-probabilities no piece carried
+                if choice.unsent or choice.tool_calls:  # content held back while it could have been a call
+                    send(index, choice.unsent, tool_calls=choice.tool_calls)
                 send(index, None, choice.logprobs, reason=choice.finish_reason)
             if request.include_usage:
                 self.wfile.write(sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -142,6 +142,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "every row's tree; default: 8; 1: one at a time)")
     p.add_argument("--api-key", default=os.environ.get("SPECHEADS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every request (default: $SPECHEADS_API_KEY; unset: open)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "llama3_json"],
+                   help="how tool calls are read out of answers to requests with tools and tool_choice 'auto': "
+                        "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes, SmolLM3), llama3_json (Llama "
+                        "3.1-3.3), auto (the one the chat template shows; default), none ('required' and named "
+                        "tool_choice still work: the answer is constrained to the calls' JSON)")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     # a request without max_tokens runs to the end of the context (OpenAI's default) unless the server sets one
     p.set_defaults(max_new_tokens=None)
@@ -158,7 +163,8 @@ def build_server(args: argparse.Namespace):
     defaults = {k: v for k, v in _generate_options(args).items() if v is not None}
     processor = image_processor_for(args.target)  # a vision-language target's: chat requests may hold images
     service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template,
-                                args.api_key, args.max_batch, processor, args.chat_template_kwargs)
+                                args.api_key, args.max_batch, processor, args.chat_template_kwargs,
+                                None if args.tool_call_parser == "none" else args.tool_call_parser)
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]
@@ -167,8 +173,9 @@ def build_server(args: argparse.Namespace):
         costs = lm.verification_ms_by_tokens()
         budget = "; node budget auto, verification " + ", ".join(
             f"{t} tokens {costs[t]:.1f} ms" for t in (1, 16, 128) if t in costs)
+    tools = f"; tool calls read as {service.tool_parser.name}" if service.tool_parser else ""
     print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; "
-          f"{', '.join(f'{k}={v}' for k, v in kernels.items())}{budget})", file=sys.stderr, flush=True)
+          f"{', '.join(f'{k}={v}' for k, v in kernels.items())}{budget}{tools})", file=sys.stderr, flush=True)
     return server
 
 

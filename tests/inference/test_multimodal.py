@@ -456,8 +456,22 @@ def test_the_server_answers_chat_requests_with_images(story_vlm_dir, tmp_path):
         with pytest.raises(ApiError, match=r"content\[1\] has type 'input_audio': expected 'text' or 'image_url'"):
             service.parse({"messages": [{"role": "user", "content": [body["messages"][0]["content"][0],
                                                                     {"type": "input_audio"}]}]}, chat=True)
+        # tools: this processor's template shows none, so they are refused; one that shows them gets them
+        weather = {"type": "function", "function": {"name": "weather"}}
+        with pytest.raises(ApiError, match="does not show tools"):
+            service.parse({**body, "tools": [weather], "tool_choice": "required"}, chat=True)
     finally:
         service.close()
+    tool_template = "{% if tools %}<tool_call>{{ tools[0]['function']['name'] }}: {% endif %}" + processor.chat_template
+    with_tools = CompletionService(lm, "vlm", {"max_new_tokens": 4}, cache_slots=0, processor=processor,
+                                   chat_template=tool_template)
+    try:
+        assert with_tools.tool_parser.name == "hermes"
+        parsed = with_tools.parse({**body, "tools": [weather]}, chat=True)
+        text = tokenizer.decode(parsed.input_ids[0])
+        assert "weather: " in text and set(parsed.inputs) == {"pixel_values"} and parsed.tools.choice == "auto"
+    finally:
+        with_tools.close()
     text_only = CompletionService(lm, "vlm", {"max_new_tokens": 4}, cache_slots=0)
     try:
         with pytest.raises(ApiError, match="this model takes no images"):

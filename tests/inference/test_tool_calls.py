@@ -1,0 +1,304 @@
+"""Tool calls in `specheads serve`: the request's tools reach the chat template, the calls are read out of the
+target's own answer (parsed for tool_choice "auto", constrained to the calls' JSON for "required" / a named function),
+streamed answers hold back what may still become a call, and bad tool requests get an error naming the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+
+import pytest
+import torch
+
+from specheads import SpeculativeLM
+from specheads.inference.openai_api import ApiError, parse_request
+from specheads.inference.server import CompletionService, make_server
+from specheads.inference.tool_calls import (
+    ContentStream,
+    HermesParser,
+    Llama3JsonParser,
+    ToolRequest,
+    detect_parser,
+    template_message,
+    tool_request,
+)
+
+from .conftest import make_heads
+from .test_server import post
+
+# a Hermes-style tool-calling template written for these tests: the tools' names in the prompt, earlier calls written
+# as <tool_call> blocks (their arguments as the template gets them), tool results as "tool:" turns
+TOOL_TEMPLATE = (
+    "{%- if tools %}tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: "
+    "{%- if m.get('tool_calls') %}{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}"
+    "{%- else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+    "{% endif %}"
+)
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "clock"}}  # no parameters
+QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+CALL_ANSWER = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=TOOL_TEMPLATE,
+                                         tools=tools, return_dict=True)["input_ids"]
+
+
+def tuned_to_answer(target, tokenizer, prompt: list[int], answer: str, steps: int = 400):
+    """A copy of `target` fine-tuned until its greedy answer to `prompt` is `answer` then EOS: a real model whose
+    own output holds a tool call (stories260K writes none by itself)."""
+    torch.manual_seed(0)
+    model = copy.deepcopy(target).train().requires_grad_(True)  # the loaded target is frozen
+    answer_ids = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    ids = torch.tensor([prompt + answer_ids])
+    labels = ids.clone()
+    labels[0, :len(prompt)] = -100
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = model(ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:
+            break
+    model.eval()
+    prompt_ids = torch.tensor([prompt])
+    out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=len(answer_ids) + 4,
+                         do_sample=False)
+    assert out[0, len(prompt):].tolist() == answer_ids, "the fine-tune did not learn the answer"
+    return model
+
+
+@pytest.fixture(scope="module")
+def tool_server(stories260k):
+    """A live server over a stories260K fine-tuned to answer QUESTION (with the weather tool) with CALL_ANSWER:
+    (base URL, target, tokenizer)."""
+    target, tokenizer = stories260k
+    target = tuned_to_answer(target, tokenizer, template_ids(tokenizer, QUESTION, [WEATHER]), CALL_ANSWER)
+    lm = SpeculativeLM(target, make_heads(target, "eagle"), tokenizer=tokenizer)
+    service = CompletionService(lm, "stories", {"max_new_tokens": 80}, cache_slots=2, chat_template=TOOL_TEMPLATE)
+    assert service.tool_parser.name == "hermes"  # read off the template
+    httpd = make_server(service, "127.0.0.1", 0, quiet=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1/chat/completions", target, tokenizer
+    httpd.shutdown()
+    httpd.server_close()
+    service.close()
+
+
+def greedy_answer(target, tokenizer, prompt: list[int], max_new_tokens: int = 80, **kwargs) -> str:
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                          **kwargs)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_auto_tool_choice_returns_the_call_the_target_wrote(tool_server):
+    url, target, tokenizer = tool_server
+    text = greedy_answer(target, tokenizer, template_ids(tokenizer, QUESTION, [WEATHER]))
+    assert "<tool_call>" in text  # the target's own answer holds the call
+    status, body = post(url, {"messages": QUESTION, "tools": [WEATHER, CLOCK]})
+    assert status == 200, body
+    # the prompt showed both tools: the model answered after another prompt than the fine-tune's, so compare with
+    # the target's greedy answer to that one
+    expected = greedy_answer(target, tokenizer, template_ids(tokenizer, QUESTION, [WEATHER, CLOCK]))
+    content, calls = HermesParser().parse(expected)
+    message, choice = body["choices"][0]["message"], body["choices"][0]
+    assert [c["function"]["name"] for c in message.get("tool_calls", [])] == [c.name for c in calls]
+    if calls:
+        assert choice["finish_reason"] == "tool_calls" and message["content"] == (content or None)
+    else:  # (torch 2.13: the fine-tune writes a malformed call after this prompt) returned as text, never repaired
+        assert message == {"role": "assistant", "content": expected} and choice["finish_reason"] != "tool_calls"
+
+    # the fine-tune's own prompt: the call, its arguments as a JSON string, the text before it as the content
+    status, body = post(url, {"messages": QUESTION, "tools": [WEATHER]})
+    message = body["choices"][0]["message"]
+    assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls"
+    assert message["content"] == text[:text.index("<tool_call>")].rstrip() and "Let me look." in message["content"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("weather", {"city": "Paris"})]
+    assert message["tool_calls"][0]["id"].startswith("call_") and message["tool_calls"][0]["type"] == "function"
+
+    # tool_choice "none": the same answer, as text
+    status, body = post(url, {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "none"})
+    assert status == 200 and body["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_streamed_tool_call_holds_back_the_call_and_sends_it_whole(tool_server):
+    url, _, _ = tool_server
+    request = {"messages": QUESTION, "tools": [WEATHER]}
+    _, whole = post(url, request)
+    status, events = post(url, {**request, "stream": True})
+    assert status == 200
+    deltas = [e["choices"][0]["delta"] for e in events]
+    content = "".join(d.get("content", "") for d in deltas)
+    assert content == whole["choices"][0]["message"]["content"]
+    assert not any("<tool" in d.get("content", "") for d in deltas)  # no piece of the call went out as content
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]) for c in calls] == [
+        (0, whole["choices"][0]["message"]["tool_calls"][0]["function"])]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert len([d for d in deltas if d.get("content")]) > 1  # the content streamed in pieces before the call
+
+
+def test_a_conversation_with_calls_and_results_renders_as_the_template_renders_it(tool_server):
+    url, target, tokenizer = tool_server
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    parsed = parse_request({"messages": messages, "tools": [WEATHER]}, True, tokenizer, {}, TOOL_TEMPLATE,
+                           tool_parser="hermes")
+    # the template gets the arguments as an object (templates write them with tojson), the result as a tool turn
+    as_template_takes_them = QUESTION + [
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "weather",
+                                                                                  "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "rain", "tool_call_id": "call_1"}]
+    assert parsed.input_ids[0].tolist() == template_ids(tokenizer, as_template_takes_them, [WEATHER])
+    text = tokenizer.decode(parsed.input_ids[0])
+    assert '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "tool:rain" in text
+    status, body = post(url, {"messages": messages, "tools": [WEATHER], "max_tokens": 12})
+    answer = greedy_answer(target, tokenizer, parsed.input_ids[0].tolist(), 12)
+    assert status == 200 and body["choices"][0]["message"]["content"] == HermesParser().parse(answer)[0]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_forced_tool_choice_constrains_the_answer_to_the_calls_json(tool_server, choice):
+    pytest.importorskip("outlines_core")
+    from specheads.inference.constraints import CHAT_JSON_WHITESPACE, json_schema_constraint
+
+    url, target, tokenizer = tool_server
+    messages = [{"role": "user", "content": "Tom had a ball"}]  # not the fine-tune's question: no call of its own
+    tools = tool_request({"tools": [WEATHER, CLOCK], "tool_choice": choice})
+    constraint = json_schema_constraint(tokenizer, tools.schema(), CHAT_JSON_WHITESPACE)
+    expected = greedy_answer(target, tokenizer, template_ids(tokenizer, messages, [WEATHER, CLOCK]), 60,
+                             logits_processor=[constraint])
+    for stream in (False, True):
+        status, body = post(url, {"messages": messages, "tools": [WEATHER, CLOCK], "tool_choice": choice,
+                                  "max_tokens": 60, "stream": stream})
+        assert status == 200, body
+        if stream:
+            deltas = [e["choices"][0]["delta"] for e in body]
+            assert "".join(d.get("content", "") for d in deltas) == ""
+            calls, reason = [c for d in deltas for c in d.get("tool_calls", [])], body[-1]["choices"][0]["finish_reason"]
+        else:
+            assert body["choices"][0]["message"]["content"] is None
+            calls, reason = body["choices"][0]["message"]["tool_calls"], body["choices"][0]["finish_reason"]
+        assert reason == "tool_calls"
+        value = json.loads(expected)
+        if isinstance(choice, dict):  # the answer is the named function's arguments
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("weather", value)]
+        else:  # a list of {"name", "parameters"}
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+                (v["name"], v["parameters"]) for v in value]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "clock"}}}, "tool_choice",
+         "naming one of the tools (weather)"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "function.name=None"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0]="),
+        ({"tools": {"weather": 1}}, "tools", "expected a list"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "'yes'"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
+            "type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, "response_format", "send one"),
+        ({"functions": [{"name": "weather"}]}, "functions", "use tools"),
+    ],
+)
+def test_bad_tool_requests_name_the_field(stories260k, body, param, needle):
+    _, tokenizer = stories260k
+    with pytest.raises(ApiError, match=None) as err:
+        parse_request({"messages": QUESTION, **body}, True, tokenizer, {}, TOOL_TEMPLATE, tool_parser="hermes")
+    assert err.value.param == param and needle in str(err.value), str(err.value)
+
+
+def test_tools_need_a_template_that_shows_them_and_a_parser_for_auto(stories260k):
+    _, tokenizer = stories260k
+    with pytest.raises(ApiError, match="does not show tools") as err:  # the model could not know the tools
+        parse_request({"messages": QUESTION, "tools": [WEATHER]}, True, tokenizer, {}, PLAIN_TEMPLATE,
+                      tool_parser="hermes")
+    assert err.value.param == "tools"
+    # tool_choice "none" asks nothing of them
+    parse_request({"messages": QUESTION, "tools": [WEATHER], "tool_choice": "none"}, True, tokenizer, {},
+                  PLAIN_TEMPLATE)
+    with pytest.raises(ApiError, match="--tool-call-parser") as err:
+        parse_request({"messages": QUESTION, "tools": [WEATHER]}, True, tokenizer, {}, TOOL_TEMPLATE)
+    assert err.value.param == "tool_choice"
+    with pytest.raises(ApiError, match="chat field") as err:
+        parse_request({"prompt": "hi", "tools": [WEATHER]}, False, tokenizer, {})
+    assert err.value.param == "tools"
+
+
+def test_hermes_parser_reads_calls_and_leaves_anything_else_as_text():
+    parser = HermesParser()
+    two = ('Sure. <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+           '<tool_call>{"name": "b", "arguments": "{\\"y\\": [2]}"}</tool_call>')
+    content, calls = parser.parse(two)
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {"y": [2]})]
+    assert len({c.id for c in calls}) == 2
+    assert parser.parse('<tool_call>{"name": "a", "arguments": {}}')[1][0].name == "a"  # EOS before the closing tag
+    for text in ("no call here", 'x <tool_call>{"name": "a", "arg', "<tool_call>[1, 2]</tool_call>",
+                 '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "a", "arguments": "{bad"}</tool_call>'):
+        assert parser.parse(text) == (text, []), text
+    one = ToolRequest([WEATHER], parallel=False)
+    assert [c.name for c in one.read_calls(two, parser)[1]] == ["a"]  # parallel_tool_calls false: the first
+
+
+def test_llama3_json_parser_reads_whole_answers_of_calls():
+    parser = Llama3JsonParser()
+    content, calls = parser.parse('<|python_tag|>{"name": "a", "parameters": {"q": "x;y"}}; {"name": "b", "arguments": {}}')
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"q": "x;y"}), ("b", {})]
+    for text in ('The answer is {"name": "a", "parameters": {}}', '{"city": "Paris"}', '{"name": "a", "parameters": {',
+                 "plain text"):
+        assert parser.parse(text) == (text, []), text
+
+
+@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser()])
+@pytest.mark.parametrize("text", [
+    CALL_ANSWER, "Just text, no call.", "Text with < and <tool in it <tool_", '  {"name": "a", "parameters": {}}',
+    'A <tool_call>{"broken"</tool_call> tail', "Hi   \n", "<tool_call>", "{ not json",
+])
+def test_streamed_content_is_the_content_whatever_the_pieces(parser, text):
+    """Streamed piece by piece (every split), the content sent plus what is sent at the end is the parsed answer's
+    content, and no piece of a call is sent."""
+    tools = ToolRequest([WEATHER])
+    content, calls = tools.read_calls(text, parser)
+    for size in (1, 2, 3, 7):
+        stream = ContentStream(tools, parser)
+        sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
+        assert sent + content[stream.sent:] == content and content.startswith(sent), (size, sent)
+        if calls:
+            assert "<tool_call>" not in sent and "{" not in sent[len(content):]
+
+
+def test_detect_parser_reads_the_format_off_the_template():
+    assert detect_parser(TOOL_TEMPLATE) == "hermes"
+    assert detect_parser('Respond in the format {"name": function name, "parameters": dictionary}') == "llama3_json"
+    assert detect_parser(PLAIN_TEMPLATE) is None and detect_parser(None) is None
+
+
+def test_forced_schemas_and_template_messages():
+    required = tool_request({"tools": [WEATHER, CLOCK], "tool_choice": "required", "parallel_tool_calls": False})
+    schema = required.schema()
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    clock = schema["items"]["anyOf"][1]["properties"]
+    assert clock["name"] == {"type": "string", "enum": ["clock"]} and clock["parameters"]["properties"] == {}
+    named = tool_request({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "weather"}}})
+    assert named.schema() == WEATHER["function"]["parameters"] and named.forced
+    assert tool_request({"tools": [WEATHER]}).schema() is None
+    assert template_message({"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": "{bad"}}]}) == {
+        "tool_calls": [{"function": {"name": "a", "arguments": "{bad"}}]}  # left as the string it is
