@@ -79,6 +79,8 @@ class Choice:
     logprobs: dict[str, Any] | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # the calls read out of the answer (`text` is the rest)
     unsent: str = ""  # streamed: the content held back while it could have been a call, sent at the end
+    reasoning: str | None = None  # the answer's think block (None: it has none)
+    unsent_reasoning: str = ""  # streamed: the reasoning held back while it could have been the block's end
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None,
@@ -127,8 +129,9 @@ def _message_text(message: Any, index: int) -> dict[str, Any]:
             isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
         raise ApiError(f"messages[{index}].tool_calls={calls!r}: expected an assistant's list of {{'id', 'type': "
                        "'function', 'function': {'name', 'arguments'}}", param="messages")
+    reasoning = message.get("reasoning_content")  # an earlier answer's reasoning: templates that keep it read it
     return {"role": "system" if message["role"] == "developer" else message["role"], "content": content,
-            **template_message(message)}
+            **template_message(message), **({"reasoning_content": reasoning} if isinstance(reasoning, str) else {})}
 
 
 def _has_images(messages: list[Any]) -> bool:
@@ -429,6 +432,8 @@ def response_body(chat: bool, model: str, choices: list[Choice], usage: dict[str
             if choice.tool_calls:  # content is null when the answer is only calls, as OpenAI's
                 entry["message"] = {"role": "assistant", "content": choice.text or None,
                                     "tool_calls": [call.body() for call in choice.tool_calls]}
+            if choice.reasoning is not None:  # DeepSeek's and vLLM's field
+                entry["message"]["reasoning_content"] = choice.reasoning
         else:
             entry["text"] = choice.text
         body_choices.append(entry)
@@ -438,13 +443,16 @@ def response_body(chat: bool, model: str, choices: list[Choice], usage: dict[str
 
 def chunk_body(chat: bool, request_id: str, model: str, text: str | None = None, reason: str | None = None,
                first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None,
-               tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
+               tool_calls: list[ToolCall] | None = None, reasoning: str | None = None) -> dict[str, Any]:
     """One streamed piece of choice `index` (the first of a chat carries the role; the last the finish_reason),
-    with the log-probabilities of the tokens that piece's text is made of, when asked for, or the answer's tool
-    calls (each whole, in one delta: clients join a call's argument pieces, here there is one)."""
+    with the log-probabilities of the tokens that piece's text is made of, when asked for, or a piece of the
+    answer's reasoning, or its tool calls (each whole, in one delta: clients join a call's argument pieces, here
+    there is one)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": logprobs}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         if tool_calls:

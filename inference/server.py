@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .answer_parts import AnswerParts
 from .openai_api import (
     ApiError,
     Choice,
@@ -40,10 +41,11 @@ from .openai_api import (
     token_logprobs,
 )
 from .prompt_cache import PromptCachePool
+from .reasoning import detect_reasoning_parser, make_reasoning_parser
 from .serving_loop import COUNTERS, LABELED_COUNTERS, ServingLoop
 from .target_support import context_limit
 from .text_deltas import TextDeltas
-from .tool_calls import ContentStream, detect_parser, make_parser
+from .tool_calls import detect_parser, make_parser
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 FALLBACK_MAX_TOKENS = 4096  # a request without max_tokens, on a target whose config states no context length
@@ -73,22 +75,26 @@ class CompletionService:
         tool_parser: how answers' tool calls are read (inference/tool_calls.py): "auto" (the format the chat template
             shows, when it is one of `tool_calls.PARSERS`), a parser's name, or None (requests with tools must then
             force the calls: `tool_choice` "required" or a named function).
+        reasoning_parser: how chat answers' reasoning is split off (inference/reasoning.py) into `reasoning_content`:
+            "auto" (`think` when the chat template knows `</think>`), a parser's name, or None (all content).
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
                  chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8,
                  processor: Any = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 tool_parser: str | None = "auto") -> None:
+                 tool_parser: str | None = "auto", reasoning_parser: str | None = "auto") -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
         self.defaults = dict(defaults or {})
         self.chat_template, self.processor = chat_template, processor
         self.chat_template_kwargs = dict(chat_template_kwargs or {})  # a request's `chat_template_kwargs` update them
-        if tool_parser == "auto":
-            template = chat_template or getattr(processor, "chat_template", None) or self.tokenizer.chat_template
-            tool_parser = detect_parser(template if isinstance(template, str) else None)
+        template = chat_template or getattr(processor, "chat_template", None) or self.tokenizer.chat_template
+        template = template if isinstance(template, str) else None
+        tool_parser = detect_parser(template) if tool_parser == "auto" else tool_parser
         self.tool_parser = None if tool_parser is None else make_parser(tool_parser)
+        reasoning_parser = detect_reasoning_parser(template) if reasoning_parser == "auto" else reasoning_parser
+        self.reasoning_parser = None if reasoning_parser is None else make_reasoning_parser(reasoning_parser)
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
         self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
@@ -131,8 +137,10 @@ class CompletionService:
         is made of when the request asks for them (else None), on this thread; if it raises, the generation is
         cancelled and the error passes on. Streamed, a choice's `logprobs` then holds the tokens not yet sent with a
         piece (None if none), so that the pieces' and the last chunk's together are the non-streamed answer's.
-        With tools, the calls are read out of each answer (`Choice.tool_calls`, `text` the rest); streamed, the text
-        that may still become a call is held back, and what of the content was not sent is `Choice.unsent`."""
+        A chat answer is read into its parts (`answer_parts.AnswerParts`): its think block (`Choice.reasoning`, streamed
+        as `on_text(..., reasoning=piece)`) and tool calls (`Choice.tool_calls`) split off the content (`text`);
+        streamed, text that may still become either is held back, and what was not sent is `Choice.unsent` /
+        `Choice.unsent_reasoning`."""
         sampled = bool(request.options.get("do_sample"))
         runs = request.n if sampled else 1
         pieces: queue.SimpleQueue[tuple[int, str, int]] = queue.SimpleQueue()
@@ -141,16 +149,17 @@ class CompletionService:
         if options.get("max_new_tokens") is None:
             options["max_new_tokens"] = self._room(ids.shape[1])
         jobs, deltas = [], []
-        contents = [ContentStream(request.tools, self.tool_parser) for _ in range(runs)] if request.tools else []
+        readers = [self._answer_parts(request, chat) for _ in range(runs)]
 
         def send(piece: str, run: int) -> None:
-            # a piece goes with the count of tokens its text covers (read on the loop thread, as it is sent); with
-            # tools, only the part that is surely content (the rest may still be a call)
-            if contents:
-                piece = contents[run].feed(piece)
-                if not piece and request.logprobs is None:
+            # a piece goes with the count of tokens its text covers (read on the loop thread, as it is sent); read
+            # into parts, only what is surely reasoning or content (the rest may still be a block's end or a call)
+            reasoning = ""
+            if readers[run] is not None:
+                reasoning, piece = readers[run].feed(piece)
+                if not piece and not reasoning and request.logprobs is None:
                     return
-            pieces.put((run, piece, deltas[run].covered))
+            pieces.put((run, piece, reasoning, deltas[run].covered))
 
         for run in range(runs):
             deltas.append(TextDeltas(self.tokenizer, request.stop,
@@ -171,12 +180,12 @@ class CompletionService:
         try:
             while on_text is not None and (not all(t.done for t in tickets) or not pieces.empty()):
                 try:  # the loop thread puts; this thread sends
-                    run, piece, covered = pieces.get(timeout=0.05)
+                    run, piece, reasoning, covered = pieces.get(timeout=0.05)
                 except queue.Empty:
                     continue
                 logprobs = None if request.logprobs is None else streams[run].take(covered)
                 for index in range(run, request.n, runs):  # a greedy answer goes to every choice
-                    on_text(index, piece, logprobs)
+                    on_text(index, piece, logprobs, **({"reasoning": reasoning} if reasoning else {}))
             for ticket in tickets:
                 ticket.wait()
         except BaseException:
@@ -190,11 +199,15 @@ class CompletionService:
             logprobs = None
             if request.logprobs is not None:  # the answer's own tokens (those not streamed yet)
                 logprobs = stream.take(answer_tokens(self.tokenizer, new, delta.text), final=on_text is None)
-            content, calls = (delta.text, []) if request.tools is None else request.tools.read_calls(
-                delta.text, self.tool_parser)
-            unsent = content[contents[run].sent:] if contents and on_text is not None else ""
-            reason = finish_reason(delta.stopped, new, job.max_new_tokens, job.eos, called_tools=bool(calls))
-            choices.append(Choice(content, reason, logprobs, calls, unsent))
+            if readers[run] is None:
+                choices.append(Choice(delta.text, finish_reason(delta.stopped, new, job.max_new_tokens, job.eos),
+                                      logprobs))
+                continue
+            parts = readers[run].finish(delta.text)
+            reason = finish_reason(delta.stopped, new, job.max_new_tokens, job.eos, called_tools=bool(parts.calls))
+            streamed = on_text is not None
+            choices.append(Choice(parts.content, reason, logprobs, parts.calls, parts.unsent_content if streamed else "",
+                                  parts.reasoning, parts.unsent_reasoning if streamed else ""))
         choices = [choices[index % runs] for index in range(request.n)]
         generated = sum(len(job.new_tokens) for job in jobs)
         completion = sum(len(jobs[index % runs].new_tokens) for index in range(request.n))
@@ -205,6 +218,14 @@ class CompletionService:
                    "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
                    "reused_prompt_tokens": jobs[0].reused_prompt_tokens}
         return choices, usage, summary
+
+    def _answer_parts(self, request: ParsedRequest, chat: bool) -> AnswerParts | None:
+        """A reader of one chat answer's parts (None: the text is the answer, as it is)."""
+        if not chat or (request.tools is None and self.reasoning_parser is None):
+            return None
+        opened = self.reasoning_parser is not None and self.reasoning_parser.opens_in_prompt(
+            self.tokenizer.decode(request.input_ids[0, -8:]))
+        return AnswerParts(request.tools, self.tool_parser, self.reasoning_parser, opened)
 
     def _room(self, prompt_tokens: int) -> int:
         """New tokens a request without `max_tokens` may take: the rest of the target's context."""
@@ -333,10 +354,10 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         self.end_headers()
 
         def send(index: int, piece: str | None, logprobs: dict[str, Any] | None = None, reason: str | None = None,
-                 first: bool = False, tool_calls: list | None = None) -> None:
+                 first: bool = False, tool_calls: list | None = None, reasoning: str | None = None) -> None:
             try:
                 self.wfile.write(sse(chunk_body(chat, request_id, model, piece, reason, first=first, index=index,
-                                                logprobs=logprobs, tool_calls=tool_calls)))
+                                                logprobs=logprobs, tool_calls=tool_calls, reasoning=reasoning)))
                 self.wfile.flush()
             except OSError as err:  # the client left: stop generating for it
                 raise ClientGone() from err
@@ -346,6 +367,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                 send(index, None, first=True)
             choices, usage, stats = self.service.complete(request, chat, on_text=send)
             for index, choice in enumerate(choices):  # with the log-probabilities no piece carried
+                if choice.unsent_reasoning:  # held back while it could have been the block's end
+                    send(index, None, reasoning=choice.unsent_reasoning)
                 if choice.unsent or choice.tool_calls:  # content held back while it could have been a call
                     send(index, choice.unsent, tool_calls=choice.tool_calls)
                 send(index, None, choice.logprobs, reason=choice.finish_reason)

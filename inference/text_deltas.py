@@ -80,10 +80,21 @@ class TextDeltas:
 
     def _held_back(self, text: str) -> int:
         """Length of the longest end of `text` that is the start of a stop string (it may still become one)."""
-        longest = 0
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        return marker_tail(text, self.stop)
+
+
+def marker_tail(text: str, markers: list[str]) -> int:
+    """Length of the longest end of `text` that is the start of one of `markers` (it may still become one)."""
+    longest = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:k]):
+                longest = k
+                break
+    return longest
+
+
+def before_marker(text: str, marker: str) -> int:
+    """Where `text` stops being surely free of `marker`: at `marker`, or at a tail that could still grow into it."""
+    found = text.find(marker)
+    return found if found >= 0 else len(text) - marker_tail(text, [marker])

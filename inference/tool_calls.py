@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .text_deltas import before_marker
+
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function taking nothing
 
 
@@ -61,17 +63,6 @@ def _call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall |
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    """Where `text` stops being surely content: at `marker`, or at a tail that could still grow into it."""
-    found = text.find(marker)
-    if found >= 0:
-        return found
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return len(text) - size
-    return len(text)
-
-
 class HermesParser:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes' format; Qwen2.5 / Qwen3 use it).
     The content is the text before the first block."""
@@ -103,7 +94,7 @@ class HermesParser:
     def content_length(self, text: str) -> int:
         """How much of a growing answer is surely content (streamable): the text before a call's start, less any
         tail that could still be one, less trailing whitespace (the content is stripped before a call)."""
-        return len(text[:_held_prefix(text, self.start)].rstrip())
+        return len(text[:before_marker(text, self.start)].rstrip())
 
 
 class Llama3JsonParser:
@@ -279,25 +270,3 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
                 pass  # a template that writes the string as it is still renders it
             converted["tool_calls"].append({**call, "function": function})
     return converted
-
-
-class ContentStream:
-    """Streams an answer's content while it may still turn into tool calls: a piece goes out once the parser is
-    sure it is content; the rest waits for the end of the answer (`ToolRequest.read_calls`)."""
-
-    def __init__(self, tools: ToolRequest, parser: HermesParser | Llama3JsonParser | None) -> None:
-        self.tools, self.parser = tools, parser
-        self.text = ""  # the answer so far
-        self.sent = 0  # characters of it sent as content
-
-    def feed(self, piece: str) -> str:
-        """The content to send now, given the answer's next piece."""
-        self.text += piece
-        if self.tools.forced:  # the answer is the calls' JSON
-            return ""
-        safe = len(self.text) if self.parser is None or not self.tools.parses_calls else \
-            self.parser.content_length(self.text)
-        if safe <= self.sent:
-            return ""
-        new, self.sent = self.text[self.sent:safe], safe
-        return new

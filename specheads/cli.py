@@ -147,6 +147,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes, SmolLM3), llama3_json (Llama "
                         "3.1-3.3), auto (the one the chat template shows; default), none ('required' and named "
                         "tool_choice still work: the answer is constrained to the calls' JSON)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think"],
+                   help="split chat answers' <think>...</think> block off as message.reasoning_content: think "
+                        "(Qwen3, QwQ, DeepSeek-R1), auto (think when the chat template knows </think>; default), none "
+                        "(the whole answer is content)")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     # a request without max_tokens runs to the end of the context (OpenAI's default) unless the server sets one
     p.set_defaults(max_new_tokens=None)
@@ -164,7 +168,8 @@ def build_server(args: argparse.Namespace):
     processor = image_processor_for(args.target)  # a vision-language target's: chat requests may hold images
     service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template,
                                 args.api_key, args.max_batch, processor, args.chat_template_kwargs,
-                                None if args.tool_call_parser == "none" else args.tool_call_parser)
+                                None if args.tool_call_parser == "none" else args.tool_call_parser,
+                                None if args.reasoning_parser == "none" else args.reasoning_parser)
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]
@@ -174,6 +179,7 @@ def build_server(args: argparse.Namespace):
         budget = "; node budget auto, verification " + ", ".join(
             f"{t} tokens {costs[t]:.1f} ms" for t in (1, 16, 128) if t in costs)
     tools = f"; tool calls read as {service.tool_parser.name}" if service.tool_parser else ""
+    tools += f"; reasoning read as {service.reasoning_parser.name}" if service.reasoning_parser else ""
     print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; "
           f"{', '.join(f'{k}={v}' for k, v in kernels.items())}{budget}{tools})", file=sys.stderr, flush=True)
     return server

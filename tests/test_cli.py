@@ -356,7 +356,7 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
         [sys.executable, "-m", "specheads", "serve", "--heads", str(stories260k_eagle_dir), "--chat-template",
          str(template), "--port", str(port), "--served-model-name", "tiny", "--max-new-tokens", "12", "--quiet",
          "--max-round-nodes", "auto", "--prefill-chunk", "4", "--corpus-learn", "500", "--corpus-learned",
-         str(tmp_path / "learned.npy"), "--tool-call-parser", "hermes"],
+         str(tmp_path / "learned.npy"), "--tool-call-parser", "hermes", "--reasoning-parser", "think"],
         stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "SPECHEADS_API_KEY"},
         # a suite started in the background inherits SIGINT ignored, and Python keeps it so: Ctrl-C must reach it
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -385,7 +385,7 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
         assert process.wait(timeout=30) == 0
     log = process.stderr.read()
     assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in log and "node budget auto, verification 1 tokens" in log
-    assert "tool calls read as hermes" in log
+    assert "tool calls read as hermes; reasoning read as think" in log
     from specheads.inference.corpus_lookup import read_corpus_file
 
     learned = read_corpus_file(tmp_path / "learned.npy")

@@ -1,6 +1,7 @@
-"""Tool calls in `specheads serve`: the request's tools reach the chat template, the calls are read out of the
-target's own answer (parsed for tool_choice "auto", constrained to the calls' JSON for "required" / a named function),
-streamed answers hold back what may still become a call, and bad tool requests get an error naming the field."""
+"""Tool calls and reasoning in `specheads serve`: the request's tools reach the chat template, the calls are read out
+of the target's own answer (parsed for tool_choice "auto", constrained to the calls' JSON for "required" / a named
+function), a think block is split off as `reasoning_content`, streamed answers hold back what may still become a call
+or the block's end, and bad tool requests get an error naming the field."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 import torch
 
 from specheads import SpeculativeLM
+from specheads.inference.answer_parts import AnswerParts
 from specheads.inference.openai_api import ApiError, parse_request
 from specheads.inference.server import CompletionService, make_server
 from specheads.inference.tool_calls import (
-    ContentStream,
     HermesParser,
     Llama3JsonParser,
     ToolRequest,
@@ -28,14 +29,16 @@ from .conftest import make_heads
 from .test_server import post
 
 # a Hermes-style tool-calling template written for these tests: the tools' names in the prompt, earlier calls written
-# as <tool_call> blocks (their arguments as the template gets them), tool results as "tool:" turns
+# as <tool_call> blocks (their arguments as the template gets them), tool results as "tool:" turns, an earlier
+# answer's reasoning in a think block (as Qwen3's), and a generation prompt that opens one when asked (as DeepSeek-R1's)
 TOOL_TEMPLATE = (
     "{%- if tools %}tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: "
+    "{%- if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
     "{%- if m.get('tool_calls') %}{% for c in m['tool_calls'] %}<tool_call>\n"
     "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}"
     "{%- else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% if add_generation_prompt %}assistant:{% if open_think %}<think>\n{% endif %}{% endif %}"
 )
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
@@ -47,47 +50,54 @@ WEATHER = {"type": "function", "function": {
 CLOCK = {"type": "function", "function": {"name": "clock"}}  # no parameters
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_ANSWER = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+THINKING_QUESTION = [{"role": "user", "content": "Is the sky blue?"}]
+THINKING_ANSWER = "<think>\nThe sky is blue on a sunny day.\n</think>\n\nYes, it is blue."
 
 
-def template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=TOOL_TEMPLATE,
-                                         tools=tools, return_dict=True)["input_ids"]
+                                         tools=tools, return_dict=True, **kwargs)["input_ids"]
 
 
-def tuned_to_answer(target, tokenizer, prompt: list[int], answer: str, steps: int = 400):
-    """A copy of `target` fine-tuned until its greedy answer to `prompt` is `answer` then EOS: a real model whose
-    own output holds a tool call (stories260K writes none by itself)."""
+def tuned_to_answer(target, tokenizer, pairs: list[tuple[list[int], str]], steps: int = 600):
+    """A copy of `target` fine-tuned until its greedy answer to each prompt of `pairs` is that pair's answer then
+    EOS: a real model whose own output holds a tool call or a think block (stories260K writes neither by itself)."""
     torch.manual_seed(0)
     model = copy.deepcopy(target).train().requires_grad_(True)  # the loaded target is frozen
-    answer_ids = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    ids = torch.tensor([prompt + answer_ids])
-    labels = ids.clone()
-    labels[0, :len(prompt)] = -100
+    examples = []
+    for prompt, answer in pairs:
+        answer_ids = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        ids = torch.tensor([prompt + answer_ids])
+        labels = ids.clone()
+        labels[0, :len(prompt)] = -100
+        examples.append((ids, labels))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(steps):
-        loss = model(ids, labels=labels).loss
+        loss = sum(model(ids, labels=labels).loss for ids, labels in examples)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if loss.item() < 1e-3:
+        if loss.item() < 1e-3 * len(examples):
             break
     model.eval()
-    prompt_ids = torch.tensor([prompt])
-    out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=len(answer_ids) + 4,
-                         do_sample=False)
-    assert out[0, len(prompt):].tolist() == answer_ids, "the fine-tune did not learn the answer"
+    for (prompt, answer), (ids, _) in zip(pairs, examples):
+        prompt_ids = torch.tensor([prompt])
+        out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                             max_new_tokens=ids.shape[1] - len(prompt) + 4, do_sample=False)
+        assert out[0].tolist() == ids[0].tolist(), f"the fine-tune did not learn to answer {answer!r}"
     return model
 
 
 @pytest.fixture(scope="module")
 def tool_server(stories260k):
-    """A live server over a stories260K fine-tuned to answer QUESTION (with the weather tool) with CALL_ANSWER:
-    (base URL, target, tokenizer)."""
+    """A live server over a stories260K fine-tuned to answer QUESTION (with the weather tool) with CALL_ANSWER and
+    THINKING_QUESTION with THINKING_ANSWER: (base URL, target, tokenizer)."""
     target, tokenizer = stories260k
-    target = tuned_to_answer(target, tokenizer, template_ids(tokenizer, QUESTION, [WEATHER]), CALL_ANSWER)
+    target = tuned_to_answer(target, tokenizer, [(template_ids(tokenizer, QUESTION, [WEATHER]), CALL_ANSWER),
+                                                 (template_ids(tokenizer, THINKING_QUESTION), THINKING_ANSWER)])
     lm = SpeculativeLM(target, make_heads(target, "eagle"), tokenizer=tokenizer)
     service = CompletionService(lm, "stories", {"max_new_tokens": 80}, cache_slots=2, chat_template=TOOL_TEMPLATE)
-    assert service.tool_parser.name == "hermes"  # read off the template
+    assert service.tool_parser.name == "hermes" and service.reasoning_parser.name == "think"  # read off the template
     httpd = make_server(service, "127.0.0.1", 0, quiet=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}/v1/chat/completions", target, tokenizer
@@ -171,6 +181,72 @@ def test_a_conversation_with_calls_and_results_renders_as_the_template_renders_i
     status, body = post(url, {"messages": messages, "tools": [WEATHER], "max_tokens": 12})
     answer = greedy_answer(target, tokenizer, parsed.input_ids[0].tolist(), 12)
     assert status == 200 and body["choices"][0]["message"]["content"] == HermesParser().parse(answer)[0]
+
+
+def test_reasoning_is_split_off_as_reasoning_content_streamed_or_not(tool_server):
+    url, target, tokenizer = tool_server
+    assert greedy_answer(target, tokenizer, template_ids(tokenizer, THINKING_QUESTION)) == THINKING_ANSWER
+    status, body = post(url, {"messages": THINKING_QUESTION})
+    message = body["choices"][0]["message"]
+    assert status == 200 and message == {"role": "assistant", "content": "Yes, it is blue.",
+                                         "reasoning_content": "The sky is blue on a sunny day."}
+    status, events = post(url, {"messages": THINKING_QUESTION, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in events]
+    reasoning = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
+    content = [d["content"] for d in deltas if "content" in d]
+    assert "".join(reasoning) == message["reasoning_content"] and "".join(content) == message["content"]
+    assert len(reasoning) > 1 and len(content) > 1  # both streamed in pieces
+    assert not any("think>" in piece for piece in reasoning + content)
+    assert all("content" not in d for d in deltas[:deltas.index(next(d for d in deltas if "content" in d))])
+
+    # a cut answer: the block never closed is all reasoning
+    status, body = post(url, {"messages": THINKING_QUESTION, "max_tokens": 14})
+    cut = greedy_answer(target, tokenizer, template_ids(tokenizer, THINKING_QUESTION), 14)
+    message = body["choices"][0]["message"]
+    assert cut.startswith("<think>") and "</think>" not in cut
+    assert message == {"role": "assistant", "content": "", "reasoning_content": cut.replace("<think>", "").strip()}
+    assert body["choices"][0]["finish_reason"] == "length"
+
+    # a prompt that opens the block (DeepSeek-R1's generation prompt): the answer starts as reasoning
+    ids = template_ids(tokenizer, QUESTION, open_think=True)
+    expected = greedy_answer(target, tokenizer, ids, 10)
+    status, body = post(url, {"messages": QUESTION, "max_tokens": 10, "chat_template_kwargs": {"open_think": True}})
+    message = body["choices"][0]["message"]
+    assert "</think>" not in expected and message == {"role": "assistant", "content": "",
+                                                      "reasoning_content": expected.strip()}
+
+    # an earlier answer's reasoning reaches the template
+    turns = THINKING_QUESTION + [{"role": "assistant", "content": "Yes.", "reasoning_content": "Sky."},
+                                 {"role": "user", "content": "Why?"}]
+    parsed = parse_request({"messages": turns}, True, tokenizer, {}, TOOL_TEMPLATE)
+    assert "assistant:<think>Sky.</think>Yes." in tokenizer.decode(parsed.input_ids[0])
+
+
+@pytest.mark.parametrize("opened", [False, True])
+@pytest.mark.parametrize("text", [
+    THINKING_ANSWER, "  <think>a</think>b", "<think>unclosed thoughts <", "no block", "<thi", "", " \n",
+    "<think>\nWhich tool?\n</think>\n" + CALL_ANSWER, "thinking </think> answer", "a </thin",
+])
+def test_streamed_reasoning_and_content_are_the_parts_whatever_the_pieces(opened, text):
+    """Streamed piece by piece (every split), the reasoning and content sent, plus what is sent at the end, are the
+    whole answer's parts, with the tool call read out of the content only."""
+    from specheads.inference.reasoning import ThinkParser
+
+    tools = ToolRequest([WEATHER])
+    whole = AnswerParts(tools, HermesParser(), ThinkParser(), opened).finish(text)
+    for size in (1, 2, 5):
+        stream = AnswerParts(tools, HermesParser(), ThinkParser(), opened)
+        pieces = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)]
+        parts = stream.finish(text)
+        assert "".join(r for r, _ in pieces) + parts.unsent_reasoning == (whole.reasoning or "")
+        assert "".join(c for _, c in pieces) + parts.unsent_content == whole.content
+        assert not any("think>" in r + c for r, c in pieces)
+    assert ThinkParser().split(THINKING_ANSWER, opened=False) == ("The sky is blue on a sunny day.", "Yes, it is blue.")
+    if "Which tool" in text:
+        assert whole.reasoning == "Which tool?" and [c.name for c in whole.calls] == ["weather"]
+        assert whole.content == "Let me look."
+    if not opened and not text.lstrip().startswith("<think>"):
+        assert whole.reasoning is None and whole.content == text
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
@@ -278,9 +354,9 @@ def test_streamed_content_is_the_content_whatever_the_pieces(parser, text):
     tools = ToolRequest([WEATHER])
     content, calls = tools.read_calls(text, parser)
     for size in (1, 2, 3, 7):
-        stream = ContentStream(tools, parser)
-        sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
-        assert sent + content[stream.sent:] == content and content.startswith(sent), (size, sent)
+        stream = AnswerParts(tools, parser)
+        sent = "".join(stream.feed(text[i:i + size])[1] for i in range(0, len(text), size))
+        assert sent + stream.finish(text).unsent_content == content and content.startswith(sent), (size, sent)
         if calls:
             assert "<tool_call>" not in sent and "{" not in sent[len(content):]
 
