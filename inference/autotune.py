@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from specheads.atomic_files import write_atomically
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.fast_path import TreeVerifier
@@ -205,8 +206,6 @@ def save_tuned_heads(lm: SpeculativeLM, heads: str | os.PathLike, out_dir: str |
     else:
         config.update(tree_depth=tree["depth"], tree_top_k=tree["top_k"], tree_num_nodes=tree["nodes"],
                       tree_stop_prob=tree["stop_prob"], tree_min_prob=tree["min_prob"])
-    staged = out / f".{CONFIG_NAME}.tmp"
-    staged.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(staged, out / CONFIG_NAME)
+    write_atomically(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     load_heads(out)  # still a valid checkpoint
     return out

@@ -13,13 +13,13 @@ import platform
 import time
 import warnings
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from tqdm.auto import tqdm
 
+from specheads.atomic_files import write_atomically
 from specheads.inference.autotune import autotune_tree, save_tuned_heads
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
 from specheads.inference.constraints import IndexConstraint, constraint_from_options
@@ -504,9 +504,7 @@ def bench_main(argv: list[str]) -> int:
         parser.error("--save-tree saves the tree given by --tree (auto, or a tree): give --tree too")
     args.argv = argv
     results = run_benchmark(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = write_atomically(args.out, json.dumps(results, indent=2))
     from specheads.inference.bench_report import write_report
 
     table = write_report(results, out)

@@ -27,7 +27,6 @@ up to `max_match` tokens: about 0.5 s for a million tokens on 2 CPU cores).
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from specheads.atomic_files import staged_file
 from specheads.inference.corpus_gate import MIN_GAIN, GainTally
 
 CORPUS_FILE = "lookup_corpus.npy"  # the corpus a heads folder may carry (uint32 token ids, documents apart)
@@ -334,10 +334,8 @@ def write_corpus_file(path: str | Path, tokens: np.ndarray) -> Path:
     path = Path(path)
     if path.is_dir():
         path = path / CORPUS_FILE
-    partial = path.with_name(path.name + ".partial")  # written whole, then renamed: never a torn corpus
-    with open(partial, "wb") as f:  # np.save(str) would append .npy to other names
+    with staged_file(path) as staged, open(staged, "wb") as f:  # np.save(str) would append .npy to other names
         np.save(f, tokens.astype(np.uint32))  # SEPARATOR wraps to SAVED_SEPARATOR
-    os.replace(partial, path)
     return path
 
 

@@ -223,7 +223,7 @@ def test_dump_features_survives_kill_9(tmp_path, stories):
     assert "resuming:" in log
     index = json.loads((out / INDEX_NAME).read_text())
     assert len(index["shards"]) == 60 and index["num_examples"] == 480
-    assert not (out / PROGRESS_NAME).exists() and not list(out.glob("*.tmp"))
+    assert not (out / PROGRESS_NAME).exists() and not list(out.glob("*.partial"))
     rewritten = [name for name, mtime in kept.items() if (out / name).stat().st_mtime_ns != mtime]
     assert len(rewritten) <= 1, rewritten  # at most the shard being written when killed
     features = OfflineFeatures(out)  # checks every shard's sha256 on first use

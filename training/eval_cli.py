@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from specheads.atomic_files import write_atomically
 from specheads.inference.prompts import add_chat_template_kwargs
 from specheads.training.config import RunConfig
 
@@ -138,6 +138,5 @@ def eval_main(argv: list[str] | None = None) -> int:
     if len(reports) > 1:
         print(comparison_table(reports), file=sys.stderr)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_atomically(args.out, json.dumps(result, indent=2))
     return 0

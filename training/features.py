@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from specheads.atomic_files import staged_file, write_atomically
 from specheads.heads.cache_keyword import declared_parameters
 from specheads.targets import logit_transforms
 from specheads.training.data import batch_to, collate
@@ -249,12 +249,6 @@ def _reusable_shards(out: Path, layout: dict[str, Any]) -> dict[str, dict[str, A
     return {}
 
 
-def _write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
-
-
 def dump_features(
     target: PreTrainedModel,
     dataset: Dataset,
@@ -341,14 +335,13 @@ def dump_features(
                 tensors[f"input_ids.{i}"] = torch.as_tensor(row["input_ids"], dtype=torch.long)
                 tensors[f"loss_mask.{i}"] = torch.as_tensor(row["loss_mask"], dtype=torch.uint8)
             bar.update(len(rows))
-        tmp = out / (name + ".tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, out / name)
+        with staged_file(out / name) as staged:
+            save_file(tensors, str(staged))
         shards.append({"file": name, "sha256": file_sha256(out / name), "start": start, "stop": stop})
-        _write_json_atomically(out / PROGRESS_NAME, {**layout, "shards": shards})
+        write_atomically(out / PROGRESS_NAME, json.dumps({**layout, "shards": shards}, indent=2))
     bar.close()
     index = {**layout, "shards": shards}
-    _write_json_atomically(out / INDEX_NAME, index)
+    write_atomically(out / INDEX_NAME, json.dumps(index, indent=2))
     (out / PROGRESS_NAME).unlink(missing_ok=True)
     return index
 

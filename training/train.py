@@ -28,6 +28,7 @@ from torch.utils.data import Subset
 from tqdm.auto import tqdm
 
 from specheads import create_heads, load_heads, load_target
+from specheads.atomic_files import write_atomically
 from specheads.heads.base import DraftHeads
 from specheads.heads.hub import push_heads_folder
 from specheads.inference.multimodal import image_processor_for, takes_images
@@ -542,8 +543,8 @@ def train(config: RunConfig) -> dict[str, Any]:
             accelerator.print(f"[specheads] best held-out sim_tau {best.record[BEST_METRIC]:.3f} at step "
                               f"{best.record['step']}: {Path(config.output_dir) / BEST_DIR}")
         save_heads(final, Path(config.output_dir) / "final", metrics)
-        (Path(config.output_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        (Path(config.output_dir) / "run_config.json").write_text(json.dumps(config_to_dict(config), indent=2))
+        write_atomically(Path(config.output_dir) / "metrics.json", json.dumps(metrics, indent=2))
+        write_atomically(Path(config.output_dir) / "run_config.json", json.dumps(config_to_dict(config), indent=2))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if config.push_to_hub and accelerator.is_main_process:  # after the other processes are done: none waits on it

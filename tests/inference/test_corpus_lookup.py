@@ -86,7 +86,7 @@ def test_learned_answers_are_saved_and_learned_again(tmp_path):
     for answer in ([1, 2, 3], [4, 5, 6], [1, 2, 9]):
         corpus.remember(answer)
     path = corpus.save_learned(tmp_path / "learned.npy")
-    assert not (tmp_path / "learned.npy.partial").exists()
+    assert not (tmp_path / ".learned.npy.partial").exists()
     again = CorpusLookup(online_tokens=8)
     again.load_learned(path)
     assert again.recent == [[4, 5, 6], [1, 2, 9]] == corpus.recent  # [1, 2, 3] had been evicted

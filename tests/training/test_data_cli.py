@@ -81,7 +81,7 @@ def test_dump_features_shards_index_and_lazy_reads(tmp_path, stories_file, targe
     assert index["num_examples"] == 64 and len(index["shards"]) == 3
     for shard in index["shards"]:
         assert file_sha256(out / shard["file"]) == shard["sha256"]
-    assert not list(out.glob("*.tmp"))
+    assert not list(out.glob("*.partial"))  # no staged file left (atomic_files)
     feats = OfflineFeatures(out)
     ds = build_dataset(stories_file, tok, "text")
     assert feats.lengths() == ds["length"]
