@@ -2,9 +2,10 @@
 
 `parse_request` checks a `/v1/chat/completions` or `/v1/completions` body and turns it into the prompt's token ids
 and `generate` keyword arguments; every refusal is an `ApiError` naming the field, its value and what was expected.
-The fields that would change the answer in a way this engine cannot (best_of > n, presence / frequency
-penalties, logit biases, the deprecated `functions`) are refused rather than ignored; fields that do not change it (user,
-metadata) are ignored. Extensions, as vLLM takes them: top_k, min_p, repetition_penalty. Log-probabilities are the
+The fields that would change the answer in a way this engine cannot (best_of > n, echo, suffix, the deprecated
+`functions`) are refused rather than ignored; fields that do not change it (user, metadata) are ignored. Presence and
+frequency penalties and logit biases are logits processors (inference/openai_penalties.py), exact on token trees.
+Extensions, as vLLM takes them: top_k, min_p, repetition_penalty. Log-probabilities are the
 target's own, from its raw logits (vLLM's default), for the answer's tokens (not a stop string's, nor a final EOS).
 A vision-language target's chat messages may hold `image_url` parts (base64 data URLs): its processor makes the prompt.
 Chat requests may carry `tools` (inference/tool_calls.py): the chat template shows them, the answer's calls come back
@@ -27,13 +28,9 @@ from transformers import PreTrainedTokenizerBase
 
 from .tool_calls import ToolCall, ToolRequest, template_message, tool_request
 
-PENALTY = "use repetition_penalty (transformers' multiplicative penalty)"
 REFUSED = {  # field -> (the values that leave the answer as it is, why any other is refused)
     "functions": ((None, []), "use tools (the deprecated functions field is not supported)"),
     "function_call": ((None, "none"), "use tool_choice (the deprecated function_call field is not supported)"),
-    "logit_bias": ((None, {}), "logit biases are not supported"),
-    "presence_penalty": ((None, 0), PENALTY),
-    "frequency_penalty": ((None, 0), PENALTY),
     "echo": ((None, False), "echoing the prompt is not supported"),
     "suffix": ((None, ""), "suffixes are not supported"),
 }
@@ -68,6 +65,9 @@ class ParsedRequest:
     n: int = 1  # choices to return (sampled independently; greedy ones are all the same answer)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the prompt's images (a vision-language target)
     tools: ToolRequest | None = None  # a chat request's tools: the answer's calls are read out of its text
+    presence_penalty: float = 0.0  # OpenAI's penalties on tokens the answer already holds (`OccurrencePenalties`)
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (`LogitBias`)
 
 
 @dataclass
@@ -318,7 +318,27 @@ def parse_request(
         input_ids=input_ids, options=options, stop=options["stop_strings"] or [], stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)), seed=_number(body, "seed", int),
         json_schema=json_schema, logprobs=logprobs, n=n, inputs=inputs, tools=tools,
+        presence_penalty=_number(body, "presence_penalty", float, -2, 2) or 0.0,
+        frequency_penalty=_number(body, "frequency_penalty", float, -2, 2) or 0.0,
+        logit_bias=_logit_bias(body.get("logit_bias"), len(tokenizer)),
     )
+
+
+def _logit_bias(bias: Any, vocab_size: int) -> dict[int, float]:
+    """{token id: bias} of a `logit_bias` object ({"token id": -100..100}, OpenAI's form)."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ApiError(f"logit_bias={bias!r}: expected an object of token ids to biases", param="logit_bias")
+    checked = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if token is None or token >= vocab_size:
+            raise ApiError(f"logit_bias: token {key!r} is not a token id in [0, {vocab_size})", param="logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+            raise ApiError(f"logit_bias[{key!r}]={value!r}: expected a number from -100 to 100", param="logit_bias")
+        checked[token] = float(value)
+    return checked
 
 
 def _tools(body: dict[str, Any], chat: bool, tool_parser: str | None) -> ToolRequest | None:

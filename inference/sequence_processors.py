@@ -14,7 +14,9 @@ inference/accept.py), and EAGLE drafting for the frontier of each draft level (`
 A caller's processor must therefore be a function of each row's input_ids and scores: it is called with a tree
 depth's nodes as the rows (any number of them, not the caller's batch), and a row's sequence never holds padding.
 One that counts its calls or keeps per-batch-row state (xgrammar's transformers processor advances a matcher by
-one token per call) would be wrong here, as it would be under transformers' own assisted generation.
+one token per call) would be wrong here, as it would be under transformers' own assisted generation. A processor that
+only moves scores by finite amounts may say so (`never_bans = True`, as inference/openai_penalties.py's do): EAGLE
+drafting then skips asking it which tokens it bans.
 """
 
 from __future__ import annotations
@@ -157,7 +159,8 @@ class SequenceContext:
         self.ngrams = NGramIndex(n, prompt.tolist()) if n > 0 else None
         self.processors = transformers_processors(params, prompt.shape[0], eos_ids, prompt.device, row, self.ngrams)
         # whether any processor can ban a token (-inf): only then is drafting worth constraining (`allowed_after`)
-        self.may_ban = not all(isinstance(p, RepetitionPenaltyLogitsProcessor) or finite_bias(p) for p in self.processors)
+        self.may_ban = not all(isinstance(p, RepetitionPenaltyLogitsProcessor) or finite_bias(p)
+                               or getattr(p, "never_bans", False) for p in self.processors)
 
     def commit(self, tokens: torch.Tensor) -> None:
         """Append emitted tokens (any shape: a 0-d root too) to the sequence."""

@@ -40,6 +40,7 @@ from .openai_api import (
     sse,
     token_logprobs,
 )
+from .openai_penalties import LogitBias, OccurrencePenalties
 from .prompt_cache import PromptCachePool
 from .reasoning import detect_reasoning_parser, make_reasoning_parser
 from .serving_loop import COUNTERS, LABELED_COUNTERS, ServingLoop
@@ -164,7 +165,7 @@ class CompletionService:
         for run in range(runs):
             deltas.append(TextDeltas(self.tokenizer, request.stop,
                                      None if on_text is None else (lambda piece, run=run: send(piece, run))))
-            processors = None if request.json_schema is None else [self._constraint(request.json_schema)]
+            processors = self._processors(request, ids.shape[1])
             seed = None if request.seed is None else request.seed + run
             try:
                 jobs.append(self.lm.batch_request(ids, streamer=deltas[-1], logits_processor=processors, seed=seed,
@@ -218,6 +219,18 @@ class CompletionService:
                    "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
                    "reused_prompt_tokens": jobs[0].reused_prompt_tokens}
         return choices, usage, summary
+
+    def _processors(self, request: ParsedRequest, prompt_length: int) -> list[Any] | None:
+        """The request's logits processors, fresh for one run: OpenAI's penalties, its logit biases, then its JSON
+        constraint (the one that bans tokens last, so no bias lifts a ban)."""
+        processors: list[Any] = []
+        if request.presence_penalty or request.frequency_penalty:
+            processors.append(OccurrencePenalties(prompt_length, request.presence_penalty, request.frequency_penalty))
+        if request.logit_bias:
+            processors.append(LogitBias(request.logit_bias))
+        if request.json_schema is not None:
+            processors.append(self._constraint(request.json_schema))
+        return processors or None
 
     def _answer_parts(self, request: ParsedRequest, chat: bool) -> AnswerParts | None:
         """A reader of one chat answer's parts (None: the text is the answer, as it is)."""

@@ -27,6 +27,7 @@ from transformers.generation.logits_process import (
 
 import specheads.inference.accept as accept_module
 from specheads import SpeculativeLM, create_heads
+from specheads.inference.openai_penalties import LogitBias, OccurrencePenalties
 from specheads.inference.sampling import sample_token
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
@@ -44,10 +45,13 @@ SETTINGS = {
     "T=1.0,typical_p=0.8": dict(temperature=1.0, typical_p=0.8),
     # a caller's processor: bans 2 of the 6 tokens, which 2 depending on the sum of the whole sequence
     "T=0.9,logits_processor": dict(temperature=0.9, logits_processor=LogitsProcessorList([SumModuloBan(3)])),
+    # OpenAI's penalties over the answer's tokens (each node's own path counts) and logit biases
+    "T=1.0,openai_penalties": dict(temperature=1.0, logits_processor=LogitsProcessorList([
+        OccurrencePenalties(prompt_length=2, presence=0.8, frequency=1.0), LogitBias({0: -1.5, 4: 1.0})])),
 }
 # a shorter prompt leaves most of the 6 tokens and bigrams out of the context: the processing depends on tree paths
 PROMPTS = {"T=1.0,repetition_penalty=4.0": [1, 3], "T=1.0,no_repeat_ngram_size=2": [1, 3],
-           "T=0.9,logits_processor": [1, 3]}
+           "T=0.9,logits_processor": [1, 3], "T=1.0,openai_penalties": [1, 3]}
 
 
 @pytest.fixture(scope="module")

@@ -145,6 +145,36 @@ def test_response_format_json_schema_gives_the_constrained_targets_json(server):
     assert status == 400 and "cannot compile the JSON schema" in body["error"]["message"]
 
 
+def test_penalties_and_logit_biases_give_the_targets_answer_under_the_same_processors(server):
+    """OpenAI's presence / frequency penalties (over the answer's tokens, not the prompt's) and logit biases: the
+    answer is `target.generate`'s with the same processors, and differs from the unpenalised one."""
+    from specheads.inference.openai_penalties import LogitBias, OccurrencePenalties
+
+    url, _, target, tokenizer = server
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    plain = greedy_text(target, tokenizer, ids, 40)
+    bias = {tokenizer.convert_tokens_to_ids("."): -100.0, tokenizer.convert_tokens_to_ids("▁dog"): 4.0}
+    request = {"prompt": "Once upon a time", "max_tokens": 40, "presence_penalty": 0.6, "frequency_penalty": 1.2,
+               "logit_bias": {str(k): v for k, v in bias.items()}}
+    status, body = post(url + "/v1/completions", request)
+    out = target.generate(ids, max_new_tokens=40, do_sample=False, logits_processor=[
+        OccurrencePenalties(ids.shape[1], presence=0.6, frequency=1.2), LogitBias(bias)])
+    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert status == 200 and body["choices"][0]["text"] == expected
+    assert expected != plain and "." in plain and "." not in expected
+    _, body = post(url + "/v1/completions", {**request, "logit_bias": None})  # the penalties alone change it too
+    assert body["choices"][0]["text"] != plain
+
+
+def test_occurrence_penalties_count_the_answers_tokens_only():
+    from specheads.inference.openai_penalties import OccurrencePenalties
+
+    penalties = OccurrencePenalties(prompt_length=2, presence=0.5, frequency=1.0)
+    ids = torch.tensor([[3, 3, 1, 1, 2], [3, 0, 0, 0, 0]])  # the prompt (first 2 tokens) never counts
+    got = penalties(ids, torch.zeros(2, 4))
+    assert got.tolist() == [[0.0, -2.5, -1.5, 0.0], [-3.5, 0.0, 0.0, 0.0]]
+
+
 def test_logprobs_are_the_targets_own(server):
     """Each generated token's log-probability and its rivals come from the target's raw logits at that step."""
     url, _, target, tokenizer = server
@@ -313,7 +343,10 @@ def test_sampling_with_a_seed_repeats(server):
         ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs=9"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
          "needs logprobs=true"),
-        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty=0.5"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty=2.5"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"512": 1}}, 400, "token '512' is not a token id in [0, 512)"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": -101}}, 400, "logit_bias['7']=-101"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo=True"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt=''"),
         ("/v1/completions", {"prompt": "hi " * 600, "max_tokens": 8}, 400, "512"),  # stories260K's context
         ("/v1/embeddings", {"input": "hi"}, 404, "no route"),
