@@ -448,10 +448,10 @@ def response_body(chat: bool, model: str, choices: list[Choice], usage: dict[str
     for index, choice in enumerate(choices):
         entry: dict[str, Any] = {"index": index, "finish_reason": choice.finish_reason, "logprobs": choice.logprobs}
         if chat:
-            entry["message"] = {"role": "assistant", "content": choice.text}
-            if choice.tool_calls:  # content is null when the answer is only calls, as OpenAI's
-                entry["message"] = {"role": "assistant", "content": choice.text or None,
-                                    "tool_calls": [call.body() for call in choice.tool_calls]}
+            # content is null when the answer is only calls, as OpenAI's
+            entry["message"] = {"role": "assistant", "content": (choice.text or None) if choice.tool_calls else choice.text}
+            if choice.tool_calls:
+                entry["message"]["tool_calls"] = [call.body() for call in choice.tool_calls]
             if choice.reasoning is not None:  # DeepSeek's and vLLM's field
                 entry["message"]["reasoning_content"] = choice.reasoning
         else:

@@ -144,7 +144,7 @@ class CompletionService:
         `Choice.unsent_reasoning`."""
         sampled = bool(request.options.get("do_sample"))
         runs = request.n if sampled else 1
-        pieces: queue.SimpleQueue[tuple[int, str, int]] = queue.SimpleQueue()
+        pieces: queue.SimpleQueue[tuple[int, str, str, int]] = queue.SimpleQueue()  # run, content, reasoning, covered
         ids = request.input_ids.to(self.lm.target.device)
         options = dict(request.options)
         if options.get("max_new_tokens") is None:
@@ -155,12 +155,9 @@ class CompletionService:
         def send(piece: str, run: int) -> None:
             # a piece goes with the count of tokens its text covers (read on the loop thread, as it is sent); read
             # into parts, only what is surely reasoning or content (the rest may still be a block's end or a call)
-            reasoning = ""
-            if readers[run] is not None:
-                reasoning, piece = readers[run].feed(piece)
-                if not piece and not reasoning and request.logprobs is None:
-                    return
-            pieces.put((run, piece, reasoning, deltas[run].covered))
+            reasoning, piece = readers[run].feed(piece)
+            if piece or reasoning or request.logprobs is not None:
+                pieces.put((run, piece, reasoning, deltas[run].covered))
 
         for run in range(runs):
             deltas.append(TextDeltas(self.tokenizer, request.stop,
@@ -200,10 +197,6 @@ class CompletionService:
             logprobs = None
             if request.logprobs is not None:  # the answer's own tokens (those not streamed yet)
                 logprobs = stream.take(answer_tokens(self.tokenizer, new, delta.text), final=on_text is None)
-            if readers[run] is None:
-                choices.append(Choice(delta.text, finish_reason(delta.stopped, new, job.max_new_tokens, job.eos),
-                                      logprobs))
-                continue
             parts = readers[run].finish(delta.text)
             reason = finish_reason(delta.stopped, new, job.max_new_tokens, job.eos, called_tools=bool(parts.calls))
             streamed = on_text is not None
@@ -232,13 +225,12 @@ class CompletionService:
             processors.append(self._constraint(request.json_schema))
         return processors or None
 
-    def _answer_parts(self, request: ParsedRequest, chat: bool) -> AnswerParts | None:
-        """A reader of one chat answer's parts (None: the text is the answer, as it is)."""
-        if not chat or (request.tools is None and self.reasoning_parser is None):
-            return None
-        opened = self.reasoning_parser is not None and self.reasoning_parser.opens_in_prompt(
-            self.tokenizer.decode(request.input_ids[0, -8:]))
-        return AnswerParts(request.tools, self.tool_parser, self.reasoning_parser, opened)
+    def _answer_parts(self, request: ParsedRequest, chat: bool) -> AnswerParts:
+        """A reader of one answer's parts (a completion's, or a chat's without tools or reasoning parser: the text as
+        it is)."""
+        reasoning = self.reasoning_parser if chat else None
+        opened = reasoning is not None and reasoning.opens_in_prompt(self.tokenizer.decode(request.input_ids[0, -8:]))
+        return AnswerParts(request.tools, self.tool_parser, reasoning, opened)
 
     def _room(self, prompt_tokens: int) -> int:
         """New tokens a request without `max_tokens` may take: the rest of the target's context."""
