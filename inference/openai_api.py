@@ -5,7 +5,7 @@ and `generate` keyword arguments; every refusal is an `ApiError` naming the fiel
 The fields that would change the answer in a way this engine cannot (best_of > n, echo, suffix, the deprecated
 `functions`) are refused rather than ignored; fields that do not change it (user, metadata) are ignored. Presence and
 frequency penalties and logit biases are logits processors (inference/openai_penalties.py), exact on token trees.
-Extensions, as vLLM takes them: top_k, min_p, repetition_penalty. Log-probabilities are the
+Extensions, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens. Log-probabilities are the
 target's own, from its raw logits (vLLM's default), for the answer's tokens (not a stop string's, nor a final EOS).
 A vision-language target's chat messages may hold `image_url` parts (base64 data URLs): its processor makes the prompt.
 Chat requests may carry `tools` (inference/tool_calls.py): the chat template shows them, the answer's calls come back
@@ -296,6 +296,9 @@ def parse_request(
         value = _number(body, name, kind, low, high, low_open)
         if value is not None:
             options[name] = value
+    min_tokens = _number(body, "min_tokens", int, 0)  # vLLM's: EOS is banned until the answer has this many tokens
+    if min_tokens:
+        options["min_new_tokens"] = min_tokens
     top_k = _number(body, "top_k", int, -1)
     if top_k is not None:
         options["top_k"] = max(top_k, 0)  # vLLM's -1 and transformers' 0 both mean no top-k cut

@@ -378,3 +378,31 @@ def test_forced_schemas_and_template_messages():
     assert tool_request({"tools": [WEATHER]}).schema() is None
     assert template_message({"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": "{bad"}}]}) == {
         "tool_calls": [{"function": {"name": "a", "arguments": "{bad"}}]}  # left as the string it is
+
+
+def test_min_tokens_bans_eos_until_the_answer_is_long_enough(tool_server):
+    """vLLM's `min_tokens`: the fine-tune's answer ends (EOS) after its call; with min_tokens past that point it goes
+    on, as `target.generate(min_new_tokens=...)` does."""
+    url, target, tokenizer = tool_server
+    prompt = template_ids(tokenizer, QUESTION, [WEATHER])
+    ended = len(tokenizer(CALL_ANSWER, add_special_tokens=False).input_ids) + 1  # with its EOS
+    expected = greedy_answer(target, tokenizer, prompt, ended + 6, min_new_tokens=ended + 4)
+    status, body = post(url, {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "none",
+                              "min_tokens": ended + 4, "max_tokens": ended + 6})
+    assert status == 200 and body["choices"][0]["message"]["content"] == expected
+    assert len(expected) > len(CALL_ANSWER) and body["usage"]["completion_tokens"] >= ended + 4
+
+
+def test_sampled_choices_each_get_their_calls_streamed(tool_server):
+    pytest.importorskip("outlines_core")
+    url, _, _ = tool_server
+    status, events = post(url, {"messages": [{"role": "user", "content": "Tom had a ball"}], "tools": [WEATHER, CLOCK],
+                                "tool_choice": "required", "n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 60,
+                                "stream": True})
+    assert status == 200
+    for index in (0, 1):
+        choices = [c for e in events for c in e["choices"] if c["index"] == index]
+        calls = [call for c in choices for call in c["delta"].get("tool_calls", [])]
+        assert calls and all(c["function"]["name"] in ("weather", "clock") for c in calls), choices
+        assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+        assert choices[-1]["finish_reason"] == "tool_calls"
