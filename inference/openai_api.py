@@ -5,7 +5,7 @@ and `generate` keyword arguments; every refusal is an `ApiError` naming the fiel
 The fields that would change the answer in a way this engine cannot (best_of > n, echo, suffix, the deprecated
 `functions`) are refused rather than ignored; fields that do not change it (user, metadata) are ignored. Presence and
 frequency penalties and logit biases are logits processors (inference/openai_penalties.py), exact on token trees.
-Extensions, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens. Log-probabilities are the
+Extensions, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens, ignore_eos. Log-probabilities are the
 target's own, from its raw logits (vLLM's default), for the answer's tokens (not a stop string's, nor a final EOS).
 A vision-language target's chat messages may hold `image_url` parts (base64 data URLs): its processor makes the prompt.
 Chat requests may carry `tools` (inference/tool_calls.py): the chat template shows them, the answer's calls come back
@@ -299,6 +299,11 @@ def parse_request(
     min_tokens = _number(body, "min_tokens", int, 0)  # vLLM's: EOS is banned until the answer has this many tokens
     if min_tokens:
         options["min_new_tokens"] = min_tokens
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's: EOS is an ordinary token, the answer runs to max_tokens
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(f"ignore_eos={ignore_eos!r}: expected true or false", param="ignore_eos")
+    if ignore_eos:
+        options["eos_token_id"] = []
     top_k = _number(body, "top_k", int, -1)
     if top_k is not None:
         options["top_k"] = max(top_k, 0)  # vLLM's -1 and transformers' 0 both mean no top-k cut

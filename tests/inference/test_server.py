@@ -347,6 +347,8 @@ def test_sampling_with_a_seed_repeats(server):
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"512": 1}}, 400, "token '512' is not a token id in [0, 512)"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": -101}}, 400, "logit_bias['7']=-101"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo=True"),
+        ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos='yes'"),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens=-1"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt=''"),
         ("/v1/completions", {"prompt": "hi " * 600, "max_tokens": 8}, 400, "512"),  # stories260K's context
         ("/v1/embeddings", {"input": "hi"}, 404, "no route"),

@@ -380,7 +380,7 @@ def test_forced_schemas_and_template_messages():
         "tool_calls": [{"function": {"name": "a", "arguments": "{bad"}}]}  # left as the string it is
 
 
-def test_min_tokens_bans_eos_until_the_answer_is_long_enough(tool_server):
+def test_min_tokens_and_ignore_eos_go_past_the_answers_eos(tool_server):
     """vLLM's `min_tokens`: the fine-tune's answer ends (EOS) after its call; with min_tokens past that point it goes
     on, as `target.generate(min_new_tokens=...)` does."""
     url, target, tokenizer = tool_server
@@ -391,6 +391,15 @@ def test_min_tokens_bans_eos_until_the_answer_is_long_enough(tool_server):
                               "min_tokens": ended + 4, "max_tokens": ended + 6})
     assert status == 200 and body["choices"][0]["message"]["content"] == expected
     assert len(expected) > len(CALL_ANSWER) and body["usage"]["completion_tokens"] >= ended + 4
+
+    # vLLM's ignore_eos: EOS is an ordinary token (left out of the text) and the answer runs to max_tokens
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, max_new_tokens=ended + 6, do_sample=False, eos_token_id=[], pad_token_id=0)
+    assert tokenizer.eos_token_id in out[0, len(prompt):].tolist()  # it went through an EOS
+    status, body = post(url, {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "none", "ignore_eos": True,
+                              "max_tokens": ended + 6})
+    assert body["choices"][0]["message"]["content"] == tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
+    assert body["usage"]["completion_tokens"] == ended + 6 and body["choices"][0]["finish_reason"] == "length"
 
 
 def test_sampled_choices_each_get_their_calls_streamed(tool_server):
