@@ -29,11 +29,14 @@ COUNTERS = {  # name -> what `ServingLoop.metrics` counts under it, over the loo
     "generated_tokens": "tokens generated",
     "row_forwards": "target forwards, counted per request (a request's tau: generated / its forwards)",
     "accepted_draft_tokens": "drafted tokens the target accepted",
+    "draft_rounds": "verification rounds, counted per request (acceptance at depth d: accepted_by_depth / this)",
     "batched_forwards": "target forwards run (each verifies every row of the batch)",
 }
 LABELED_COUNTERS = {  # name -> (label, what it counts): one counter per label value
     "rounds_by_nodes_per_row": ("nodes_per_row", "rounds by the tree nodes per row max_round_nodes='auto' chose "
                                 "(1: plain steps; full: whole trees), over the SpeculativeLM's lifetime"),
+    "accepted_by_depth": ("depth", "rounds whose drafted token at this depth the target accepted (vLLM's accepted "
+                          "tokens per position)"),
 }
 
 
@@ -78,6 +81,7 @@ class ServingLoop:
         self.engine = BatchEngine(lm, isolate_errors=True)
         # lifetime totals for monitoring (`metrics`); written by the loop thread only
         self.totals = dict.fromkeys(COUNTERS, 0)
+        self.accepted_by_depth: dict[str, int] = {}  # "d" -> rounds whose d-th drafted token was accepted
         self._waiting: list[Ticket] = []
         self._running: dict[int, Ticket] = {}  # id(request) -> ticket, for the rows in the engine
         self._wake = threading.Condition()
@@ -111,6 +115,7 @@ class ServingLoop:
             metrics["lookup_corpus_tokens"] = corpus.num_tokens  # grows with --corpus-learn
         if self.engine.auto is not None:
             metrics["rounds_by_nodes_per_row"] = dict(self.engine.auto.rounds)  # a copy: the loop thread adds to it
+        metrics["accepted_by_depth"] = dict(self.accepted_by_depth)
         return metrics
 
     def close(self, timeout: float | None = 10.0) -> None:
@@ -165,3 +170,7 @@ class ServingLoop:
         self.totals["generated_tokens"] += len(request.new_tokens)
         self.totals["row_forwards"] += request.target_forwards
         self.totals["accepted_draft_tokens"] += sum(request.accepted_counts)
+        self.totals["draft_rounds"] += len(request.accepted_counts)
+        for accepted in request.accepted_counts:  # a round that kept k drafted tokens kept those at depths 1..k
+            for depth in range(1, accepted + 1):
+                self.accepted_by_depth[str(depth)] = self.accepted_by_depth.get(str(depth), 0) + 1

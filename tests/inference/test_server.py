@@ -446,7 +446,7 @@ def test_metrics_count_requests_tokens_and_forwards(server):
     status, body = post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12})
     after = scrape()
     assert status == 200
-    delta = {name: after[name] - before[name] for name in after if name.endswith("_total")}
+    delta = {name: after[name] - before.get(name, 0) for name in after if "_total" in name}
     assert delta["specheads_requests_finished_total"] == 1 and delta["specheads_requests_failed_total"] == 0
     assert delta["specheads_generated_tokens_total"] == body["usage"]["completion_tokens"] == 12
     assert delta["specheads_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
@@ -455,8 +455,34 @@ def test_metrics_count_requests_tokens_and_forwards(server):
     accepted = delta["specheads_accepted_draft_tokens_total"]
     # every forward gives one token of its own, the rest are accepted drafts (the last round's may pass max_tokens)
     assert accepted >= 12 - delta["specheads_row_forwards_total"] >= 0
+    # acceptance by depth: each round that kept k drafts counts at depths 1..k, so depths sum to the accepted drafts,
+    # shrink with depth, and no depth counts more rounds than there were
+    # (these fresh heads are rarely right: test_acceptance_by_depth_counts_each_rounds_kept_drafts has a known mix)
+    by_depth = [delta.get(f'specheads_accepted_by_depth_total{{depth="{d}"}}', 0) for d in range(1, 12)]
+    assert sum(by_depth) == accepted and by_depth == sorted(by_depth, reverse=True)
+    assert by_depth[0] <= delta["specheads_draft_rounds_total"] <= delta["specheads_row_forwards_total"]
+    assert delta["specheads_draft_rounds_total"] >= 1
     assert after["specheads_running_requests"] == 0 and after["specheads_max_batch"] == service.loop.max_batch
     assert "accepted_counts" not in service.loop.engine.stats  # no per-round list grows in a long-running server
+
+
+def test_acceptance_by_depth_counts_each_rounds_kept_drafts(server):
+    """A round that kept k drafted tokens counts once at each depth 1..k (vLLM's accepted tokens per position)."""
+    from specheads.inference.batch_request import BatchRequest
+    from specheads.inference.server import prometheus_text
+    from specheads.inference.serving_loop import ServingLoop
+
+    _, service, *_ = server
+    loop = ServingLoop(service.lm, 2)
+    try:
+        loop._count(BatchRequest(torch.tensor([1, 2]), 8, accepted_counts=[0, 2, 3, 1], new_tokens=[5] * 10))
+        metrics = loop.metrics()
+        assert metrics["accepted_by_depth"] == {"1": 3, "2": 2, "3": 1} and metrics["draft_rounds"] == 4
+        assert metrics["accepted_draft_tokens"] == 6
+        text = prometheus_text(metrics)
+        assert 'specheads_accepted_by_depth_total{depth="2"} 2' in text and "specheads_draft_rounds_total 4" in text
+    finally:
+        loop.close()
 
 
 def test_pool_keeps_interleaved_conversations_apart():
