@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .reasoning import ThinkParser
-from .tool_calls import HermesParser, Llama3JsonParser, ToolCall, ToolRequest
+from .tool_calls import ToolCall, ToolParser, ToolRequest
 
 
 @dataclass
@@ -36,7 +36,7 @@ class AnswerParts:
         opened: the prompt left the answer inside a think block (`ThinkParser.opens_in_prompt`).
     """
 
-    def __init__(self, tools: ToolRequest | None = None, tool_parser: HermesParser | Llama3JsonParser | None = None,
+    def __init__(self, tools: ToolRequest | None = None, tool_parser: ToolParser | None = None,
                  reasoning_parser: ThinkParser | None = None, opened: bool = False) -> None:
         self.tools, self.tool_parser = tools, tool_parser
         self.reasoning_parser, self.opened = reasoning_parser, opened

@@ -363,7 +363,7 @@ def _tools(body: dict[str, Any], chat: bool, tool_parser: str | None) -> ToolReq
         raise ApiError(f"{name}={why}", param=name) from err
     if tools is not None and tools.choice == "auto" and tool_parser is None:
         raise ApiError("tool_choice='auto' needs a tool-call parser, and this model's chat template shows no call "
-                       "format this server knows: start it with --tool-call-parser (hermes, llama3_json), or ask for "
+                       "format this server knows: start it with --tool-call-parser (hermes, llama3_json, mistral), or ask for "
                        "tool_choice 'required' or a named function (the answer is then constrained to the calls' "
                        "JSON)", param="tool_choice")
     return tools

@@ -7,8 +7,9 @@ What the answer does with them follows `tool_choice`:
 - "auto" (the default with tools): the target answers freely; a *parser* for the model's call format reads the calls
   out of the answer's text. "hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3,
   Hermes, SmolLM3); "llama3_json": the whole answer `{"name": ..., "parameters": {...}}`, several joined by `;`
-  (Llama 3.1-3.3; their `<|python_tag|>` is a special token, skipped in the text). `detect_parser` picks one from the
-  chat template.
+  (Llama 3.1-3.3; their `<|python_tag|>` is a special token, skipped in the text); "mistral": `[TOOL_CALLS]` then a
+  JSON list of calls, or (newer tokenizers) `name[ARGS]{...}` per call (the bracketed markers are special tokens,
+  skipped in the text). `detect_parser` picks one from the chat template.
 - "required" or a named function: the answer is constrained to JSON by the tools' parameter schemas (a list of
   `{"name", "parameters"}`, or the named function's arguments), as vLLM does, so any template and model work.
 - "none": the tools are shown to the model, and its answer is text.
@@ -20,6 +21,7 @@ choices); the calls are read from it, never repaired: an answer whose calls do n
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,10 +131,61 @@ class Llama3JsonParser:
         return len(text)
 
 
-PARSERS = {parser.name: parser for parser in (HermesParser, Llama3JsonParser)}
+class MistralParser:
+    """Mistral's calls: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3 tokenizers) or
+    `[TOOL_CALLS]name[ARGS]{...}` per call (v11+). `[TOOL_CALLS]` and `[ARGS]` are special tokens, so the answer's
+    text usually holds only the list, or the names each followed by their arguments; kept markers are read too. An
+    answer that is not wholly calls is content."""
+
+    name = "mistral"
+    marker, args_marker = "[TOOL_CALLS]", "[ARGS]"
+    function_name = re.compile(r"[A-Za-z0-9_.\-]+")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.replace(self.marker, " ").strip()
+        if body.startswith("["):  # a JSON list of calls
+            try:
+                values = json.loads(body)
+            except json.JSONDecodeError:
+                return text, []
+            calls = [_call_from_object(v, ("arguments", "parameters")) for v in values] if isinstance(values, list) else []
+            return ("", calls) if calls and None not in calls else (text, [])
+        decoder, calls, position = json.JSONDecoder(), [], 0
+        while position < len(body):  # name[ARGS]{...} (the marker skipped in the text: name{...}), repeated
+            match = self.function_name.match(body, position)
+            if match is None:
+                return text, []
+            position = match.end()
+            if body.startswith(self.args_marker, position):
+                position += len(self.args_marker)
+            try:
+                arguments, position = decoder.raw_decode(body, position)
+            except json.JSONDecodeError:
+                return text, []
+            if not isinstance(arguments, dict):
+                return text, []
+            calls.append(ToolCall(match.group(), json.dumps(arguments, ensure_ascii=False)))
+            while position < len(body) and body[position].isspace():
+                position += 1
+        return ("", calls) if calls else (text, [])
+
+    def content_length(self, text: str) -> int:
+        """An answer that opens like a call (a list, or a name followed by `{` / `[ARGS]`) is held whole until it
+        ends; any other streams as it comes."""
+        opening = text.replace(self.marker, "").lstrip()
+        if not opening or opening.startswith("["):
+            return 0
+        rest = opening[self.function_name.match(opening).end():] if self.function_name.match(opening) else opening
+        if not rest or rest.startswith("{") or rest.startswith(self.args_marker) or self.args_marker.startswith(rest):
+            return 0
+        return len(text)
 
 
-def make_parser(name: str) -> HermesParser | Llama3JsonParser:
+PARSERS = {parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)}
+ToolParser = HermesParser | Llama3JsonParser | MistralParser
+
+
+def make_parser(name: str) -> ToolParser:
     """The parser called `name` (one of `PARSERS`)."""
     if name not in PARSERS:
         raise ValueError(f"tool-call parser {name!r}: expected one of {', '.join(PARSERS)}")
@@ -145,6 +198,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return None
     if HermesParser.start in chat_template:
         return HermesParser.name
+    if MistralParser.marker in chat_template:
+        return MistralParser.name
     if Llama3JsonParser.tag in chat_template or '"parameters"' in chat_template:
         return Llama3JsonParser.name
     return None
@@ -192,7 +247,7 @@ class ToolRequest:
         return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
                 "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
 
-    def read_calls(self, text: str, parser: HermesParser | Llama3JsonParser | None) -> tuple[str, list[ToolCall]]:
+    def read_calls(self, text: str, parser: ToolParser | None) -> tuple[str, list[ToolCall]]:
         """(content, calls) of an answer's text. A forced answer is the calls' JSON; an "auto" one is read by
         `parser`. Text that holds no call that parses is all content."""
         if not self.parses_calls:

@@ -19,6 +19,7 @@ from specheads.inference.server import CompletionService, make_server
 from specheads.inference.tool_calls import (
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     ToolRequest,
     detect_parser,
     template_message,
@@ -343,10 +344,12 @@ def test_llama3_json_parser_reads_whole_answers_of_calls():
         assert parser.parse(text) == (text, []), text
 
 
-@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser()])
+@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser(), MistralParser()])
 @pytest.mark.parametrize("text", [
     CALL_ANSWER, "Just text, no call.", "Text with < and <tool in it <tool_", '  {"name": "a", "parameters": {}}',
     'A <tool_call>{"broken"</tool_call> tail', "Hi   \n", "<tool_call>", "{ not json",
+    '[{"name": "a", "arguments": {"x": 1}}]', 'get_weather{"city": "Paris"}', "Paris", "[TOOL_CALLS]a[ARGS]{}",
+    "Well [x] and {y}",
 ])
 def test_streamed_content_is_the_content_whatever_the_pieces(parser, text):
     """Streamed piece by piece (every split), the content sent plus what is sent at the end is the parsed answer's
@@ -359,6 +362,18 @@ def test_streamed_content_is_the_content_whatever_the_pieces(parser, text):
         assert sent + stream.finish(text).unsent_content == content and content.startswith(sent), (size, sent)
         if calls:
             assert "<tool_call>" not in sent and "{" not in sent[len(content):]
+
+
+def test_mistral_parser_reads_both_call_layouts():
+    parser = MistralParser()
+    for text in ('[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',  # v3, marker skipped
+                 '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',  # marker kept
+                 'a{"x": 1} b{}', '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}'):  # v11+, skipped and kept
+        content, calls = parser.parse(text)
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})], text
+    for text in ("Paris is sunny.", '[1, 2]', 'a{"x": 1} and more', '[{"name": "a", "arguments": {', "Call a{"):
+        assert parser.parse(text) == (text, []), text
+    assert detect_parser("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
 
 
 def test_detect_parser_reads_the_format_off_the_template():
