@@ -135,13 +135,20 @@ class MistralParser:
     """Mistral's calls: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3 tokenizers) or
     `[TOOL_CALLS]name[ARGS]{...}` per call (v11+). `[TOOL_CALLS]` and `[ARGS]` are special tokens, so the answer's
     text usually holds only the list, or the names each followed by their arguments; kept markers are read too. An
-    answer that is not wholly calls is content."""
+    answer that is not wholly calls is content. Call ids are 9 letters and digits, as Mistral's chat templates demand
+    of the calls a client sends back."""
 
     name = "mistral"
     marker, args_marker = "[TOOL_CALLS]", "[ARGS]"
     function_name = re.compile(r"[A-Za-z0-9_.\-]+")
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        content, calls = self._parse(text)
+        for call in calls:
+            call.id = uuid.uuid4().hex[:9]
+        return content, calls
+
+    def _parse(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.replace(self.marker, " ").strip()
         if body.startswith("["):  # a JSON list of calls
             try:

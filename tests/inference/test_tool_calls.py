@@ -371,6 +371,7 @@ def test_mistral_parser_reads_both_call_layouts():
                  'a{"x": 1} b{}', '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}'):  # v11+, skipped and kept
         content, calls = parser.parse(text)
         assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})], text
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)  # Mistral's templates refuse other ids
     for text in ("Paris is sunny.", '[1, 2]', 'a{"x": 1} and more', '[{"name": "a", "arguments": {', "Call a{"):
         assert parser.parse(text) == (text, []), text
     assert detect_parser("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
