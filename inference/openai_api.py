@@ -280,8 +280,13 @@ def parse_request(
         raise ApiError(f"best_of={best_of!r} is not supported: choices are not ranked (ask for n={best_of} and pick)",
                        param="best_of")
     tools = _tools(body, chat, tool_parser)
-    input_ids, inputs = chat_prompt(body, tokenizer, chat_template, processor, template_kwargs, tools) if chat else (
-        completion_prompt(body, tokenizer), {})
+    from jinja2 import TemplateError
+
+    try:
+        input_ids, inputs = chat_prompt(body, tokenizer, chat_template, processor, template_kwargs, tools) if chat else (
+            completion_prompt(body, tokenizer), {})
+    except TemplateError as err:  # the template's raise_exception ("roles must alternate", ...): the request's fault
+        raise ApiError(f"the chat template refused the messages: {err}", param="messages") from err
 
     options = dict(defaults)
     max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)

@@ -305,6 +305,11 @@ def test_bad_tool_requests_name_the_field(stories260k, body, param, needle):
 
 def test_tools_need_a_template_that_shows_them_and_a_parser_for_auto(stories260k):
     _, tokenizer = stories260k
+    strict = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns here') }}{% endif %}" \
+             "{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ApiError, match="the chat template refused the messages: no tool turns here") as err:
+        parse_request({"messages": QUESTION + [{"role": "tool", "content": "rain"}]}, True, tokenizer, {}, strict)
+    assert err.value.param == "messages" and err.value.status == 400
     with pytest.raises(ApiError, match="does not show tools") as err:  # the model could not know the tools
         parse_request({"messages": QUESTION, "tools": [WEATHER]}, True, tokenizer, {}, PLAIN_TEMPLATE,
                       tool_parser="hermes")
