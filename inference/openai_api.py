@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .tool_calls import ToolCall, ToolRequest, template_message, tool_request
+from .tool_calls import ToolCall, ToolRequest, ToolRequestError, template_message, tool_request
 
 REFUSED = {  # field -> (the values that leave the answer as it is, why any other is refused)
     "functions": ((None, []), "use tools (the deprecated functions field is not supported)"),
@@ -363,9 +363,8 @@ def _tools(body: dict[str, Any], chat: bool, tool_parser: str | None) -> ToolReq
         return None
     try:
         tools = tool_request(body)
-    except ValueError as err:
-        name, _, why = str(err).partition(": ")
-        raise ApiError(f"{name}={why}", param=name) from err
+    except ToolRequestError as err:
+        raise ApiError(str(err), param=err.param) from err
     if tools is not None and tools.choice == "auto" and tool_parser is None:
         raise ApiError("tool_choice='auto' needs a tool-call parser, and this model's chat template shows no call "
                        "format this server knows: start it with --tool-call-parser (hermes, llama3_json, mistral), or ask for "

@@ -151,12 +151,8 @@ class MistralParser:
     def _parse(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.replace(self.marker, " ").strip()
         if body.startswith("["):  # a JSON list of calls
-            try:
-                values = json.loads(body)
-            except json.JSONDecodeError:
-                return text, []
-            calls = [_call_from_object(v, ("arguments", "parameters")) for v in values] if isinstance(values, list) else []
-            return ("", calls) if calls and None not in calls else (text, [])
+            calls = _json_list(body)[1]
+            return ("", calls) if calls else (text, [])
         decoder, calls, position = json.JSONDecoder(), [], 0
         while position < len(body):  # name[ARGS]{...} (the marker skipped in the text: name{...}), repeated
             match = self.function_name.match(body, position)
@@ -271,7 +267,7 @@ class ToolRequest:
 
 
 def _json_list(text: str) -> tuple[str, list[ToolCall]]:
-    """The calls of a "required" answer: a JSON list of {"name", "parameters"}."""
+    """The calls of a JSON list of {"name", "parameters" (or "arguments")}: a "required" answer's, Mistral's."""
     try:
         values = json.loads(text)
     except json.JSONDecodeError:  # cut by max_tokens
@@ -282,36 +278,43 @@ def _json_list(text: str) -> tuple[str, list[ToolCall]]:
     return ("", calls) if calls and None not in calls else (text, [])
 
 
+class ToolRequestError(ValueError):
+    """A request's tools fields that cannot be read: `param` names the field at fault."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def tool_request(body: dict[str, Any]) -> ToolRequest | None:
-    """The `ToolRequest` of a chat request body (None without tools). Raises ValueError naming the bad field as
-    `field: ...`."""
+    """The `ToolRequest` of a chat request body (None without tools); a `ToolRequestError` names a bad field."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools in (None, []):
         if choice not in (None, "none"):
-            raise ValueError(f"tool_choice: {choice!r} needs tools (the request has none)")
+            raise ToolRequestError("tool_choice", f"tool_choice={choice!r} needs tools (the request has none)")
         return None
     if not isinstance(tools, list):
-        raise ValueError(f"tools: {tools!r}: expected a list of {{'type': 'function', 'function': {{...}}}}")
+        raise ToolRequestError("tools", f"tools={tools!r}: expected a list of {{'type': 'function', 'function': {{...}}}}")
     names = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise ValueError(f"tools: tools[{i}]={tool!r}: expected {{'type': 'function', 'function': {{'name': ..., "
+            raise ToolRequestError("tools", f"tools[{i}]={tool!r}: expected {{'type': 'function', 'function': {{'name': ..., "
                              "'parameters': {...}}}}")
         if not isinstance(function.get("name"), str) or not function["name"]:
-            raise ValueError(f"tools: tools[{i}].function.name={function.get('name')!r}: expected a non-empty string")
+            raise ToolRequestError("tools", f"tools[{i}].function.name={function.get('name')!r}: expected a non-empty string")
         if not isinstance(function.get("parameters", {}), dict):
-            raise ValueError(f"tools: tools[{i}].function.parameters={function['parameters']!r}: expected a JSON "
+            raise ToolRequestError("tools", f"tools[{i}].function.parameters={function['parameters']!r}: expected a JSON "
                              "schema object")
         names.append(function["name"])
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
-        raise ValueError(f"parallel_tool_calls: {parallel!r}: expected true or false")
+        raise ToolRequestError("parallel_tool_calls", f"parallel_tool_calls={parallel!r}: expected true or false")
     if choice is None or choice in ("none", "auto", "required"):
         return ToolRequest(tools, choice or "auto", parallel=parallel)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or named not in names:
-        raise ValueError(f"tool_choice: {choice!r}: expected 'none', 'auto', 'required' or {{'type': 'function', "
+        raise ToolRequestError("tool_choice", f"tool_choice={choice!r}: expected 'none', 'auto', 'required' or {{'type': 'function', "
                          f"'function': {{'name': ...}}}} naming one of the tools ({', '.join(names)})")
     return ToolRequest(tools, "function", named, parallel)
 
