@@ -5,7 +5,7 @@ and `generate` keyword arguments; every refusal is an `ApiError` naming the fiel
 The fields that would change the answer in a way this engine cannot (best_of > n, echo, suffix, the deprecated
 `functions`) are refused rather than ignored; fields that do not change it (user, metadata) are ignored. Presence and
 frequency penalties and logit biases are logits processors (inference/openai_penalties.py), exact on token trees.
-Extensions, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens, ignore_eos. Log-probabilities are the
+Extensions, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids. Log-probabilities are the
 target's own, from its raw logits (vLLM's default), for the answer's tokens (not a stop string's, nor a final EOS).
 A vision-language target's chat messages may hold `image_url` parts (base64 data URLs): its processor makes the prompt.
 Chat requests may carry `tools` (inference/tool_calls.py): the chat template shows them, the answer's calls come back
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from .generate_inputs import eos_ids
 from .tool_calls import ToolCall, ToolRequest, ToolRequestError, template_message, tool_request
 
 REFUSED = {  # field -> (the values that leave the answer as it is, why any other is refused)
@@ -255,7 +256,7 @@ def completion_prompt(body: dict[str, Any], tokenizer: PreTrainedTokenizerBase) 
 def parse_request(
     body: Any, chat: bool, tokenizer: PreTrainedTokenizerBase, defaults: dict[str, Any],
     chat_template: str | None = None, processor: Any = None, template_kwargs: dict[str, Any] | None = None,
-    tool_parser: str | None = None,
+    tool_parser: str | None = None, generation_config: Any = None,
 ) -> ParsedRequest:
     """Check a request body and turn it into a `ParsedRequest`.
 
@@ -268,6 +269,7 @@ def parse_request(
         template_kwargs: the server's chat template keywords (a request's `chat_template_kwargs` update them).
         tool_parser: the name of the parser that reads tool calls out of answers (`tool_calls.PARSERS`; None: no
             parser, so `tool_choice` "auto" is refused while "required" and named functions still work).
+        generation_config: the target's, whose EOS `stop_token_ids` add to (None: the tokenizer's EOS).
     """
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -307,8 +309,19 @@ def parse_request(
     ignore_eos = body.get("ignore_eos", False)  # vLLM's: EOS is an ordinary token, the answer runs to max_tokens
     if not isinstance(ignore_eos, bool):
         raise ApiError(f"ignore_eos={ignore_eos!r}: expected true or false", param="ignore_eos")
-    if ignore_eos:
-        options["eos_token_id"] = []
+    stop_token_ids = body.get("stop_token_ids") or []  # vLLM's: these end the answer too (kept in it, as EOS is)
+    if not isinstance(stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tokenizer) for t in stop_token_ids):
+        raise ApiError(f"stop_token_ids={stop_token_ids!r}: expected a list of token ids in [0, {len(tokenizer)})",
+                       param="stop_token_ids")
+    if ignore_eos or stop_token_ids:  # the answer's end tokens: the target's EOS (unless ignored) and these
+        if ignore_eos:
+            eos = []
+        elif generation_config is not None:
+            eos = eos_ids(options.get("eos_token_id"), generation_config)
+        else:
+            eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        options["eos_token_id"] = eos + [t for t in stop_token_ids if t not in eos]
     top_k = _number(body, "top_k", int, -1)
     if top_k is not None:
         options["top_k"] = max(top_k, 0)  # vLLM's -1 and transformers' 0 both mean no top-k cut

@@ -127,7 +127,8 @@ class CompletionService:
             raise ApiError(f"model {body['model']!r} is not served here; this server serves {self.model_name!r}",
                            status=404, param="model", error_type="not_found_error")
         return parse_request(body, chat, self.tokenizer, self.defaults, self.chat_template, self.processor,
-                             self.chat_template_kwargs, self.tool_parser and self.tool_parser.name)
+                             self.chat_template_kwargs, self.tool_parser and self.tool_parser.name,
+                             self.lm.target.generation_config)
 
     def complete(
         self, request: ParsedRequest, chat: bool = True, on_text: Any = None

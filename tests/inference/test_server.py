@@ -349,6 +349,7 @@ def test_sampling_with_a_seed_repeats(server):
         ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo=True"),
         ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos='yes'"),
         ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens=-1"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [3, 600]}, 400, "stop_token_ids=[3, 600]"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt=''"),
         ("/v1/completions", {"prompt": "hi " * 600, "max_tokens": 8}, 400, "512"),  # stories260K's context
         ("/v1/embeddings", {"input": "hi"}, 404, "no route"),

@@ -401,7 +401,7 @@ def test_forced_schemas_and_template_messages():
         "tool_calls": [{"function": {"name": "a", "arguments": "{bad"}}]}  # left as the string it is
 
 
-def test_min_tokens_and_ignore_eos_go_past_the_answers_eos(tool_server):
+def test_min_tokens_ignore_eos_and_stop_token_ids_move_the_answers_end(tool_server):
     """vLLM's `min_tokens`: the fine-tune's answer ends (EOS) after its call; with min_tokens past that point it goes
     on, as `target.generate(min_new_tokens=...)` does."""
     url, target, tokenizer = tool_server
@@ -421,6 +421,15 @@ def test_min_tokens_and_ignore_eos_go_past_the_answers_eos(tool_server):
                               "max_tokens": ended + 6})
     assert body["choices"][0]["message"]["content"] == tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
     assert body["usage"]["completion_tokens"] == ended + 6 and body["choices"][0]["finish_reason"] == "length"
+
+    # vLLM's stop_token_ids: a token of the answer ends it there (kept in it, as EOS is), EOS still ends it too
+    stop = tokenizer(" Paris", add_special_tokens=False).input_ids[-1]
+    out = target.generate(ids, max_new_tokens=ended + 6, do_sample=False, eos_token_id=[tokenizer.eos_token_id, stop])
+    assert out.shape[1] - len(prompt) < ended and out[0, -1] == stop
+    status, body = post(url, {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "none", "stop_token_ids": [stop],
+                              "max_tokens": ended + 6})
+    assert body["choices"][0]["message"]["content"] == tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == out.shape[1] - len(prompt)
 
 
 def test_sampled_choices_each_get_their_calls_streamed(tool_server):
