@@ -78,11 +78,9 @@ def check_prompt_inputs_call(
                          "once per prompt")
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError(f"extra model inputs ({names}) need an unpadded prompt; attention_mask has padding")
-    for option, value, why in (
-        ("batched=True", batched is True, "rows sharing images are decoded one after another"),
-    ):
-        if value:
-            raise ValueError(f"{option} cannot be combined with extra model inputs ({names}): {why}")
+    if batched is True:
+        raise ValueError(f"batched=True cannot be combined with extra model inputs ({names}): rows sharing images are "
+                         "decoded one after another")
 
 
 def inputs_fingerprint(inputs: dict[str, torch.Tensor]) -> str:

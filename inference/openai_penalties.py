@@ -35,8 +35,10 @@ class OccurrencePenalties(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """input_ids (R, L), scores (R, V) -> penalised scores (R, V)."""
         answer = input_ids[:, self.prompt_length:]  # (R, L - prompt_length)
-        counts = torch.zeros_like(scores).scatter_add_(1, answer, torch.ones_like(answer, dtype=scores.dtype))
-        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+        ones = scores.new_ones(()).expand(answer.shape)  # a view: no (R, L) allocation
+        counts = torch.zeros_like(scores).scatter_add_(1, answer, ones)  # (R, V) occurrences in the answer
+        penalty = counts.clamp(max=1).mul_(self.presence).add_(counts, alpha=self.frequency)
+        return scores - penalty
 
 
 class LogitBias(LogitsProcessor):

@@ -135,10 +135,11 @@ class CompletionService:
     ) -> tuple[list[Choice], dict[str, Any], dict[str, Any]]:
         """Generate the answer's `request.n` choices: (choices, usage, statistics). Sampled choices are rows of the
         running batch, each with its own generator (seed + index when seeded); greedy ones are one answer, copied.
-        `on_text(index, piece, logprobs)` gets each streamed piece, with the log-probabilities of the tokens its text
-        is made of when the request asks for them (else None), on this thread; if it raises, the generation is
-        cancelled and the error passes on. Streamed, a choice's `logprobs` then holds the tokens not yet sent with a
-        piece (None if none), so that the pieces' and the last chunk's together are the non-streamed answer's.
+        `on_text(index, piece, logprobs, reasoning=...)` gets each streamed piece, with the log-probabilities of the
+        tokens its text is made of when the request asks for them (else None), on this thread; if it raises, the
+        generation is cancelled and the error passes on. Streamed, a choice's `logprobs` then holds the tokens not yet
+        sent with a piece (None if none), so that the pieces' and the last chunk's together are the non-streamed
+        answer's.
         A chat answer is read into its parts (`answer_parts.AnswerParts`): its think block (`Choice.reasoning`, streamed
         as `on_text(..., reasoning=piece)`) and tool calls (`Choice.tool_calls`) split off the content (`text`);
         streamed, text that may still become either is held back, and what was not sent is `Choice.unsent` /
@@ -184,7 +185,7 @@ class CompletionService:
                     continue
                 logprobs = None if request.logprobs is None else streams[run].take(covered)
                 for index in range(run, request.n, runs):  # a greedy answer goes to every choice
-                    on_text(index, piece, logprobs, **({"reasoning": reasoning} if reasoning else {}))
+                    on_text(index, piece, logprobs, reasoning=reasoning or None)
             for ticket in tickets:
                 ticket.wait()
         except BaseException:
@@ -192,17 +193,16 @@ class CompletionService:
                 job.cancelled = True  # the rows leave the batch before the next round
             raise
         seconds = time.perf_counter() - start
-        choices = []
+        choices, streamed = [], on_text is not None
         for run, (job, delta, stream) in enumerate(zip(jobs, deltas, streams)):
             new = job.new_tokens
             logprobs = None
             if request.logprobs is not None:  # the answer's own tokens (those not streamed yet)
-                logprobs = stream.take(answer_tokens(self.tokenizer, new, delta.text), final=on_text is None)
+                logprobs = stream.take(answer_tokens(self.tokenizer, new, delta.text), final=not streamed)
             parts = readers[run].finish(delta.text)
             reason = finish_reason(delta.stopped, new, job.max_new_tokens, job.eos, called_tools=bool(parts.calls))
-            streamed = on_text is not None
-            choices.append(Choice(parts.content, reason, logprobs, parts.calls, parts.unsent_content if streamed else "",
-                                  parts.reasoning, parts.unsent_reasoning if streamed else ""))
+            unsent = (parts.unsent_content, parts.unsent_reasoning) if streamed else ("", "")
+            choices.append(Choice(parts.content, reason, logprobs, parts.calls, unsent[0], parts.reasoning, unsent[1]))
         choices = [choices[index % runs] for index in range(request.n)]
         generated = sum(len(job.new_tokens) for job in jobs)
         completion = sum(len(jobs[index % runs].new_tokens) for index in range(request.n))

@@ -63,7 +63,7 @@ class TextDeltas:
             text, self.stopped = text[: min(found)], True
         elif not final:
             text = text.rstrip("\ufffd")  # a multi-byte character still incomplete
-            text = text[: len(text) - self._held_back(text)]
+            text = text[: len(text) - marker_tail(text, self.stop)]  # a tail that may still become a stop string
         if self.on_text is None:  # nothing sent yet: the text may still change anywhere
             self.text = text
         elif len(text) > len(self.text) and text.startswith(self.text):  # what was sent stays (prefix-stable decode)
@@ -77,10 +77,6 @@ class TextDeltas:
         while count and len(self.tokenizer.decode(self.ids[: count - 1], skip_special_tokens=True)) >= length:
             count -= 1
         return count
-
-    def _held_back(self, text: str) -> int:
-        """Length of the longest end of `text` that is the start of a stop string (it may still become one)."""
-        return marker_tail(text, self.stop)
 
 
 def marker_tail(text: str, markers: list[str]) -> int:

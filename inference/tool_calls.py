@@ -178,7 +178,8 @@ class MistralParser:
         opening = text.replace(self.marker, "").lstrip()
         if not opening or opening.startswith("["):
             return 0
-        rest = opening[self.function_name.match(opening).end():] if self.function_name.match(opening) else opening
+        name = self.function_name.match(opening)
+        rest = opening[name.end():] if name else opening
         if not rest or rest.startswith("{") or rest.startswith(self.args_marker) or self.args_marker.startswith(rest):
             return 0
         return len(text)
@@ -294,18 +295,20 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
             raise ToolRequestError("tool_choice", f"tool_choice={choice!r} needs tools (the request has none)")
         return None
     if not isinstance(tools, list):
-        raise ToolRequestError("tools", f"tools={tools!r}: expected a list of {{'type': 'function', 'function': {{...}}}}")
+        raise ToolRequestError("tools", f"tools={tools!r}: expected a list of {{'type': 'function', 'function': "
+                                        "{...}}")
     names = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise ToolRequestError("tools", f"tools[{i}]={tool!r}: expected {{'type': 'function', 'function': {{'name': ..., "
-                             "'parameters': {...}}}}")
+            raise ToolRequestError("tools", f"tools[{i}]={tool!r}: expected {{'type': 'function', 'function': "
+                                            "{'name': ..., 'parameters': {...}}}")
         if not isinstance(function.get("name"), str) or not function["name"]:
-            raise ToolRequestError("tools", f"tools[{i}].function.name={function.get('name')!r}: expected a non-empty string")
+            raise ToolRequestError("tools", f"tools[{i}].function.name={function.get('name')!r}: expected a non-empty "
+                                            "string")
         if not isinstance(function.get("parameters", {}), dict):
-            raise ToolRequestError("tools", f"tools[{i}].function.parameters={function['parameters']!r}: expected a JSON "
-                             "schema object")
+            raise ToolRequestError("tools", f"tools[{i}].function.parameters={function['parameters']!r}: expected a "
+                                            "JSON schema object")
         names.append(function["name"])
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
@@ -314,8 +317,9 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
         return ToolRequest(tools, choice or "auto", parallel=parallel)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or named not in names:
-        raise ToolRequestError("tool_choice", f"tool_choice={choice!r}: expected 'none', 'auto', 'required' or {{'type': 'function', "
-                         f"'function': {{'name': ...}}}} naming one of the tools ({', '.join(names)})")
+        raise ToolRequestError("tool_choice", f"tool_choice={choice!r}: expected 'none', 'auto', 'required' or "
+                               f"{{'type': 'function', 'function': {{'name': ...}}}} naming one of the tools "
+                               f"({', '.join(names)})")
     return ToolRequest(tools, "function", named, parallel)
 
 
