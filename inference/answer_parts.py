@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .reasoning import ThinkParser
-from .tool_calls import ToolCall, ToolParser, ToolRequest
+from .tool_calls import ToolCall, ToolRequest
+from .tool_parsers import ToolParser
 
 
 @dataclass

@@ -267,7 +267,7 @@ def parse_request(
         chat_template: a Jinja template used instead of the tokenizer's.
         processor: a vision-language target's processor: chat messages may then hold `image_url` parts.
         template_kwargs: the server's chat template keywords (a request's `chat_template_kwargs` update them).
-        tool_parser: the name of the parser that reads tool calls out of answers (`tool_calls.PARSERS`; None: no
+        tool_parser: the name of the parser that reads tool calls out of answers (`tool_parsers.PARSERS`; None: no
             parser, so `tool_choice` "auto" is refused while "required" and named functions still work).
         generation_config: the target's, whose EOS `stop_token_ids` add to (None: the tokenizer's EOS).
     """
@@ -380,9 +380,9 @@ def _tools(body: dict[str, Any], chat: bool, tool_parser: str | None) -> ToolReq
         raise ApiError(str(err), param=err.param) from err
     if tools is not None and tools.choice == "auto" and tool_parser is None:
         raise ApiError("tool_choice='auto' needs a tool-call parser, and this model's chat template shows no call "
-                       "format this server knows: start it with --tool-call-parser (hermes, llama3_json, mistral), or ask for "
-                       "tool_choice 'required' or a named function (the answer is then constrained to the calls' "
-                       "JSON)", param="tool_choice")
+                       "format this server knows: start it with --tool-call-parser (hermes, qwen3_coder, llama3_json, "
+                       "pythonic, mistral), or ask for tool_choice 'required' or a named function (the answer is then "
+                       "constrained to the calls' JSON)", param="tool_choice")
     return tools
 
 

@@ -46,7 +46,7 @@ from .reasoning import detect_reasoning_parser, make_reasoning_parser
 from .serving_loop import COUNTERS, LABELED_COUNTERS, ServingLoop
 from .target_support import context_limit
 from .text_deltas import TextDeltas
-from .tool_calls import detect_parser, make_parser
+from .tool_parsers import detect_parser, make_parser
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 FALLBACK_MAX_TOKENS = 4096  # a request without max_tokens, on a target whose config states no context length
@@ -73,8 +73,8 @@ class CompletionService:
         processor: a vision-language target's processor (`multimodal.image_processor_for`): chat messages may then
             hold `image_url` parts (base64 data URLs); such requests prefill alone and keep no conversation cache.
         chat_template_kwargs: keywords for the chat template (a request's `chat_template_kwargs` update them).
-        tool_parser: how answers' tool calls are read (inference/tool_calls.py): "auto" (the format the chat template
-            shows, when it is one of `tool_calls.PARSERS`), a parser's name, or None (requests with tools must then
+        tool_parser: how answers' tool calls are read (inference/tool_parsers.py): "auto" (the format the chat template
+            shows, when it is one of `tool_parsers.PARSERS`), a parser's name, or None (requests with tools must then
             force the calls: `tool_choice` "required" or a named function).
         reasoning_parser: how chat answers' reasoning is split off (inference/reasoning.py) into `reasoning_content`:
             "auto" (`think` when the chat template knows `</think>`), a parser's name, or None (all content).

@@ -5,11 +5,8 @@ format, and its messages may hold earlier calls (an assistant's `tool_calls`) an
 What the answer does with them follows `tool_choice`:
 
 - "auto" (the default with tools): the target answers freely; a *parser* for the model's call format reads the calls
-  out of the answer's text. "hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3,
-  Hermes, SmolLM3); "llama3_json": the whole answer `{"name": ..., "parameters": {...}}`, several joined by `;`
-  (Llama 3.1-3.3; their `<|python_tag|>` is a special token, skipped in the text); "mistral": `[TOOL_CALLS]` then a
-  JSON list of calls, or (newer tokenizers) `name[ARGS]{...}` per call (the bracketed markers are special tokens,
-  skipped in the text). `detect_parser` picks one from the chat template.
+  out of the answer's text (inference/tool_parsers.py: hermes, qwen3_coder, llama3_json, pythonic, mistral; picked
+  from the chat template by `detect_parser`).
 - "required" or a named function: the answer is constrained to JSON by the tools' parameter schemas (a list of
   `{"name", "parameters"}`, or the named function's arguments), as vLLM does, so any template and model work.
 - "none": the tools are shown to the model, and its answer is text.
@@ -21,12 +18,12 @@ choices); the calls are read from it, never repaired: an answer whose calls do n
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .text_deltas import before_marker
+if TYPE_CHECKING:
+    from .tool_parsers import ToolParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function taking nothing
 
@@ -49,7 +46,7 @@ class ToolCall:
         return entry if index is None else {"index": index, **entry}
 
 
-def _call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
+def call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
     """The call a decoded JSON object names ({"name": ..., <arguments key>: {...}}), or None if it names none."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -63,150 +60,6 @@ def _call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall |
     if not isinstance(arguments, dict):
         return None
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-class HermesParser:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes' format; Qwen2.5 / Qwen3 use it).
-    The content is the text before the first block."""
-
-    name = "hermes"
-    start, end = "<tool_call>", "</tool_call>"
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of an answer; (text, []) when it holds no call that parses."""
-        first = text.find(self.start)
-        if first < 0:
-            return text, []
-        calls, position = [], first
-        while (position := text.find(self.start, position)) >= 0:
-            close = text.find(self.end, position)
-            body = text[position + len(self.start): close if close >= 0 else len(text)]
-            try:
-                call = _call_from_object(json.loads(body), ("arguments", "parameters"))
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return text, []
-            calls.append(call)
-            if close < 0:  # the answer ended (EOS) inside an otherwise whole block
-                break
-            position = close + len(self.end)
-        return text[:first].rstrip(), calls
-
-    def content_length(self, text: str) -> int:
-        """How much of a growing answer is surely content (streamable): the text before a call's start, less any
-        tail that could still be one, less trailing whitespace (the content is stripped before a call)."""
-        return len(text[:before_marker(text, self.start)].rstrip())
-
-
-class Llama3JsonParser:
-    """Llama 3.1-3.3's JSON calls: the whole answer is `{"name": ..., "parameters": {...}}` (or "arguments"), several
-    separated by `;`. An answer that is not wholly calls is content."""
-
-    name = "llama3_json"
-    tag = "<|python_tag|>"  # usually a special token (skipped in the text), but kept when written out
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        body = text.strip()
-        body = body[len(self.tag):].lstrip() if body.startswith(self.tag) else body
-        decoder, calls, position = json.JSONDecoder(), [], 0
-        while position < len(body):
-            try:
-                value, position = decoder.raw_decode(body, position)
-            except json.JSONDecodeError:
-                return text, []
-            call = _call_from_object(value, ("parameters", "arguments"))
-            if call is None:
-                return text, []
-            calls.append(call)
-            while position < len(body) and body[position] in " \t\r\n;":
-                position += 1
-        return ("", calls) if calls else (text, [])
-
-    def content_length(self, text: str) -> int:
-        """An answer that opens like a call is held whole until it ends; any other streams as it comes."""
-        opening = text.lstrip()
-        if not opening or opening.startswith(("{", self.tag)) or self.tag.startswith(opening):
-            return 0
-        return len(text)
-
-
-class MistralParser:
-    """Mistral's calls: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3 tokenizers) or
-    `[TOOL_CALLS]name[ARGS]{...}` per call (v11+). `[TOOL_CALLS]` and `[ARGS]` are special tokens, so the answer's
-    text usually holds only the list, or the names each followed by their arguments; kept markers are read too. An
-    answer that is not wholly calls is content. Call ids are 9 letters and digits, as Mistral's chat templates demand
-    of the calls a client sends back."""
-
-    name = "mistral"
-    marker, args_marker = "[TOOL_CALLS]", "[ARGS]"
-    function_name = re.compile(r"[A-Za-z0-9_.\-]+")
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        content, calls = self._parse(text)
-        for call in calls:
-            call.id = uuid.uuid4().hex[:9]
-        return content, calls
-
-    def _parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        body = text.replace(self.marker, " ").strip()
-        if body.startswith("["):  # a JSON list of calls
-            calls = _json_list(body)[1]
-            return ("", calls) if calls else (text, [])
-        decoder, calls, position = json.JSONDecoder(), [], 0
-        while position < len(body):  # name[ARGS]{...} (the marker skipped in the text: name{...}), repeated
-            match = self.function_name.match(body, position)
-            if match is None:
-                return text, []
-            position = match.end()
-            if body.startswith(self.args_marker, position):
-                position += len(self.args_marker)
-            try:
-                arguments, position = decoder.raw_decode(body, position)
-            except json.JSONDecodeError:
-                return text, []
-            if not isinstance(arguments, dict):
-                return text, []
-            calls.append(ToolCall(match.group(), json.dumps(arguments, ensure_ascii=False)))
-            while position < len(body) and body[position].isspace():
-                position += 1
-        return ("", calls) if calls else (text, [])
-
-    def content_length(self, text: str) -> int:
-        """An answer that opens like a call (a list, or a name followed by `{` / `[ARGS]`) is held whole until it
-        ends; any other streams as it comes."""
-        opening = text.replace(self.marker, "").lstrip()
-        if not opening or opening.startswith("["):
-            return 0
-        name = self.function_name.match(opening)
-        rest = opening[name.end():] if name else opening
-        if not rest or rest.startswith("{") or rest.startswith(self.args_marker) or self.args_marker.startswith(rest):
-            return 0
-        return len(text)
-
-
-PARSERS = {parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)}
-ToolParser = HermesParser | Llama3JsonParser | MistralParser
-
-
-def make_parser(name: str) -> ToolParser:
-    """The parser called `name` (one of `PARSERS`)."""
-    if name not in PARSERS:
-        raise ValueError(f"tool-call parser {name!r}: expected one of {', '.join(PARSERS)}")
-    return PARSERS[name]()
-
-
-def detect_parser(chat_template: str | None) -> str | None:
-    """The parser for the call format a chat template teaches (None: it shows none we know)."""
-    if not chat_template:
-        return None
-    if HermesParser.start in chat_template:
-        return HermesParser.name
-    if MistralParser.marker in chat_template:
-        return MistralParser.name
-    if Llama3JsonParser.tag in chat_template or '"parameters"' in chat_template:
-        return Llama3JsonParser.name
-    return None
 
 
 @dataclass
@@ -262,12 +115,12 @@ class ToolRequest:
             except json.JSONDecodeError:  # cut by max_tokens
                 return text, []
         if self.choice == "required":
-            return _json_list(text)
-        content, calls = parser.parse(text)
+            return json_list(text)
+        content, calls = parser.parse(text, self.tools)
         return content, calls if self.parallel else calls[:1]
 
 
-def _json_list(text: str) -> tuple[str, list[ToolCall]]:
+def json_list(text: str) -> tuple[str, list[ToolCall]]:
     """The calls of a JSON list of {"name", "parameters" (or "arguments")}: a "required" answer's, Mistral's."""
     try:
         values = json.loads(text)
@@ -275,7 +128,7 @@ def _json_list(text: str) -> tuple[str, list[ToolCall]]:
         return text, []
     if not isinstance(values, list):
         return text, []
-    calls = [_call_from_object(value, ("parameters", "arguments")) for value in values]
+    calls = [call_from_object(value, ("parameters", "arguments")) for value in values]
     return ("", calls) if calls and None not in calls else (text, [])
 
 

@@ -142,11 +142,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "every row's tree; default: 8; 1: one at a time)")
     p.add_argument("--api-key", default=os.environ.get("SPECHEADS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every request (default: $SPECHEADS_API_KEY; unset: open)")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "llama3_json", "mistral"],
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "none", "hermes", "qwen3_coder", "llama3_json", "pythonic", "mistral"],
                    help="how tool calls are read out of answers to requests with tools and tool_choice 'auto': "
-                        "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes, SmolLM3), llama3_json (Llama "
-                        "3.1-3.3), mistral ([TOOL_CALLS]), auto (the one the chat template shows; default), none ('required' and named "
-                        "tool_choice still work: the answer is constrained to the calls' JSON)")
+                        "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes, SmolLM3), qwen3_coder "
+                        "(<tool_call><function=...><parameter=...>: Qwen3-Coder, Qwen3.5), llama3_json (Llama 3.1-3.3), "
+                        "pythonic ([name(key=value)]: Llama 4, Gemma 3), mistral ([TOOL_CALLS]), auto (the one the "
+                        "chat template shows; default), none ('required' and named tool_choice still work: the answer "
+                        "is constrained to the calls' JSON)")
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think"],
                    help="split chat answers' <think>...</think> block off as message.reasoning_content: think "
                         "(Qwen3, QwQ, DeepSeek-R1), auto (think when the chat template knows </think>; default), none "

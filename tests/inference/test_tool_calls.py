@@ -16,14 +16,15 @@ from specheads import SpeculativeLM
 from specheads.inference.answer_parts import AnswerParts
 from specheads.inference.openai_api import ApiError, parse_request
 from specheads.inference.server import CompletionService, make_server
-from specheads.inference.tool_calls import (
+from specheads.inference.tool_calls import ToolRequest, template_message, tool_request
+from specheads.inference.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
-    ToolRequest,
+    PythonicParser,
+    Qwen3CoderParser,
     detect_parser,
-    template_message,
-    tool_request,
+    parameter_value,
 )
 
 from .conftest import make_heads
@@ -45,6 +46,15 @@ PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
     "{% endif %}"
 )
+# the call formats of Qwen3-Coder / Qwen3.5 and of the pythonic templates (Llama 4, Gemma 3), taught as those
+# templates teach them (shortened)
+QWEN3_CODER_TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>\nReply with "
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "</function>\n</tool_call>\n{% endif %}" + PLAIN_TEMPLATE)
+PYTHONIC_TEMPLATE = (
+    "{%- if tools %}Call as [func_name1(params_name1=params_value1), func_name2(params)]: "
+    "{% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}" + PLAIN_TEMPLATE)
 WEATHER = {"type": "function", "function": {
     "name": "weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
@@ -349,12 +359,14 @@ def test_llama3_json_parser_reads_whole_answers_of_calls():
         assert parser.parse(text) == (text, []), text
 
 
-@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser(), MistralParser()])
+@pytest.mark.parametrize("parser", [HermesParser(), Qwen3CoderParser(), Llama3JsonParser(), PythonicParser(),
+                                    MistralParser()])
 @pytest.mark.parametrize("text", [
     CALL_ANSWER, "Just text, no call.", "Text with < and <tool in it <tool_", '  {"name": "a", "parameters": {}}',
     'A <tool_call>{"broken"</tool_call> tail', "Hi   \n", "<tool_call>", "{ not json",
     '[{"name": "a", "arguments": {"x": 1}}]', 'get_weather{"city": "Paris"}', "Paris", "[TOOL_CALLS]a[ARGS]{}",
-    "Well [x] and {y}",
+    "Well [x] and {y}", "One sec.\n<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n</function>"
+    "\n</tool_call>", "Use <function=weather> <func", '[weather(city="Paris"), clock()]', "[weather(city=", "[x] marks it",
 ])
 def test_streamed_content_is_the_content_whatever_the_pieces(parser, text):
     """Streamed piece by piece (every split), the content sent plus what is sent at the end is the parsed answer's
@@ -382,8 +394,55 @@ def test_mistral_parser_reads_both_call_layouts():
     assert detect_parser("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
 
 
+def test_qwen3_coder_parser_reads_values_as_their_schemas_types():
+    parser = Qwen3CoderParser()
+    tools = [{"type": "function", "function": {"name": "write", "parameters": {"properties": {
+        "path": {"type": "string"}, "body": {"type": "string"}, "lines": {"type": "integer"}, "force": {"type": "boolean"},
+        "tags": {"type": "array"}, "mode": {"type": ["string", "null"]}, "size": {"type": "number"}}}}}]
+    text = ("I'll write it.\n\n<tool_call>\n<function=write>\n<parameter=path>\n/tmp/a.py\n</parameter>\n"
+            "<parameter=body>\ndef f():\n    return 1\n\n</parameter>\n<parameter=lines>\n2\n</parameter>\n"
+            "<parameter=force>\ntrue\n</parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n"
+            "<parameter=mode>\n12\n</parameter>\n<parameter=size>\nbig\n</parameter>\n<parameter=extra>\n{\"k\": null}\n"
+            "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=clock>\n</function>\n</tool_call>")
+    content, calls = parser.parse(text, tools)
+    assert content == "I'll write it." and [c.name for c in calls] == ["write", "clock"]
+    assert json.loads(calls[0].arguments) == {
+        "path": "/tmp/a.py", "body": "def f():\n    return 1\n",  # one newline trimmed each side: indentation kept
+        "lines": 2, "force": True, "tags": ["a", 1], "mode": "12",  # a schema allowing a string keeps the text
+        "size": "big",  # not a number: the string it is, never repaired
+        "extra": {"k": None}}  # no schema: JSON when it is JSON
+    assert json.loads(calls[1].arguments) == {}
+    assert parameter_value("-4", {"type": "integer"}) == -4 and parameter_value("1.5", {"type": "integer"}) == "1.5"
+    assert parameter_value("True", {"type": "boolean"}) == "True" and parameter_value("null", {"type": "null"}) is None
+    assert parser.parse("<function=clock></function>")[1][0].name == "clock"  # without the <tool_call> wrapper
+    assert parser.parse("<tool_call><function=clock></function>")[1][0].name == "clock"  # EOS before </tool_call>
+    for bad in ("no call", "<tool_call>\n<function=write>\n<parameter=path>\n/tmp", "<tool_call>{\"name\": \"a\"}</tool_call>",
+                "<function=a>stray<parameter=x>1</parameter></function>", "<function=a></function> and after"):
+        assert parser.parse(bad, tools) == (bad, []), bad
+    # read through a request: its tools give the types, parallel_tool_calls false keeps the first call
+    request = ToolRequest(tools, parallel=False)
+    assert [json.loads(c.arguments)["lines"] for c in request.read_calls(text, parser)[1]] == [2]
+
+
+def test_pythonic_parser_reads_a_python_list_of_calls():
+    parser = PythonicParser()
+    for text in ('[weather(city="Paris", days=3, units=None), clock()]',
+                 '<|python_start|>[weather(city="Paris", days=3, units=None), clock()]<|python_end|>'):  # tags kept
+        content, calls = parser.parse(text)
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("weather", {"city": "Paris", "days": 3, "units": None}), ("clock", {})], text
+    assert json.loads(parser.parse("[a.b(x=[1, {'k': True}], y=(2, 3))]")[1][0].arguments) == {"x": [1, {"k": True}],
+                                                                                                "y": [2, 3]}
+    for text in ("[weather(city=paris)]",  # a variable: never evaluated
+                 '[weather("Paris")]', "[weather(**kw)]", "[weather(x={1, 2})]", "[1, 2]", "[]", '[weather(city="P',
+                 'Sure: [weather(city="Paris")]', "__import__('os').system('x')", "[f(x=__import__('os'))]"):
+        assert parser.parse(text) == (text, []), text
+
+
 def test_detect_parser_reads_the_format_off_the_template():
     assert detect_parser(TOOL_TEMPLATE) == "hermes"
+    assert detect_parser(QWEN3_CODER_TEMPLATE) == "qwen3_coder"  # it holds <tool_call> too
+    assert detect_parser(PYTHONIC_TEMPLATE) == "pythonic"
     assert detect_parser('Respond in the format {"name": function name, "parameters": dictionary}') == "llama3_json"
     assert detect_parser(PLAIN_TEMPLATE) is None and detect_parser(None) is None
 
@@ -445,3 +504,42 @@ def test_sampled_choices_each_get_their_calls_streamed(tool_server):
         assert calls and all(c["function"]["name"] in ("weather", "clock") for c in calls), choices
         assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
         assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+XML_ANSWER = "<tool_call>\n<function=forecast>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+PYTHONIC_ANSWER = '[forecast(city="Paris", days=3)]'
+
+
+def test_qwen3_coder_and_pythonic_calls_come_from_the_targets_answer(stories260k):
+    """A target fine-tuned to answer in Qwen3-Coder's XML under one template and in a pythonic list under another: each
+    server picks its parser off its template, and the call (typed by the tool's schema) comes from the target's greedy
+    answer, streamed and not."""
+    target, tokenizer = stories260k
+
+    def prompt(template: str) -> list[int]:
+        return tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, chat_template=template,
+                                             tools=[FORECAST], return_dict=True)["input_ids"]
+
+    target = tuned_to_answer(target, tokenizer, [(prompt(QWEN3_CODER_TEMPLATE), XML_ANSWER),
+                                                 (prompt(PYTHONIC_TEMPLATE), PYTHONIC_ANSWER)])
+    lm = SpeculativeLM(target, make_heads(target, "eagle"), tokenizer=tokenizer)
+    for template, answer, parser in ((QWEN3_CODER_TEMPLATE, XML_ANSWER, "qwen3_coder"),
+                                     (PYTHONIC_TEMPLATE, PYTHONIC_ANSWER, "pythonic")):
+        assert greedy_answer(target, tokenizer, prompt(template)) == answer  # the target's own text holds the call
+        service = CompletionService(lm, "stories", {"max_new_tokens": 80}, cache_slots=1, chat_template=template)
+        try:
+            assert service.tool_parser.name == parser
+            request = service.parse({"messages": QUESTION, "tools": [FORECAST]}, chat=True)
+            (choice,), _, _ = service.complete(request)
+            expected = {"days": 3} if parser == "qwen3_coder" else {"city": "Paris", "days": 3}
+            assert [(c.name, json.loads(c.arguments)) for c in choice.tool_calls] == [("forecast", expected)], repr(choice.text)
+            assert choice.finish_reason == "tool_calls" and choice.text == ""
+            sent: list[str] = []
+            (streamed,), _, _ = service.complete(request, on_text=lambda index, piece, logprobs, reasoning=None,
+                                                 sent=sent: sent.append(piece))
+            assert "".join(sent) == "" and streamed.unsent == ""  # no piece of the call went out as content
+            assert [json.loads(c.arguments) for c in streamed.tool_calls] == [expected]
+        finally:
+            service.close()
