@@ -12,13 +12,16 @@ generate takes them; the cache is reused while the images stay the same (`Prompt
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, TextStreamer
 
+from .answer_parts import AnswerParts
 from .prompt_cache import PromptCache
+from .reasoning import ThinkParser
 
 
 def read_chat_template(value: str) -> str:
@@ -138,3 +141,63 @@ class ChatSession:
         self.messages.append(self._message("assistant", answer))
         self.last_stats = {**self.lm.last_stats, "prompt_tokens": int(input_ids.shape[1])}
         return answer
+
+
+DIM, PLAIN = "\033[2m", "\033[0m"  # ANSI: faint text, then back to normal
+
+
+class ReasoningStreamer(TextStreamer):
+    """Prints a reasoning model's streamed answer with its think block apart from the answer proper (`specheads chat`).
+
+    The answer is read as the server reads it (`answer_parts.AnswerParts` with a `ThinkParser`; a generation prompt
+    that ends with `<think>` opens the block): the reasoning is printed without its tags, dimmed on a terminal, then a
+    blank line and the answer; with `show_reasoning=False` it is left out and `reasoning_chars` says how long it was.
+    An answer without a block prints as it comes.
+
+    Args:
+        tokenizer: decodes the tokens (special tokens skipped).
+        show_reasoning: print the reasoning (True) or leave it out (False).
+        dim: dim the reasoning (default: when `out` is a terminal).
+        out: where to print (default: stdout).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, show_reasoning: bool = True, dim: bool | None = None,
+                 out: TextIO | None = None) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.show_reasoning = show_reasoning
+        self.out = out if out is not None else sys.stdout
+        self.dim = self.out.isatty() if dim is None else dim
+        self.parts = AnswerParts(reasoning_parser=ThinkParser())
+        self.text = ""  # the answer so far
+        self.reasoning_chars = 0  # the reasoning's length (printed or not)
+        self.printing = None  # "reasoning" or "content": what the last printed piece was
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.next_tokens_are_prompt:  # the prompt: does its generation prompt open the block?
+            prompt = self.tokenizer.decode(value.reshape(-1)[-8:].tolist())
+            self.parts = AnswerParts(reasoning_parser=ThinkParser(), opened=ThinkParser().opens_in_prompt(prompt))
+        super().put(value)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.text += text
+        reasoning, content = self.parts.feed(text)
+        if stream_end:
+            parts = self.parts.finish(self.text)
+            reasoning, content = reasoning + parts.unsent_reasoning, content + parts.unsent_content
+        self.reasoning_chars += len(reasoning)
+        if reasoning and self.show_reasoning:
+            self._write("reasoning", reasoning)
+        if content:
+            self._write("content", content)
+        if stream_end:
+            self._write(None, "\n")
+        self.out.flush()
+
+    def _write(self, part: str | None, text: str) -> None:
+        """Print `text` of `part` ("reasoning", "content"; None: the answer's end), a blank line between the two."""
+        if self.printing == "reasoning" and part != "reasoning":  # the block ended
+            self.out.write((PLAIN if self.dim else "") + ("\n\n" if part == "content" else ""))
+        elif part == "reasoning" and self.printing != "reasoning" and self.dim:
+            self.out.write(DIM)
+        self.out.write(text)
+        self.printing = part

@@ -168,7 +168,8 @@ CHAT_JSON_WHITESPACE = r"[\n ]{0,8}"  # newlines and indentation of up to 8 spac
 def constraint_from_options(
     tokenizer: PreTrainedTokenizerBase, json_schema: str | None = None, regex: str | None = None
 ) -> IndexConstraint | None:
-    """The command line's `--json-schema FILE_OR_JSON` (chat-style whitespace) or `--regex REGEX` (None: neither).
+    """The command line's `--json-schema FILE_OR_JSON` (chat-style whitespace; `{"type": "object"}`: any JSON object,
+    inference/json_object.py) or `--regex REGEX` (None: neither).
 
     Raises:
         ValueError: a --json-schema that is neither a file nor valid JSON.
@@ -182,4 +183,8 @@ def constraint_from_options(
         schema = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"--json-schema {json_schema!r} is neither a file nor valid JSON: {err}") from err
+    if schema == {"type": "object"}:  # any object: recognised directly (its regex is too large to compile)
+        from .json_object import json_object_constraint
+
+        return json_object_constraint(tokenizer)
     return json_schema_constraint(tokenizer, schema, whitespace_pattern=CHAT_JSON_WHITESPACE)

@@ -61,7 +61,8 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     seed: int | None = None
-    json_schema: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None  # the answer must be JSON valid under this schema
+    json_object: bool = False  # the answer must be one JSON object (response_format json_object)
     logprobs: int | None = None  # None: none returned; k: each token's log-probability and its k likeliest rivals
     n: int = 1  # choices to return (sampled independently; greedy ones are all the same answer)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the prompt's images (a vision-language target)
@@ -164,9 +165,10 @@ def _data_url_image(part: dict[str, Any], where: str) -> Any:
 
 def _image_chat_prompt(
     messages: list[Any], processor: Any, chat_template: str | None, template_kwargs: dict[str, Any],
-    tools: ToolRequest | None = None,
+    read: list[str] | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """(ids (1, n), extra model inputs) of chat messages with `image_url` parts, through the target's processor."""
+    """(ids (1, n), extra model inputs) of chat messages with `image_url` parts, through the target's processor;
+    `read`: the request's fields the template must read (`_check_template_reads`)."""
     from specheads.inference.multimodal import encode_image_prompt
 
     images, converted = [], []
@@ -190,20 +192,30 @@ def _image_chat_prompt(
     if chat_template is None and not getattr(processor, "chat_template", None):
         raise ApiError("this model's processor has no chat template: start the server with --chat-template",
                        param="messages")
-    if tools is not None:
-        _check_template_shows_tools(lambda kwargs: processor.apply_chat_template(
-            converted, add_generation_prompt=True, chat_template=chat_template, tokenize=False, **kwargs),
-            template_kwargs, tools)
+    _check_template_reads(lambda kwargs: processor.apply_chat_template(
+        converted, add_generation_prompt=True, chat_template=chat_template, tokenize=False, **kwargs),
+        template_kwargs, read or [])
     return encode_image_prompt(processor, converted, images, chat_template, template_kwargs)
 
 
-def _check_template_shows_tools(render: Any, template_kwargs: dict[str, Any], tools: ToolRequest) -> None:
-    """Refuse tools the chat template leaves out of the prompt (`render(kwargs)` is the prompt's text): the model
-    could not know them. `tool_choice` "none" is let through (nothing is asked of the tools)."""
-    if tools.parses_calls and render(template_kwargs) == render(
-            {k: v for k, v in template_kwargs.items() if k != "tools"}):
-        raise ApiError("tools: this model's chat template does not show tools to the model (its prompt is the same "
-                       "without them): start the server with a --chat-template that renders `tools`", param="tools")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values; the chat template reads them
+UNREAD_BY_TEMPLATE = {
+    "tools": "tools: this model's chat template does not show tools to the model (its prompt is the same without "
+             "them): start the server with a --chat-template that renders `tools`",
+    "reasoning_effort": "reasoning_effort: this model's chat template does not read it (its prompt is the same "
+                        "without it), so it would change nothing: leave it out for this model",
+}
+
+
+def _check_template_reads(render: Any, template_kwargs: dict[str, Any], fields: list[str]) -> None:
+    """Refuse request fields (`tools`, `reasoning_effort`) the chat template leaves out of the prompt (`render(kwargs)`
+    is the prompt's text): the model could not know them."""
+    if not fields:
+        return
+    prompt = render(template_kwargs)
+    for name in fields:
+        if prompt == render({k: v for k, v in template_kwargs.items() if k != name}):
+            raise ApiError(UNREAD_BY_TEMPLATE[name], param=name)
 
 
 def chat_prompt(
@@ -213,8 +225,9 @@ def chat_prompt(
     """(the (1, n) ids of a chat request's messages through the chat template, the assistant's turn opened; the
     prompt's extra model inputs). Messages with `image_url` parts (base64 data URLs) go through `processor`, a
     vision-language target's: the extra inputs are then its images (`pixel_values`, ...); else they are empty.
-    The template gets the server's `template_kwargs` updated by the request's `chat_template_kwargs` (vLLM's field:
-    `{"enable_thinking": false}`, ...) and the request's `tools`, which it must show to the model."""
+    The template gets the server's `template_kwargs` updated by the request's `reasoning_effort` (gpt-oss-style
+    templates read it), its `chat_template_kwargs` (vLLM's field: `{"enable_thinking": false}`, ...) and its `tools`;
+    the tools and the reasoning effort must change the prompt (else the model could not know them: refused)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(f"messages={messages!r}: expected a non-empty list of {{role, content}}", param="messages")
@@ -222,20 +235,27 @@ def chat_prompt(
     if not isinstance(asked, dict):
         raise ApiError(f"chat_template_kwargs={asked!r}: expected an object of the chat template's keywords",
                        param="chat_template_kwargs")
-    template_kwargs = {**(template_kwargs or {}), **asked, **({"tools": tools.tools} if tools else {})}
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ApiError(f"reasoning_effort={effort!r}: expected one of {', '.join(REASONING_EFFORTS)}",
+                       param="reasoning_effort")
+    template_kwargs = {**(template_kwargs or {}), **({"reasoning_effort": effort} if effort else {}), **asked,
+                       **({"tools": tools.tools} if tools else {})}
+    # request fields the template must read (its prompt changes with them), else the model could not know them
+    read = (["tools"] if tools is not None and tools.parses_calls else []) + (
+        ["reasoning_effort"] if effort and "reasoning_effort" not in asked else [])
     if _has_images(messages):
         if processor is None:
             raise ApiError("messages hold image_url parts, but this model takes no images (a text target)",
                            param="messages")
-        return _image_chat_prompt(messages, processor, chat_template, template_kwargs, tools)
+        return _image_chat_prompt(messages, processor, chat_template, template_kwargs, read)
     texts = [_message_text(m, i) for i, m in enumerate(messages)]
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ApiError("this model's tokenizer has no chat template: use /v1/completions, or start the server with "
                        "--chat-template", param="messages")
-    if tools is not None:
-        _check_template_shows_tools(lambda kwargs: tokenizer.apply_chat_template(
-            texts, add_generation_prompt=True, chat_template=chat_template, tokenize=False, **kwargs),
-            template_kwargs, tools)
+    _check_template_reads(lambda kwargs: tokenizer.apply_chat_template(
+        texts, add_generation_prompt=True, chat_template=chat_template, tokenize=False, **kwargs),
+        template_kwargs, read)
     return tokenizer.apply_chat_template(texts, add_generation_prompt=True, chat_template=chat_template,
                                          return_tensors="pt", return_dict=True, **template_kwargs)["input_ids"], {}
 
@@ -334,16 +354,16 @@ def parse_request(
     if not isinstance(stream_options, dict):
         raise ApiError(f"stream_options={stream_options!r}: expected an object", param="stream_options")
     logprobs = _logprobs(body, chat)
-    json_schema = _json_schema(body.get("response_format"))
+    json_schema, json_object = _response_format(body.get("response_format"))
     if tools is not None and tools.forced:  # the answer is the calls' JSON
-        if json_schema is not None:
+        if json_schema is not None or json_object:
             raise ApiError(f"response_format and tool_choice={body.get('tool_choice')!r} both constrain the answer: "
                            "send one of them", param="response_format")
         json_schema = tools.schema()
     return ParsedRequest(
         input_ids=input_ids, options=options, stop=options["stop_strings"] or [], stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)), seed=_number(body, "seed", int),
-        json_schema=json_schema, logprobs=logprobs, n=n, inputs=inputs, tools=tools,
+        json_schema=json_schema, json_object=json_object, logprobs=logprobs, n=n, inputs=inputs, tools=tools,
         presence_penalty=_number(body, "presence_penalty", float, -2, 2) or 0.0,
         frequency_penalty=_number(body, "frequency_penalty", float, -2, 2) or 0.0,
         logit_bias=_logit_bias(body.get("logit_bias"), len(tokenizer)),
@@ -443,16 +463,18 @@ def answer_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[int], text: s
     return len(tokens)
 
 
-def _json_schema(response_format: Any) -> dict[str, Any] | None:
-    """The JSON schema a `response_format` asks for (None: plain text)."""
+def _response_format(response_format: Any) -> tuple[dict[str, Any] | None, bool]:
+    """(the JSON schema a `response_format` asks for, whether it asks for any JSON object): (None, False) for text."""
     if response_format is None or response_format == {"type": "text"}:
-        return None
+        return None, False
+    if response_format == {"type": "json_object"}:
+        return None, True
     schema = response_format.get("json_schema", {}).get("schema") if isinstance(response_format, dict) else None
     if not isinstance(response_format, dict) or response_format.get("type") != "json_schema" or not isinstance(
             schema, dict):
-        raise ApiError(f"response_format={response_format!r}: expected {{'type': 'text'}} or {{'type': 'json_schema', "
-                       "'json_schema': {'schema': {...}}}", param="response_format")
-    return schema
+        raise ApiError(f"response_format={response_format!r}: expected {{'type': 'text'}}, {{'type': 'json_object'}} "
+                       "or {'type': 'json_schema', 'json_schema': {'schema': {...}}}", param="response_format")
+    return schema, False
 
 
 def finish_reason(stopped_by_string: bool, new_tokens: list[int], max_new_tokens: int, eos: set[int],

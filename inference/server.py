@@ -3,7 +3,9 @@
     specheads serve --target smollm2-135m-instruct --heads checkpoints/smollm2-135m-instruct-eagle3 --port 8000
 
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both with `"stream": true` as server-sent events),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text: requests, tokens, forwards, accepted drafts). Any OpenAI client works (`base_url="http://127.0.0.1:8000/v1"`). Answers are the
+`POST /v1/responses` (OpenAI's Responses API, read as the chat request it asks for: inference/responses_api.py),
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text: requests, tokens, forwards, accepted drafts). Any
+OpenAI client works (`base_url="http://127.0.0.1:8000/v1"`). Answers are the
 target's own, as `generate` gives them: greedy (`temperature` 0) identical to `target.generate`, sampling from its
 distribution. Each answer carries `specheads` statistics (tau, reused prompt tokens, tokens/s).
 
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from .answer_parts import AnswerParts
+from .json_object import json_object_constraint, json_object_index
 from .openai_api import (
     ApiError,
     Choice,
@@ -43,6 +46,7 @@ from .openai_api import (
 from .openai_penalties import LogitBias, OccurrencePenalties
 from .prompt_cache import PromptCachePool
 from .reasoning import detect_reasoning_parser, make_reasoning_parser
+from .responses_api import ResponseEvents, chat_body, event_bytes, new_item_id, response_object
 from .serving_loop import COUNTERS, LABELED_COUNTERS, ServingLoop
 from .target_support import context_limit
 from .text_deltas import TextDeltas
@@ -99,6 +103,8 @@ class CompletionService:
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
         self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
+        self._json_object_index: Any = None  # response_format json_object's, made at its first use and kept (it
+        # learns the tokens each JSON state allows once)
 
     def warm_up(self) -> None:
         """One short generation, so the first client does not pay for first-call allocations and kernel setup (its
@@ -224,6 +230,8 @@ class CompletionService:
             processors.append(LogitBias(request.logit_bias))
         if request.json_schema is not None:
             processors.append(self._constraint(request.json_schema))
+        elif request.json_object:
+            processors.append(self._json_object())
         return processors or None
 
     def _answer_parts(self, request: ParsedRequest, chat: bool) -> AnswerParts:
@@ -243,9 +251,20 @@ class CompletionService:
                            param="messages")
         return context - prompt_tokens
 
+    def _json_object(self) -> Any:
+        """A fresh constraint to any JSON object (`json_object.py`; no outlines-core needed)."""
+        if self._json_object_index is None:
+            try:
+                self._json_object_index = json_object_index(self.tokenizer)
+            except ValueError as err:  # a tokenizer without EOS
+                raise ApiError(f"response_format json_object: {err}", param="response_format") from err
+        return json_object_constraint(self.tokenizer, self._json_object_index)
+
     def _constraint(self, schema: dict[str, Any]) -> Any:
         from .constraints import CHAT_JSON_WHITESPACE, json_schema_constraint
 
+        if schema == {"type": "object"}:  # any object: outlines-core would compile a regex too large to be of use
+            return self._json_object()
         key = json.dumps(schema, sort_keys=True)
         if key not in self._constraints:
             try:
@@ -326,11 +345,16 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             self._send_json(err.status, err.body())
 
     def do_POST(self) -> None:  # noqa: N802
-        chat = {"/v1/chat/completions": True, "/v1/completions": False}.get(self.path.rstrip("/"))
+        path = self.path.rstrip("/")
+        chat = {"/v1/chat/completions": True, "/v1/completions": False, "/v1/responses": True}.get(path)
         try:
             self.service.check_key(self.headers.get("Authorization"))
             if chat is None:
-                raise ApiError(f"no route POST {self.path}; expected /v1/chat/completions or /v1/completions", 404)
+                raise ApiError(f"no route POST {self.path}; expected /v1/chat/completions, /v1/completions or "
+                               "/v1/responses", 404)
+            if path == "/v1/responses":
+                self._respond(self._read_json())
+                return
             request = self.service.parse(self._read_json(), chat)
             if request.stream:
                 self._stream(request, chat)
@@ -342,6 +366,45 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         except Exception as err:  # a fault of the server's, not the request's: say so, keep serving
             self.log_error("%s: %s", type(err).__name__, err)
             self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, server_error(err).body())
+
+    def _respond(self, body: Any) -> None:
+        """POST /v1/responses: the chat request it asks for, answered as a response object or its events."""
+        request = self.service.parse(chat_body(body), True)
+        if request.stream:
+            self._stream_response(request, body)
+            return
+        (choice,), usage, stats = self.service.complete(request, True)
+        self._send_json(HTTPStatus.OK, response_object(new_item_id("resp"), int(time.time()), body,
+                                                       self.service.model_name, choice, usage, stats))
+
+    def _stream_response(self, request: ParsedRequest, body: dict[str, Any]) -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+
+        def write(event_type: str, payload: dict[str, Any]) -> None:
+            try:
+                self.wfile.write(event_bytes(event_type, payload))
+                self.wfile.flush()
+            except OSError as err:  # the client left: stop generating for it
+                raise ClientGone() from err
+
+        events = ResponseEvents(write, body, self.service.model_name)
+        try:
+            events.created()
+            choices, usage, stats = self.service.complete(
+                request, True, on_text=lambda index, piece, logprobs, reasoning=None: events.piece(piece, reasoning))
+            events.finish(choices[0], usage, stats)
+        except ClientGone:
+            return
+        except Exception as err:  # headers already sent: the error travels as an event
+            if not isinstance(err, ApiError):
+                self.log_error("%s: %s", type(err).__name__, err)
+            error = (err if isinstance(err, ApiError) else server_error(err)).body()["error"]
+            self.wfile.write(event_bytes("error", {"type": "error", "sequence_number": events.sequence,
+                                                   "code": error["code"], "message": error["message"],
+                                                   "param": error["param"]}))
 
     def _read_json(self) -> Any:
         length = int(self.headers.get("Content-Length") or 0)

@@ -105,7 +105,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="with --prompts: the first N prompts only")
     constraint = p.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
-                            help="write JSON valid under this schema (a file or inline JSON; needs specheads[constraints])")
+                            help="write JSON valid under this schema (a file or inline JSON; needs specheads[constraints]; "
+                                 "'{\"type\": \"object\"}': any JSON object, without it)")
     constraint.add_argument("--regex", default=None, help="write text matching this regex (needs specheads[constraints])")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
@@ -125,10 +126,15 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image", action="append", default=None, metavar="FILE",
                    help="a vision-language target: the first message shows this image (repeat for several); "
                         "`/image FILE` in the chat attaches one to the next message")
+    p.add_argument("--reasoning", default="auto", choices=["auto", "show", "hide", "raw"],
+                   help="a reasoning model's <think> block: show (printed apart, dimmed on a terminal), hide (left out; "
+                        "its length on stderr), raw (printed as written, tags and all), auto (show when the chat "
+                        "template knows </think>, else raw; default)")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, streaming)")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/responses, "
+                                          "streaming)")
     _add_decoding_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
@@ -335,17 +341,25 @@ def run_chat(args: argparse.Namespace) -> int:
                           processor=processor, chat_template_kwargs=args.chat_template_kwargs, **_generate_options(args))
     print(f"[specheads] chat with {args.target} ({', '.join(f'{k}={v}' for k, v in kernels.items())}); "
           f"/reset starts over, {'/image FILE attaches an image, ' if processor else ''}/exit quits", file=sys.stderr)
+    reasoning = args.reasoning
+    if reasoning == "auto":
+        from specheads.inference.reasoning import detect_reasoning_parser
+
+        shown = template or getattr(processor or lm.tokenizer, "chat_template", None)
+        reasoning = "show" if detect_reasoning_parser(shown if isinstance(shown, str) else None) else "raw"
     try:
-        _chat_loop(session, list(args.image or []))
+        _chat_loop(session, list(args.image or []), reasoning)
     finally:
         _save_learned(lm, args)
     return 0
 
 
-def _chat_loop(session, images: list[str]) -> None:
+def _chat_loop(session, images: list[str], reasoning: str = "raw") -> None:
     """Answer stdin's lines until /exit or the end of input; `images` (and each `/image FILE`) go with the next
-    message."""
+    message; `reasoning`: how a think block prints ("show", "hide", "raw": `ReasoningStreamer`)."""
     from transformers import TextStreamer
+
+    from specheads.inference.chat import ReasoningStreamer
 
     interactive = sys.stdin.isatty()
     while True:
@@ -371,13 +385,17 @@ def _chat_loop(session, images: list[str]) -> None:
                 images.append(path)
                 print(f"[specheads] {path} goes with the next message", file=sys.stderr)
             continue
-        streamer = TextStreamer(session.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer = (TextStreamer(session.tokenizer, skip_prompt=True, skip_special_tokens=True) if reasoning == "raw"
+                    else ReasoningStreamer(session.tokenizer, show_reasoning=reasoning == "show"))
         try:
             session.ask(text, streamer=streamer, images=images)
             images = []
         except KeyboardInterrupt:
             print("\n[specheads] interrupted: the turn is dropped", file=sys.stderr)
             continue
+        if reasoning == "hide" and streamer.reasoning_chars:
+            print(f"[specheads] reasoning hidden ({streamer.reasoning_chars} characters; --reasoning show prints it)",
+                  file=sys.stderr)
         print(_stats_line(session.last_stats), file=sys.stderr, flush=True)
 
 

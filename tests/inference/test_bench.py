@@ -126,6 +126,24 @@ def test_bench_under_a_json_schema_constrains_every_run(tmp_path, eagle_heads_di
         run_bench(tmp_path, eagle_heads_dir, "x\n", "--json-schema", "{oops")
 
 
+def test_bench_under_any_json_object_needs_no_outlines(tmp_path, eagle_heads_dir):
+    """--json-schema '{"type": "object"}': every run under the JSON-object constraint (inference/json_object.py),
+    greedy identical, the answers JSON."""
+    from specheads.inference.json_object import START, advance
+
+    results, _ = run_bench(tmp_path, eagle_heads_dir, "Once upon a time\nThe cat sat\n", "--json-schema",
+                           '{"type": "object"}', "--prompt-lookup", "3", "--max-new-tokens", "24")
+    assert results["greedy_identical"] is True and results["constraint"]["json_schema"] == '{"type": "object"}'
+    target, tokenizer = load_target("stories260K")
+    ids = tokenizer("The cat sat", return_tensors="pt").input_ids
+    from specheads.inference.json_object import json_object_constraint
+
+    constrained = target.generate(ids, max_new_tokens=24, do_sample=False,
+                                  logits_processor=[json_object_constraint(tokenizer)])
+    assert advance(START, tokenizer.decode(constrained[0, ids.shape[1]:], skip_special_tokens=True)) is not None
+    assert [r["tokens"] for r in results["per_prompt"]][1] == constrained.shape[1] - ids.shape[1]
+
+
 def test_bench_times_transformers_assisted_generation_as_a_peer(tmp_path, eagle_heads_dir):
     """--assistant: transformers `generate(assistant_model=...)` timed on each greedy prompt beside the baseline, its
     speedup in the JSON and the table (the target as its own draft model: a valid, if pointless, pair)."""

@@ -303,6 +303,8 @@ def test_forced_tool_choice_constrains_the_answer_to_the_calls_json(tool_server,
         ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "'yes'"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
             "type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, "response_format", "send one"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+         "send one"),
         ({"functions": [{"name": "weather"}]}, "functions", "use tools"),
     ],
 )
@@ -543,3 +545,45 @@ def test_qwen3_coder_and_pythonic_calls_come_from_the_targets_answer(stories260k
             assert [json.loads(c.arguments) for c in streamed.tool_calls] == [expected]
         finally:
             service.close()
+
+
+def test_chat_prints_the_reasoning_apart_hides_it_or_prints_it_raw(tool_server, monkeypatch, capsys):
+    """`specheads chat --reasoning show|hide|raw` over the fine-tune that thinks before it answers: the think block
+    printed without its tags then a blank line and the answer, left out (its length on stderr), or as written."""
+    import io
+    import sys
+
+    from specheads.cli import _chat_loop
+    from specheads.inference.chat import ChatSession
+
+    _, target, tokenizer = tool_server
+    lm = SpeculativeLM(target, make_heads(target, "eagle"), tokenizer=tokenizer)
+    assert greedy_answer(target, tokenizer, template_ids(tokenizer, THINKING_QUESTION)) == THINKING_ANSWER
+    expected = {"show": "The sky is blue on a sunny day.\n\nYes, it is blue.\n", "hide": "Yes, it is blue.\n",
+                "raw": THINKING_ANSWER + "\n"}
+    for mode, printed in expected.items():
+        session = ChatSession(lm, chat_template=TOOL_TEMPLATE, max_new_tokens=60)
+        monkeypatch.setattr(sys, "stdin", io.StringIO(THINKING_QUESTION[0]["content"] + "\n"))
+        _chat_loop(session, [], mode)
+        out, err = capsys.readouterr()
+        assert out == printed, mode
+        assert ("reasoning hidden (31 characters" in err) == (mode == "hide"), err
+        assert session.messages[-1]["content"] == THINKING_ANSWER  # the history keeps the answer as written
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_by_one_that_does_not(stories260k):
+    """OpenAI's `reasoning_effort` is a chat-template keyword (gpt-oss's templates read it); a template that ignores
+    it would change nothing, so the request is refused naming the field, as OpenAI refuses it for models without
+    reasoning."""
+    _, tokenizer = stories260k
+    effort_template = "{% if reasoning_effort %}Reasoning: {{ reasoning_effort }}\n{% endif %}" + PLAIN_TEMPLATE
+    request = parse_request({"messages": QUESTION, "reasoning_effort": "low"}, True, tokenizer, {}, effort_template)
+    assert tokenizer.decode(request.input_ids[0], skip_special_tokens=True).startswith("Reasoning: low\nuser:")
+    kwargs = parse_request({"messages": QUESTION, "reasoning_effort": "low",
+                            "chat_template_kwargs": {"reasoning_effort": "high"}}, True, tokenizer, {}, effort_template)
+    assert "Reasoning: high" in tokenizer.decode(kwargs.input_ids[0])  # the explicit keyword wins
+    for body, needle in (({"reasoning_effort": "low"}, "does not read it"),
+                         ({"reasoning_effort": "max"}, "expected one of none, minimal, low, medium, high")):
+        with pytest.raises(ApiError, match=needle) as err:
+            parse_request({"messages": QUESTION, **body}, True, tokenizer, {}, PLAIN_TEMPLATE)
+        assert err.value.param == "reasoning_effort"
