@@ -5,7 +5,8 @@ and `generate` keyword arguments; every refusal is an `ApiError` naming the fiel
 The fields that would change the answer in a way this engine cannot (best_of > n, echo, suffix, the deprecated
 `functions`) are refused rather than ignored; fields that do not change it (user, metadata) are ignored. Presence and
 frequency penalties and logit biases are logits processors (inference/openai_penalties.py), exact on token trees.
-Extensions, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids. Log-probabilities are the
+Extensions, as vLLM takes them: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, and the
+constraints guided_json / guided_regex / guided_choice / structured_outputs. Log-probabilities are the
 target's own, from its raw logits (vLLM's default), for the answer's tokens (not a stop string's, nor a final EOS).
 A vision-language target's chat messages may hold `image_url` parts (base64 data URLs): its processor makes the prompt.
 Chat requests may carry `tools` (inference/tool_calls.py): the chat template shows them, the answer's calls come back
@@ -63,6 +64,8 @@ class ParsedRequest:
     seed: int | None = None
     json_schema: dict[str, Any] | None = None  # the answer must be JSON valid under this schema
     json_object: bool = False  # the answer must be one JSON object (response_format json_object)
+    regex: str | None = None  # the answer must match this regex (vLLM's guided_regex / guided_choice)
+    constraint_field: str = "response_format"  # the request field that asked for the constraint (named in errors)
     logprobs: int | None = None  # None: none returned; k: each token's log-probability and its k likeliest rivals
     n: int = 1  # choices to return (sampled independently; greedy ones are all the same answer)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the prompt's images (a vision-language target)
@@ -354,16 +357,17 @@ def parse_request(
     if not isinstance(stream_options, dict):
         raise ApiError(f"stream_options={stream_options!r}: expected an object", param="stream_options")
     logprobs = _logprobs(body, chat)
-    json_schema, json_object = _response_format(body.get("response_format"))
+    field_name, (json_schema, regex, json_object) = _structured_output(body)
     if tools is not None and tools.forced:  # the answer is the calls' JSON
-        if json_schema is not None or json_object:
-            raise ApiError(f"response_format and tool_choice={body.get('tool_choice')!r} both constrain the answer: "
-                           "send one of them", param="response_format")
-        json_schema = tools.schema()
+        if field_name is not None:
+            raise ApiError(f"{field_name} and tool_choice={body.get('tool_choice')!r} both constrain the answer: "
+                           "send one of them", param=field_name)
+        field_name, json_schema = "tool_choice", tools.schema()
     return ParsedRequest(
         input_ids=input_ids, options=options, stop=options["stop_strings"] or [], stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)), seed=_number(body, "seed", int),
-        json_schema=json_schema, json_object=json_object, logprobs=logprobs, n=n, inputs=inputs, tools=tools,
+        json_schema=json_schema, json_object=json_object, regex=regex, constraint_field=field_name or "response_format",
+        logprobs=logprobs, n=n, inputs=inputs, tools=tools,
         presence_penalty=_number(body, "presence_penalty", float, -2, 2) or 0.0,
         frequency_penalty=_number(body, "frequency_penalty", float, -2, 2) or 0.0,
         logit_bias=_logit_bias(body.get("logit_bias"), len(tokenizer)),
@@ -475,6 +479,60 @@ def _response_format(response_format: Any) -> tuple[dict[str, Any] | None, bool]
         raise ApiError(f"response_format={response_format!r}: expected {{'type': 'text'}}, {{'type': 'json_object'}} "
                        "or {'type': 'json_schema', 'json_schema': {'schema': {...}}}", param="response_format")
     return schema, False
+
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+REGEX_SPECIAL = set("\\.^$|?*+()[]{}")
+
+
+def _structured_output(body: dict[str, Any]) -> tuple[str | None, tuple[dict[str, Any] | None, str | None, bool]]:
+    """(the field asking, (JSON schema, regex, any JSON object)) the answer is constrained to: OpenAI's
+    `response_format`, or vLLM's `guided_json` / `guided_regex` / `guided_choice` (older) and `structured_outputs`
+    ({"json" | "regex" | "choice" | "json_object": ...}, newer); at most one of them. (None, (None, None, False)):
+    free text. Grammars are refused by name (no grammar engine here)."""
+    asked: list[tuple[str, Any]] = []
+    schema, json_object = _response_format(body.get("response_format"))
+    if schema is not None or json_object:
+        asked.append(("response_format", None))
+    for name in GUIDED_FIELDS[:-1]:
+        if body.get(name) is not None:
+            asked.append((name, body[name]))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise ApiError(f"structured_outputs={outputs!r}: expected an object such as {{'json': {{...}}}}, "
+                           "{'regex': ...}, {'choice': [...]} or {'json_object': true}", param="structured_outputs")
+        asked += [(f"structured_outputs.{key}", value) for key, value in outputs.items() if value not in (None, False)]
+    if len(asked) > 1:
+        raise ApiError(f"{asked[0][0]} and {asked[1][0]} both constrain the answer: send one of them",
+                       param=asked[1][0])
+    if not asked:
+        return None, (None, None, False)
+    name, value = asked[0]
+    kind = name.removeprefix("structured_outputs.").removeprefix("guided_")
+    if kind == "response_format":
+        return name, (schema, None, json_object)
+    if kind == "json":
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError as err:
+            raise ApiError(f"{name}: not valid JSON ({err})", param=name) from err
+        if not isinstance(value, dict):
+            raise ApiError(f"{name}={value!r}: expected a JSON schema object", param=name)
+        return name, (value, None, False)
+    if kind == "json_object":
+        return name, (None, None, True)
+    if kind == "regex" and isinstance(value, str) and value:
+        return name, (None, value, False)
+    if kind == "choice" and isinstance(value, list) and value and all(isinstance(c, str) and c for c in value):
+        escaped = ("".join("\\" + char if char in REGEX_SPECIAL else char for char in choice) for choice in value)
+        return name, (None, "(" + "|".join(escaped) + ")", False)
+    if kind == "grammar":
+        raise ApiError(f"{name}: grammars are not supported (no grammar engine here): use a JSON schema or a regex",
+                       param=name)
+    expected = {"regex": "a non-empty regex string", "choice": "a non-empty list of non-empty strings"}.get(
+        kind, "one of json, regex, choice, json_object")
+    raise ApiError(f"{name}={value!r}: expected {expected}", param=name)
 
 
 def finish_reason(stopped_by_string: bool, new_tokens: list[int], max_new_tokens: int, eos: set[int],

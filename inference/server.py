@@ -228,10 +228,10 @@ class CompletionService:
             processors.append(OccurrencePenalties(prompt_length, request.presence_penalty, request.frequency_penalty))
         if request.logit_bias:
             processors.append(LogitBias(request.logit_bias))
-        if request.json_schema is not None:
-            processors.append(self._constraint(request.json_schema))
+        if request.json_schema is not None or request.regex is not None:
+            processors.append(self._constraint(request))
         elif request.json_object:
-            processors.append(self._json_object())
+            processors.append(self._json_object(request.constraint_field))
         return processors or None
 
     def _answer_parts(self, request: ParsedRequest, chat: bool) -> AnswerParts:
@@ -251,28 +251,34 @@ class CompletionService:
                            param="messages")
         return context - prompt_tokens
 
-    def _json_object(self) -> Any:
+    def _json_object(self, field_name: str) -> Any:
         """A fresh constraint to any JSON object (`json_object.py`; no outlines-core needed)."""
         if self._json_object_index is None:
             try:
                 self._json_object_index = json_object_index(self.tokenizer)
             except ValueError as err:  # a tokenizer without EOS
-                raise ApiError(f"response_format json_object: {err}", param="response_format") from err
+                raise ApiError(f"{field_name}: {err}", param=field_name) from err
         return json_object_constraint(self.tokenizer, self._json_object_index)
 
-    def _constraint(self, schema: dict[str, Any]) -> Any:
-        from .constraints import CHAT_JSON_WHITESPACE, json_schema_constraint
+    def _constraint(self, request: ParsedRequest) -> Any:
+        """A fresh constraint for the request's JSON schema or regex, compiled once per schema / regex and kept; errors
+        name the field that asked for it (`response_format`, `guided_regex`, ...)."""
+        from .constraints import CHAT_JSON_WHITESPACE, json_schema_constraint, regex_constraint
 
+        field_name, schema = request.constraint_field, request.json_schema
         if schema == {"type": "object"}:  # any object: outlines-core would compile a regex too large to be of use
-            return self._json_object()
-        key = json.dumps(schema, sort_keys=True)
+            return self._json_object(field_name)
+        key = json.dumps(schema, sort_keys=True) if request.regex is None else "regex:" + request.regex
         if key not in self._constraints:
             try:
-                self._constraints[key] = json_schema_constraint(self.tokenizer, schema, CHAT_JSON_WHITESPACE)
+                self._constraints[key] = (
+                    regex_constraint(self.tokenizer, request.regex) if request.regex is not None
+                    else json_schema_constraint(self.tokenizer, schema, CHAT_JSON_WHITESPACE))
             except ImportError as err:
-                raise ApiError(str(err), status=501, param="response_format") from err
-            except Exception as err:  # outlines-core's own errors for schemas it cannot compile
-                raise ApiError(f"response_format: cannot compile the JSON schema: {err}", param="response_format") from err
+                raise ApiError(str(err), status=501, param=field_name) from err
+            except Exception as err:  # outlines-core's own errors for what it cannot compile
+                what = "regex" if request.regex is not None else "JSON schema"
+                raise ApiError(f"{field_name}: cannot compile the {what}: {err}", param=field_name) from err
         return self._constraints[key].fresh()
 
 
