@@ -28,6 +28,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .generate_inputs import eos_ids
+from .openai_errors import ApiError
+from .structured_outputs import structured_output
 from .tool_calls import ToolCall, ToolRequest, ToolRequestError, template_message, tool_request
 
 REFUSED = {  # field -> (the values that leave the answer as it is, why any other is refused)
@@ -38,18 +40,6 @@ REFUSED = {  # field -> (the values that leave the answer as it is, why any othe
 }
 MAX_CHOICES = 16  # n at most: the choices of one request are rows of the running batch
 ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer": OpenAI's newer name for system instructions
-
-
-class ApiError(Exception):
-    """A request the server refuses: HTTP `status`, OpenAI error `type`, and the field (`param`) at fault."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 error_type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.param, self.error_type = status, param, error_type
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.error_type, "param": self.param, "code": None}}
 
 
 @dataclass
@@ -357,7 +347,7 @@ def parse_request(
     if not isinstance(stream_options, dict):
         raise ApiError(f"stream_options={stream_options!r}: expected an object", param="stream_options")
     logprobs = _logprobs(body, chat)
-    field_name, (json_schema, regex, json_object) = _structured_output(body)
+    field_name, (json_schema, regex, json_object) = structured_output(body)
     if tools is not None and tools.forced:  # the answer is the calls' JSON
         if field_name is not None:
             raise ApiError(f"{field_name} and tool_choice={body.get('tool_choice')!r} both constrain the answer: "
@@ -465,74 +455,6 @@ def answer_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[int], text: s
         if len(tokenizer.decode(tokens[:count], skip_special_tokens=True)) >= len(text):
             return count
     return len(tokens)
-
-
-def _response_format(response_format: Any) -> tuple[dict[str, Any] | None, bool]:
-    """(the JSON schema a `response_format` asks for, whether it asks for any JSON object): (None, False) for text."""
-    if response_format is None or response_format == {"type": "text"}:
-        return None, False
-    if response_format == {"type": "json_object"}:
-        return None, True
-    schema = response_format.get("json_schema", {}).get("schema") if isinstance(response_format, dict) else None
-    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema" or not isinstance(
-            schema, dict):
-        raise ApiError(f"response_format={response_format!r}: expected {{'type': 'text'}}, {{'type': 'json_object'}} "
-                       "or {'type': 'json_schema', 'json_schema': {'schema': {...}}}", param="response_format")
-    return schema, False
-
-
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-REGEX_SPECIAL = set("\\.^$|?*+()[]{}")
-
-
-def _structured_output(body: dict[str, Any]) -> tuple[str | None, tuple[dict[str, Any] | None, str | None, bool]]:
-    """(the field asking, (JSON schema, regex, any JSON object)) the answer is constrained to: OpenAI's
-    `response_format`, or vLLM's `guided_json` / `guided_regex` / `guided_choice` (older) and `structured_outputs`
-    ({"json" | "regex" | "choice" | "json_object": ...}, newer); at most one of them. (None, (None, None, False)):
-    free text. Grammars are refused by name (no grammar engine here)."""
-    asked: list[tuple[str, Any]] = []
-    schema, json_object = _response_format(body.get("response_format"))
-    if schema is not None or json_object:
-        asked.append(("response_format", None))
-    for name in GUIDED_FIELDS[:-1]:
-        if body.get(name) is not None:
-            asked.append((name, body[name]))
-    outputs = body.get("structured_outputs")
-    if outputs is not None:
-        if not isinstance(outputs, dict):
-            raise ApiError(f"structured_outputs={outputs!r}: expected an object such as {{'json': {{...}}}}, "
-                           "{'regex': ...}, {'choice': [...]} or {'json_object': true}", param="structured_outputs")
-        asked += [(f"structured_outputs.{key}", value) for key, value in outputs.items() if value not in (None, False)]
-    if len(asked) > 1:
-        raise ApiError(f"{asked[0][0]} and {asked[1][0]} both constrain the answer: send one of them",
-                       param=asked[1][0])
-    if not asked:
-        return None, (None, None, False)
-    name, value = asked[0]
-    kind = name.removeprefix("structured_outputs.").removeprefix("guided_")
-    if kind == "response_format":
-        return name, (schema, None, json_object)
-    if kind == "json":
-        try:
-            value = json.loads(value) if isinstance(value, str) else value
-        except json.JSONDecodeError as err:
-            raise ApiError(f"{name}: not valid JSON ({err})", param=name) from err
-        if not isinstance(value, dict):
-            raise ApiError(f"{name}={value!r}: expected a JSON schema object", param=name)
-        return name, (value, None, False)
-    if kind == "json_object":
-        return name, (None, None, True)
-    if kind == "regex" and isinstance(value, str) and value:
-        return name, (None, value, False)
-    if kind == "choice" and isinstance(value, list) and value and all(isinstance(c, str) and c for c in value):
-        escaped = ("".join("\\" + char if char in REGEX_SPECIAL else char for char in choice) for choice in value)
-        return name, (None, "(" + "|".join(escaped) + ")", False)
-    if kind == "grammar":
-        raise ApiError(f"{name}: grammars are not supported (no grammar engine here): use a JSON schema or a regex",
-                       param=name)
-    expected = {"regex": "a non-empty regex string", "choice": "a non-empty list of non-empty strings"}.get(
-        kind, "one of json, regex, choice, json_object")
-    raise ApiError(f"{name}={value!r}: expected {expected}", param=name)
 
 
 def finish_reason(stopped_by_string: bool, new_tokens: list[int], max_new_tokens: int, eos: set[int],

@@ -23,7 +23,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .openai_api import ApiError, Choice
+from .openai_api import Choice
+from .openai_errors import ApiError
 from .tool_calls import ToolCall
 
 REFUSED = {  # fields whose answer this server cannot give: refused by name, never ignored
