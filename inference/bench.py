@@ -43,6 +43,7 @@ from specheads.inference.prompts import (
     tokenize_prompts,
 )
 from specheads.inference.round_budget import parse_max_round_nodes
+from specheads.inference.tree import tree_options
 
 SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-path -> graphed_rounds= / fast_path=
 
@@ -140,22 +141,6 @@ def _timed(fn) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-def parse_eagle_tree(spec: str) -> dict[str, Any]:
-    """'depth,top_k,nodes[,stop_prob[,min_prob]]' -> `SpeculativeLM.configure_tree` keyword arguments."""
-    parts = spec.split(",")
-    try:
-        if not 3 <= len(parts) <= 5:
-            raise ValueError
-        values: dict[str, Any] = {"tree_depth": int(parts[0]), "tree_top_k": int(parts[1]), "tree_num_nodes": int(parts[2])}
-        for name, text in zip(("tree_stop_prob", "tree_min_prob"), parts[3:]):
-            values[name] = float(text)
-    except ValueError:
-        raise ValueError(
-            f"--tree {spec!r}: expected depth,top_k,nodes[,stop_prob[,min_prob]] (e.g. 5,8,24 or 6,6,16,0.05,0.03)"
-        ) from None
-    return values
-
-
 CALIBRATION_PROMPTS = 8  # --tree auto: the first prompt of up to 8 categories (MT-bench has 8), then the rest
 CALIBRATION_MAX_TOKENS = 128  # ... each answered up to the benchmark's length, at most this many tokens
 
@@ -171,10 +156,7 @@ def _configure_tree(
         report = autotune_tree(lm, calibration, max_new_tokens=max(1, min(max_new_tokens, CALIBRATION_MAX_TOKENS)))
         print(f"[specheads bench] --tree auto chose {report['chosen']}")
         return report
-    if "," in tree:
-        lm.configure_tree(**parse_eagle_tree(tree))
-    else:
-        lm.configure_tree(tree=tree)
+    lm.configure_tree(**tree_options(tree))
     return None
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -202,3 +203,25 @@ def load_static_tree(name_or_path: str) -> StaticTree:
     if not isinstance(data, dict) or "paths" not in data:
         raise ValueError(f"static tree {name_or_path!r}: expected a mapping with a 'paths' list")
     return static_tree_from_paths(data["paths"], name=name)
+
+
+def parse_eagle_tree(spec: str) -> dict[str, Any]:
+    """'depth,top_k,nodes[,stop_prob[,min_prob]]' -> `SpeculativeLM.configure_tree` keyword arguments."""
+    parts = spec.split(",")
+    try:
+        if not 3 <= len(parts) <= 5:
+            raise ValueError
+        values: dict[str, Any] = {"tree_depth": int(parts[0]), "tree_top_k": int(parts[1]), "tree_num_nodes": int(parts[2])}
+        for name, text in zip(("tree_stop_prob", "tree_min_prob"), parts[3:]):
+            values[name] = float(text)
+    except ValueError:
+        raise ValueError(
+            f"--tree {spec!r}: expected depth,top_k,nodes[,stop_prob[,min_prob]] (e.g. 5,8,24 or 6,6,16,0.05,0.03)"
+        ) from None
+    return values
+
+
+def tree_options(spec: str) -> dict[str, Any]:
+    """`SpeculativeLM.configure_tree` keywords of a command line's `--tree`: depth,top_k,nodes[,stop_prob[,min_prob]]
+    (EAGLE heads' dynamic tree) or a static tree's name or path (Medusa heads)."""
+    return parse_eagle_tree(spec) if "," in spec else {"tree": spec}

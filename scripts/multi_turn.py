@@ -21,11 +21,11 @@ import torch
 from transformers import DynamicCache
 
 from specheads.heads.cache_keyword import cache_kwargs
-from specheads.inference.bench import parse_eagle_tree
 from specheads.inference.chat import ChatSession
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.kv_cache import crop_cache
 from specheads.inference.prompt_cache import shared_prefix_length
+from specheads.inference.tree import parse_eagle_tree
 
 
 def read_questions(path: str, per_category: int | None) -> list[dict]:

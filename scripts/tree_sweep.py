@@ -29,7 +29,7 @@ import json
 import torch
 
 from specheads.heads.loading import load_heads
-from specheads.inference.bench import aggregate, parse_eagle_tree, run_prompt
+from specheads.inference.bench import aggregate, run_prompt
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES, wants_certified_argmax
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.gqa_attention import (
@@ -42,6 +42,7 @@ from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES
 from specheads.inference.lookup import check_lookup_settings
 from specheads.inference.onednn import CPU_LINEAR_CHOICES
 from specheads.inference.prompts import read_prompts, tokenize_prompts
+from specheads.inference.tree import parse_eagle_tree
 
 
 def comma_list(value: str, option: str, choices: tuple[str, ...]) -> list[str]:

@@ -1,4 +1,4 @@
-"""The `specheads` command line: demo, train, data, generate, chat, serve, bench, eval, export, import."""
+"""The `specheads` command line: demo, train, data, generate, chat, serve, bench, bench-serve, eval, export, import."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-argmax", choices=CPU_ARGMAX_CHOICES, default="auto",
                    help="CPU, float32, greedy: 'bf16' takes the target's argmax from a bf16 lm_head product with "
                    "certified error bounds (same output, cheaper verification); 'auto' (default): bf16 where it applies")
+    p.add_argument("--tree", default=None, metavar="SPEC",
+                   help="the draft tree: depth,top_k,nodes[,stop_prob[,min_prob]] for EAGLE / EAGLE-3 heads (e.g. "
+                        "4,4,8,0.2,0.03, small trees for CPUs), a static tree's name or path for Medusa heads; default: "
+                        "the heads' own (`bench --tree auto --save-tree DIR` writes a tuned one into a copy)")
     p.add_argument("--lookup-tokens", type=int, default=0,
                    help="graft a prompt-lookup guess of up to N tokens onto each draft tree (0: off)")
     p.add_argument("--lookup-max-tokens", type=int, default=None,
@@ -239,6 +243,10 @@ def _load_lm(args: argparse.Namespace):
                                       lookup_max_tokens=args.lookup_max_tokens, lookup_corpus=corpus,
                                       corpus_tokens=args.corpus_tokens, max_round_nodes=args.max_round_nodes,
                                       prefill_chunk=args.prefill_chunk or None)
+    if args.tree:
+        from specheads.inference.tree import tree_options
+
+        lm.configure_tree(**tree_options(args.tree))
     kernels = lm.use_cpu_kernels(args.cpu_linear, args.draft_linear, args.cpu_attention, args.cpu_argmax)
     return lm, kernels
 
@@ -435,6 +443,8 @@ def _dispatch(argv: list[str] | None) -> int:
     _add_serve(sub)
 
     sub.add_parser("bench", help="benchmark speculative vs plain decoding (JSON out)", add_help=False)
+    sub.add_parser("bench-serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, throughput by concurrency "
+                                       "(JSON out)", add_help=False)
     sub.add_parser("eval", help="score heads on held-out text: per-depth accuracy, simulated tau (JSON out)",
                    add_help=False)
 
@@ -468,7 +478,7 @@ def _dispatch(argv: list[str] | None) -> int:
     push.add_argument("--private", action="store_true", help="create the repository private")
 
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command not in ("data", "bench", "eval"):
+    if rest and args.command not in ("data", "bench", "bench-serve", "eval"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         from specheads.training.demo import run_demo
@@ -495,6 +505,10 @@ def _dispatch(argv: list[str] | None) -> int:
         from specheads.inference.bench import bench_main
 
         return bench_main(rest)
+    if args.command == "bench-serve":
+        from specheads.inference.serve_bench import bench_serve_main
+
+        return bench_serve_main(rest)
     if args.command == "eval":
         from specheads.training.eval_cli import eval_main
 

@@ -84,6 +84,29 @@ def test_generate_options_keep_the_target_text(stories260k_eagle_dir, capfd, opt
     assert kernels in err  # the kernels in use are printed
 
 
+def test_tree_option_sets_the_draft_tree_of_generate_chat_and_serve(stories260k_eagle_dir, capfd):
+    """`--tree` (the decoding options generate, chat and serve share) replaces the heads' own tree; the text stays
+    the target's; a malformed spec is a clear error."""
+    import argparse
+
+    from specheads.cli import _add_decoding_options, _load_lm
+
+    parser = argparse.ArgumentParser()
+    _add_decoding_options(parser)
+    lm, _ = _load_lm(parser.parse_args(["--heads", str(stories260k_eagle_dir), "--tree", "2,3,4,0.1,0.02"]))
+    tree = lm.tree_description()
+    assert (tree["depth"], tree["top_k"], tree["nodes"], tree["stop_prob"], tree["min_prob"]) == (2, 3, 4, 0.1, 0.02)
+    lm, _ = _load_lm(parser.parse_args(["--heads", str(stories260k_eagle_dir)]))
+    assert lm.tree_description()["nodes"] != 4  # the heads' own
+    code = main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "Once upon a time",
+                 "--max-new-tokens", "20", "--tree", "1,1,1"])
+    out, err = capfd.readouterr()
+    assert code == 0 and out.removeprefix("<s>").lstrip().startswith("Once upon a time, there was a little girl named Lily")
+    assert float(err.split("tau=")[1].split(",")[0]) <= 2  # one drafted node a round at most
+    assert main(["generate", "--heads", str(stories260k_eagle_dir), "--prompt", "x", "--tree", "5,8"]) == 2
+    assert "expected depth,top_k,nodes" in capfd.readouterr().err
+
+
 def test_generate_with_a_corpus_keeps_the_target_text(stories260k_eagle_dir, capfd, tmp_path):
     """`--lookup-corpus` (a corpus of the target's answers, here its own story) and `--corpus-learn` keep the
     target's greedy text; the known story is guessed whole, so far more is accepted per round."""

@@ -343,7 +343,7 @@ def test_calibration_prompts_spread_over_categories_first():
 
 
 def test_eagle_tree_specs_parse_with_optional_probabilities():
-    from specheads.inference.bench import parse_eagle_tree
+    from specheads.inference.tree import parse_eagle_tree
 
     assert parse_eagle_tree("5,8,24") == {"tree_depth": 5, "tree_top_k": 8, "tree_num_nodes": 24}
     assert parse_eagle_tree("6,6,16,0.05") == {"tree_depth": 6, "tree_top_k": 6, "tree_num_nodes": 16, "tree_stop_prob": 0.05}
