@@ -20,6 +20,7 @@ a string, the tokens free of quotes, backslashes and control characters are allo
 
 from __future__ import annotations
 
+import array
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -27,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from .constraints import IndexConstraint, token_text
 
 MAX_WHITESPACE = 8  # spaces / newlines between two JSON tokens at most (as constraints.CHAT_JSON_WHITESPACE)
+MAX_KEPT_STATES = 4096  # states whose allowed tokens are kept at most (a string's: 0.4 MB on a 49k vocabulary)
 WHITESPACE = " \n"
 ESCAPES = '"\\/bfnrt'
 HEX = "0123456789abcdefABCDEF"
@@ -165,7 +167,7 @@ class JsonObjectIndex:
                 self.plain.append(token_id)
             else:
                 self.by_first_in_string.setdefault(text[0], []).append((token_id, text))
-        self.allowed: dict[State, list[int]] = {}
+        self.allowed: dict[State, array.array] = {}
 
     def get_initial_state(self) -> State:
         return START
@@ -174,10 +176,13 @@ class JsonObjectIndex:
         text = self.texts.get(int(token_id))
         return None if text is None else advance(state, text)
 
-    def get_allowed_tokens(self, state: State) -> list[int]:
-        """The tokens allowed in `state` (computed once per state)."""
+    def get_allowed_tokens(self, state: State) -> array.array:
+        """The ids of the tokens allowed in `state` (computed once per state and kept, as 8-byte ints: a string's
+        state allows nearly the whole vocabulary)."""
         if state not in self.allowed:
-            self.allowed[state] = self._allowed(state)
+            if len(self.allowed) >= MAX_KEPT_STATES:  # deep or odd nestings keep making new states: start afresh
+                self.allowed.clear()
+            self.allowed[state] = array.array("q", self._allowed(state))
         return self.allowed[state]
 
     def _allowed(self, state: State) -> list[int]:

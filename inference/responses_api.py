@@ -50,7 +50,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     for name, why in REFUSED.items():
         if body.get(name) not in (None, False, []):
             raise ApiError(f"{name}: {why}", param=name)
-    if body.get("truncation", "disabled") != "disabled":
+    if (body.get("truncation") or "disabled") != "disabled":
         raise ApiError(f"truncation={body['truncation']!r}: only 'disabled' (a prompt past the context is refused)",
                        param="truncation")
     chat = {key: body[key] for key in PASSED_ON if key in body}

@@ -28,7 +28,7 @@ def response_format_of(response_format: Any) -> tuple[dict[str, Any] | None, boo
     return schema, False
 
 
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older fields
 REGEX_SPECIAL = set("\\.^$|?*+()[]{}")
 
 
@@ -41,7 +41,7 @@ def structured_output(body: dict[str, Any]) -> tuple[str | None, tuple[dict[str,
     schema, json_object = response_format_of(body.get("response_format"))
     if schema is not None or json_object:
         asked.append(("response_format", None))
-    for name in GUIDED_FIELDS[:-1]:
+    for name in GUIDED_FIELDS:
         if body.get(name) is not None:
             asked.append((name, body[name]))
     outputs = body.get("structured_outputs")
