@@ -174,8 +174,9 @@ class ReasoningStreamer(TextStreamer):
 
     def put(self, value: torch.Tensor) -> None:
         if self.next_tokens_are_prompt:  # the prompt: does its generation prompt open the block?
-            prompt = self.tokenizer.decode(value.reshape(-1)[-8:].tolist())
-            self.parts = AnswerParts(reasoning_parser=ThinkParser(), opened=ThinkParser().opens_in_prompt(prompt))
+            parser = ThinkParser()
+            opened = parser.opens_in_prompt(self.tokenizer.decode(value.reshape(-1)[-8:].tolist()))
+            self.parts = AnswerParts(reasoning_parser=parser, opened=opened)
         super().put(value)
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:

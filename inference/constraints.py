@@ -155,9 +155,17 @@ def json_schema_constraint(
 
     `whitespace_pattern`: the regex allowed between JSON tokens (outlines-core's default: at most one space);
     e.g. `CHAT_JSON_WHITESPACE` lets chat models write the indented JSON they were tuned to write.
+
+    The schema `{"type": "object"}` (any object) is recognised directly, without outlines-core
+    (`json_object.json_object_constraint`, up to 8 spaces or newlines between tokens): its regex is too large to
+    compile in useful time.
     """
-    outlines_core = require_outlines_core()
     text = schema if isinstance(schema, str) else json.dumps(schema)
+    if json.loads(text) == {"type": "object"}:
+        from .json_object import json_object_constraint
+
+        return json_object_constraint(tokenizer)
+    outlines_core = require_outlines_core()
     regex = outlines_core.json_schema.build_regex_from_schema(text, whitespace_pattern)
     return regex_constraint(tokenizer, regex)
 
@@ -183,8 +191,4 @@ def constraint_from_options(
         schema = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"--json-schema {json_schema!r} is neither a file nor valid JSON: {err}") from err
-    if schema == {"type": "object"}:  # any object: recognised directly (its regex is too large to compile)
-        from .json_object import json_object_constraint
-
-        return json_object_constraint(tokenizer)
     return json_schema_constraint(tokenizer, schema, whitespace_pattern=CHAT_JSON_WHITESPACE)

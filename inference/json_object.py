@@ -37,6 +37,8 @@ LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 # a number's parts: after "-", after a leading "0", in the integer digits, after ".", in the fraction, after "e",
 # after the exponent's sign, in the exponent; those a number may end in
 NUMBER_ENDS = ("zero", "int", "frac", "exp")
+AFTER_DIGIT_PART = {"dot": "frac", "e": "exp", "sign": "exp"}  # a digit after ".", "e" or the exponent's sign
+CLOSERS = {"{": "}", "[": "]"}
 
 State = tuple[str, str, Any, int]
 START: State = ("", "start", None, 0)
@@ -73,7 +75,7 @@ def _number_step(part: str, char: str) -> str | None:
             return "zero" if char == "0" else "int"
         if part in ("int", "frac", "exp"):
             return part
-        return {"dot": "frac", "e": "exp", "sign": "exp"}.get(part)
+        return AFTER_DIGIT_PART.get(part)
     if char == "." and part in ("zero", "int"):
         return "dot"
     if char in "eE" and part in ("zero", "int", "frac"):
@@ -129,7 +131,7 @@ def step(state: State, char: str) -> State | None:
     if mode == "after":
         if char == ",":
             return (stack, "key", None, 0) if stack[-1] == "{" else (stack, "value", None, 0)
-        if char == {"{": "}", "[": "]"}[stack[-1]]:
+        if char == CLOSERS[stack[-1]]:
             return _after_value(stack[:-1])
         return None
     return None  # "done": only whitespace, then EOS

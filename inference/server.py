@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .answer_parts import AnswerParts
-from .json_object import json_object_constraint, json_object_index
+from .json_object import json_object_constraint
 from .openai_api import (
     ApiError,
     Choice,
@@ -102,9 +102,9 @@ class CompletionService:
         self.reasoning_parser = None if reasoning_parser is None else make_reasoning_parser(reasoning_parser)
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
-        self._constraints: dict[str, Any] = {}  # JSON schema text -> compiled constraint (compiling takes seconds)
-        self._json_object_index: Any = None  # response_format json_object's, made at its first use and kept (it
-        # learns the tokens each JSON state allows once)
+        # JSON schema text / regex / "json_object" -> its constraint (compiling takes seconds; the JSON-object one
+        # learns the tokens of each state as it meets them)
+        self._constraints: dict[str, Any] = {}
 
     def warm_up(self) -> None:
         """One short generation, so the first client does not pay for first-call allocations and kernel setup (its
@@ -228,10 +228,8 @@ class CompletionService:
             processors.append(OccurrencePenalties(prompt_length, request.presence_penalty, request.frequency_penalty))
         if request.logit_bias:
             processors.append(LogitBias(request.logit_bias))
-        if request.json_schema is not None or request.regex is not None:
+        if request.json_schema is not None or request.regex is not None or request.json_object:
             processors.append(self._constraint(request))
-        elif request.json_object:
-            processors.append(self._json_object(request.constraint_field))
         return processors or None
 
     def _answer_parts(self, request: ParsedRequest, chat: bool) -> AnswerParts:
@@ -251,33 +249,28 @@ class CompletionService:
                            param="messages")
         return context - prompt_tokens
 
-    def _json_object(self, field_name: str) -> Any:
-        """A fresh constraint to any JSON object (`json_object.py`; no outlines-core needed)."""
-        if self._json_object_index is None:
-            try:
-                self._json_object_index = json_object_index(self.tokenizer)
-            except ValueError as err:  # a tokenizer without EOS
-                raise ApiError(f"{field_name}: {err}", param=field_name) from err
-        return json_object_constraint(self.tokenizer, self._json_object_index)
-
     def _constraint(self, request: ParsedRequest) -> Any:
-        """A fresh constraint for the request's JSON schema or regex, compiled once per schema / regex and kept; errors
-        name the field that asked for it (`response_format`, `guided_regex`, ...)."""
+        """A fresh constraint for the request's JSON schema, regex or any JSON object, made once per schema / regex
+        and kept (a fresh copy shares what it compiled or learned); errors name the field that asked for it
+        (`response_format`, `guided_regex`, ...)."""
         from .constraints import CHAT_JSON_WHITESPACE, json_schema_constraint, regex_constraint
 
-        field_name, schema = request.constraint_field, request.json_schema
-        if schema == {"type": "object"}:  # any object: outlines-core would compile a regex too large to be of use
-            return self._json_object(field_name)
-        key = json.dumps(schema, sort_keys=True) if request.regex is None else "regex:" + request.regex
+        field_name, schema, regex = request.constraint_field, request.json_schema, request.regex
+        if regex is not None:
+            key, what = "regex:" + regex, "regex"
+        elif request.json_object:
+            key, what = "json_object", "JSON object"
+        else:
+            key, what = json.dumps(schema, sort_keys=True), "JSON schema"
         if key not in self._constraints:
             try:
                 self._constraints[key] = (
-                    regex_constraint(self.tokenizer, request.regex) if request.regex is not None
+                    regex_constraint(self.tokenizer, regex) if regex is not None
+                    else json_object_constraint(self.tokenizer) if request.json_object
                     else json_schema_constraint(self.tokenizer, schema, CHAT_JSON_WHITESPACE))
             except ImportError as err:
                 raise ApiError(str(err), status=501, param=field_name) from err
-            except Exception as err:  # outlines-core's own errors for what it cannot compile
-                what = "regex" if request.regex is not None else "JSON schema"
+            except Exception as err:  # outlines-core's own errors for what it cannot compile, a tokenizer without EOS
                 raise ApiError(f"{field_name}: cannot compile the {what}: {err}", param=field_name) from err
         return self._constraints[key].fresh()
 
