@@ -11,6 +11,8 @@ from transformers import PretrainedConfig
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+# the fields of the default draft tree (`HeadsConfig.cpu_tree` may replace any of them on CPUs)
+TREE_FIELDS = ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "tree_min_prob", "static_tree")
 
 # One line of help per field; also used by `specheads` docs and error messages.
 FIELD_HELP: dict[str, str] = {
@@ -42,6 +44,10 @@ FIELD_HELP: dict[str, str] = {
     "(the best node always is); fewer nodes when the heads are unsure, for targets whose verification cost grows with "
     "the node count (CPUs).",
     "static_tree": "Default static tree (a name under configs/trees/ or a path) for Medusa heads.",
+    "cpu_tree": "The default tree on a CPU target where it differs: any of tree_depth, tree_top_k, tree_num_nodes, "
+    "tree_stop_prob, tree_min_prob and static_tree, each replacing that field on CPUs ({} = the same tree everywhere). "
+    "A CPU pays for every verified node, so the tree that is fastest there is smaller than a GPU's "
+    "(`bench --tree auto --save-tree DIR` on a CPU writes its choice here).",
     "initializer_range": "Std of the normal init of fresh weights.",
     "target_embedding_sample": "16 values of the target's input embedding at fixed positions; refuses heads on a "
     "same-shaped but different target (empty = unknown, no check).",
@@ -97,6 +103,7 @@ class HeadsConfig(PretrainedConfig):
         tree_stop_prob: float = 0.0,
         tree_min_prob: float = 0.0,
         static_tree: str = "medusa_default",
+        cpu_tree: dict[str, Any] | None = None,
         initializer_range: float = 0.02,
         target_embedding_sample: list[float] | None = None,
         target_adapter: str = "",
@@ -135,6 +142,7 @@ class HeadsConfig(PretrainedConfig):
         self.tree_stop_prob = tree_stop_prob
         self.tree_min_prob = tree_min_prob
         self.static_tree = static_tree
+        self.cpu_tree = {} if cpu_tree is None else dict(cpu_tree) if isinstance(cpu_tree, dict) else cpu_tree
         self.initializer_range = initializer_range
         self.target_embedding_sample = (
             list(target_embedding_sample) if isinstance(target_embedding_sample, (list, tuple)) else target_embedding_sample or []
@@ -143,6 +151,12 @@ class HeadsConfig(PretrainedConfig):
         self.target_adapter_sample = target_adapter_sample or {}
         super().__init__(**kwargs)
         self.validate_values()
+
+    def tree_defaults(self, device_type: str) -> dict[str, Any]:
+        """The default tree's fields (`TREE_FIELDS` -> value) for a target on `device_type` ("cpu", "cuda", ...):
+        the `tree_*` / `static_tree` fields, with `cpu_tree`'s in their place on a CPU."""
+        fields = {name: getattr(self, name) for name in TREE_FIELDS}
+        return {**fields, **self.cpu_tree} if device_type == "cpu" else fields
 
     def validate_values(self) -> None:
         """Raise a ValueError naming the first invalid field."""
@@ -155,16 +169,17 @@ class HeadsConfig(PretrainedConfig):
                 f"HeadsConfig.format_version={self.format_version!r}: this specheads reads versions <= {FORMAT_VERSION}; "
                 "upgrade specheads to load this checkpoint"
             )
-        positive = ("hidden_size", "vocab_size", "draft_vocab_size", "num_heads", "num_layers",
-                    "tree_depth", "tree_top_k", "tree_num_nodes")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"HeadsConfig.{name}={value!r} is invalid; expected a positive integer ({FIELD_HELP[name]})")
-        for name in ("tree_stop_prob", "tree_min_prob"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
-                raise ValueError(f"HeadsConfig.{name}={value!r}; expected a probability in [0, 1) ({FIELD_HELP[name]})")
+        for name in ("hidden_size", "vocab_size", "draft_vocab_size", "num_heads", "num_layers"):
+            _check_positive(name, getattr(self, name))
+        for name in TREE_FIELDS:
+            _check_tree_field(name, getattr(self, name))
+        if not isinstance(self.cpu_tree, dict) or set(self.cpu_tree) - set(TREE_FIELDS):
+            unknown = sorted(set(self.cpu_tree) - set(TREE_FIELDS)) if isinstance(self.cpu_tree, dict) else None
+            raise ValueError(f"HeadsConfig.cpu_tree={self.cpu_tree!r} is invalid"
+                             f"{f' (unknown keys {unknown})' if unknown else ''}; expected a dict of some of "
+                             f"{', '.join(TREE_FIELDS)} ({FIELD_HELP['cpu_tree']})")
+        for name, value in self.cpu_tree.items():
+            _check_tree_field(name, value, f"HeadsConfig.cpu_tree[{name!r}]")
         if not all(isinstance(i, int) and i >= 0 for i in self.feature_layers):
             raise ValueError(f"HeadsConfig.feature_layers={self.feature_layers!r}; expected non-negative layer indices")
         sample = self.target_embedding_sample
@@ -206,3 +221,22 @@ class HeadsConfig(PretrainedConfig):
                 f"HeadsConfig.feature_layers={self.feature_layers!r}; EAGLE-3 heads fuse at least 2 target layers "
                 "(default: 3, [2, L//2, L-3])"
             )
+
+
+def _check_positive(name: str, value: Any, where: str | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{where or 'HeadsConfig.' + name}={value!r} is invalid; expected a positive integer "
+                         f"({FIELD_HELP[name]})")
+
+
+def _check_tree_field(name: str, value: Any, where: str | None = None) -> None:
+    """Raise a ValueError naming `where` (default: the field) when `value` is not valid for the tree field `name`."""
+    where = where or f"HeadsConfig.{name}"
+    if name == "static_tree":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{where}={value!r} is invalid; expected a tree name or path ({FIELD_HELP[name]})")
+    elif name in ("tree_stop_prob", "tree_min_prob"):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+            raise ValueError(f"{where}={value!r}; expected a probability in [0, 1) ({FIELD_HELP[name]})")
+    else:
+        _check_positive(name, value, where)

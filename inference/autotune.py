@@ -189,9 +189,11 @@ def autotune_tree(lm: SpeculativeLM, calibration: list[torch.Tensor], max_new_to
 
 
 def save_tuned_heads(lm: SpeculativeLM, heads: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Copy the heads checkpoint `heads` (folder or Hub id) to `out_dir` with the tree `lm` runs now as its default.
+    """Copy the heads checkpoint `heads` (folder or Hub id) to `out_dir` with the tree `lm` runs now as its default
+    on `lm`'s device.
 
-    EAGLE / EAGLE-3: the `tree_*` fields of config.json; Medusa: `static_tree`. Everything else in the folder (weights,
+    EAGLE / EAGLE-3: the `tree_*` fields of config.json; Medusa: `static_tree`; on a CPU target they go to
+    `cpu_tree` (the default on CPUs only; other devices keep theirs). Everything else in the folder (weights,
     card, a Medusa-2 adapter) is copied as it is; config.json is replaced atomically. Returns `out_dir`.
     """
     from specheads.heads.loading import CONFIG_NAME, _resolve_folder, load_heads
@@ -202,10 +204,14 @@ def save_tuned_heads(lm: SpeculativeLM, heads: str | os.PathLike, out_dir: str |
     config = json.loads((out / CONFIG_NAME).read_text())
     tree = lm.tree_description()
     if tree["kind"] == "static":
-        config["static_tree"] = tree["name"]
+        fields = {"static_tree": tree["name"]}
     else:
-        config.update(tree_depth=tree["depth"], tree_top_k=tree["top_k"], tree_num_nodes=tree["nodes"],
+        fields = dict(tree_depth=tree["depth"], tree_top_k=tree["top_k"], tree_num_nodes=tree["nodes"],
                       tree_stop_prob=tree["stop_prob"], tree_min_prob=tree["min_prob"])
+    if lm.target.device.type == "cpu":  # the CPU default only: a GPU's best tree is larger
+        config["cpu_tree"] = fields
+    else:
+        config.update(fields)
     write_atomically(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     load_heads(out)  # still a valid checkpoint
     return out

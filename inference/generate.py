@@ -66,6 +66,8 @@ class SpeculativeLM(CpuKernels):
         tokenizer: optional; used by the CLI and streamers.
         tree: Medusa only: a `StaticTree` or the name/path of one (default: the checkpoint's `static_tree`).
         tree_depth, tree_top_k, tree_num_nodes: EAGLE only: dynamic tree shape (default: the checkpoint's).
+            Every tree default is the checkpoint's for the target's device: on a CPU, the fields its `cpu_tree`
+            sets replace the others (a smaller tree where each verified node costs time).
         tree_stop_prob: EAGLE only: stop drafting deeper once the best path's probability under the head
             falls below this (0 = always draft `tree_depth` levels).
         tree_min_prob: EAGLE only: verify only the drafted nodes whose path probability under the head is at
@@ -147,15 +149,17 @@ class SpeculativeLM(CpuKernels):
         tree_stop_prob: float | None = None,
         tree_min_prob: float | None = None,
     ) -> None:
-        """Choose the draft tree: a static tree for Medusa, a dynamic tree shape for EAGLE (None = checkpoint default).
+        """Choose the draft tree: a static tree for Medusa, a dynamic tree shape for EAGLE (None = the checkpoint's
+        default for the target's device, `HeadsConfig.tree_defaults`).
 
         The prompt-lookup branch (`configure_lookup`) stays as it was."""
-        heads, config = self.heads, self.heads.config
+        heads = self.heads
+        defaults = heads.config.tree_defaults(self.target.device.type)  # `cpu_tree` in place on a CPU target
         lookup = getattr(self, "drafter", None)  # None on the first call (from __init__)
         if isinstance(heads, MedusaHeads):
-            static = tree if isinstance(tree, StaticTree) else load_static_tree(tree or config.static_tree)
-            if tree is None and static.max_depth > config.num_heads:
-                static = truncate_static_tree(static, config.num_heads)  # the default tree, cut to the heads we have
+            static = tree if isinstance(tree, StaticTree) else load_static_tree(tree or defaults["static_tree"])
+            if tree is None and static.max_depth > heads.config.num_heads:
+                static = truncate_static_tree(static, heads.config.num_heads)  # the default tree, cut to the heads we have
             self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
         elif isinstance(heads, (EagleHeads, Eagle3Heads)):
             if tree is not None:
@@ -165,15 +169,15 @@ class SpeculativeLM(CpuKernels):
                 )
             self.drafter = EagleDrafter(
                 heads,
-                depth=config.tree_depth if tree_depth is None else tree_depth,
-                top_k=config.tree_top_k if tree_top_k is None else tree_top_k,
-                num_nodes=config.tree_num_nodes if tree_num_nodes is None else tree_num_nodes,
-                stop_prob=config.tree_stop_prob if tree_stop_prob is None else tree_stop_prob,
-                min_prob=config.tree_min_prob if tree_min_prob is None else tree_min_prob,
+                depth=defaults["tree_depth"] if tree_depth is None else tree_depth,
+                top_k=defaults["tree_top_k"] if tree_top_k is None else tree_top_k,
+                num_nodes=defaults["tree_num_nodes"] if tree_num_nodes is None else tree_num_nodes,
+                stop_prob=defaults["tree_stop_prob"] if tree_stop_prob is None else tree_stop_prob,
+                min_prob=defaults["tree_min_prob"] if tree_min_prob is None else tree_min_prob,
                 dtype=self.target.dtype,
             )
         else:
-            raise TypeError(f"no drafter for head type {config.head_type!r}")
+            raise TypeError(f"no drafter for head type {heads.config.head_type!r}")
         if isinstance(lookup, LookupDrafter):  # prompt lookup stays on, around the new heads' drafter
             self.drafter = lookup.around(self.drafter)
 

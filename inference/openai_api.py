@@ -30,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from .generate_inputs import eos_ids
 from .openai_errors import ApiError
 from .structured_outputs import structured_output
+from .tool_call_stream import CallDelta
 from .tool_calls import ToolCall, ToolRequest, ToolRequestError, template_message, tool_request
 
 REFUSED = {  # field -> (the values that leave the answer as it is, why any other is refused)
@@ -76,6 +77,7 @@ class Choice:
     unsent: str = ""  # streamed: the content held back while it could have been a call, sent at the end
     reasoning: str | None = None  # the answer's think block (None: it has none)
     unsent_reasoning: str = ""  # streamed: the reasoning held back while it could have been the block's end
+    unsent_calls: list[CallDelta] = field(default_factory=list)  # streamed: the pieces that finish the calls
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None,
@@ -490,11 +492,11 @@ def response_body(chat: bool, model: str, choices: list[Choice], usage: dict[str
 
 def chunk_body(chat: bool, request_id: str, model: str, text: str | None = None, reason: str | None = None,
                first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None,
-               tool_calls: list[ToolCall] | None = None, reasoning: str | None = None) -> dict[str, Any]:
+               tool_calls: list[CallDelta] | None = None, reasoning: str | None = None) -> dict[str, Any]:
     """One streamed piece of choice `index` (the first of a chat carries the role; the last the finish_reason),
     with the log-probabilities of the tokens that piece's text is made of, when asked for, or a piece of the
-    answer's reasoning, or its tool calls (each whole, in one delta: clients join a call's argument pieces, here
-    there is one)."""
+    answer's reasoning, or pieces of its tool calls (inference/tool_call_stream.py: a call's first piece carries its
+    id and name, the others argument text that clients join)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": logprobs}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -503,7 +505,7 @@ def chunk_body(chat: bool, request_id: str, model: str, text: str | None = None,
         if text:
             delta["content"] = text
         if tool_calls:
-            delta["tool_calls"] = [call.body(i) for i, call in enumerate(tool_calls)]
+            delta["tool_calls"] = [call.body() for call in tool_calls]
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

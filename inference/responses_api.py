@@ -25,6 +25,7 @@ from typing import Any
 
 from .openai_api import Choice
 from .openai_errors import ApiError
+from .tool_call_stream import CallDelta
 from .tool_calls import ToolCall
 
 REFUSED = {  # fields whose answer this server cannot give: refused by name, never ignored
@@ -213,8 +214,10 @@ def response_object(response_id: str, created: int, body: dict[str, Any], model:
 class ResponseEvents:
     """The typed server-sent events of one streamed response, written through `write(event_type, payload)`.
 
-    `created` opens the stream, `piece` sends the answer's text and reasoning as they come (each part's item opened
-    at its first piece), `finish` closes the open items, sends each tool call whole and the finished response.
+    `created` opens the stream, `piece` sends the answer's text, reasoning and tool calls as they come (each part's
+    item opened at its first piece; a call's `function_call` item at its name, then its arguments' pieces as
+    `response.function_call_arguments.delta`), `finish` sends what was held back, closes the items and sends the
+    finished response.
     """
 
     def __init__(self, write: Callable[[str, dict[str, Any]], None], body: dict[str, Any], model: str) -> None:
@@ -225,6 +228,7 @@ class ResponseEvents:
         self.open: dict[str, Any] | None = None  # the item receiving pieces ("reasoning" or "message")
         self.texts: dict[str, str] = {}  # item id -> the text sent in it
         self.item_ids: dict[str, str] = {}  # "reasoning" / "message" -> its item's id
+        self.calls: list[tuple[dict[str, Any], int]] = []  # per streamed call: its function_call item, output index
 
     def send(self, event_type: str, **payload: Any) -> None:
         self._write(event_type, {"type": event_type, "sequence_number": self.sequence, **payload})
@@ -235,12 +239,24 @@ class ResponseEvents:
         self.send("response.created", response=response)
         self.send("response.in_progress", response=response)
 
-    def piece(self, text: str | None, reasoning: str | None = None) -> None:
-        """The answer's next reasoning and content text (either may be empty)."""
+    def piece(self, text: str | None, reasoning: str | None = None, calls: list[CallDelta] | None = None) -> None:
+        """The answer's next reasoning and content text (either may be empty) and pieces of its calls."""
         if reasoning:
             self._delta("reasoning", reasoning)
         if text:
             self._delta("message", text)
+        for delta in calls or []:
+            if delta.id is not None:  # a new call: its item opens (the content before it is done)
+                self._close()
+                item = {**call_item(ToolCall(delta.name, "", delta.id)), "status": "in_progress"}
+                self.calls.append((item, len(self.items)))
+                self.items.append(item)
+                self.send("response.output_item.added", output_index=len(self.items) - 1, item=item)
+            item, index = self.calls[delta.index]
+            if delta.arguments:
+                item["arguments"] += delta.arguments
+                self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                          delta=delta.arguments)
 
     def _delta(self, kind: str, text: str) -> None:
         if self.open is None or self.open["type"] != kind:
@@ -286,20 +302,15 @@ class ResponseEvents:
 
     def finish(self, choice: Choice, usage: dict[str, Any], stats: dict[str, Any]) -> None:
         """Send what was held back, close the items, send each call, then the finished response."""
-        self.piece(choice.unsent, choice.unsent_reasoning)
+        self.piece(choice.unsent, choice.unsent_reasoning, choice.unsent_calls)
         if not choice.tool_calls and "message" not in self.item_ids:
             self._delta("message", "")  # an empty answer still has its message item
         self._close()
-        for call in choice.tool_calls:
-            item, index = call_item(call), len(self.items)
-            self.items.append(item)
-            self.send("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                              "status": "in_progress"})
-            self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                      delta=call.arguments)
+        for (item, index), call in zip(self.calls, choice.tool_calls):
+            done = call_item(call)
             self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                       arguments=call.arguments)
-            self.send("response.output_item.done", output_index=index, item=item)
+            self.send("response.output_item.done", output_index=index, item=done)
         response = response_object(self.response_id, self.created_at, self.body, self.model, choice, usage, stats,
                                    self.item_ids)
         self.send("response.incomplete" if response["status"] == "incomplete" else "response.completed",

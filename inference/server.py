@@ -147,9 +147,10 @@ class CompletionService:
         sent with a piece (None if none), so that the pieces' and the last chunk's together are the non-streamed
         answer's.
         A chat answer is read into its parts (`answer_parts.AnswerParts`): its think block (`Choice.reasoning`, streamed
-        as `on_text(..., reasoning=piece)`) and tool calls (`Choice.tool_calls`) split off the content (`text`);
-        streamed, text that may still become either is held back, and what was not sent is `Choice.unsent` /
-        `Choice.unsent_reasoning`."""
+        as `on_text(..., reasoning=piece)`) and tool calls (`Choice.tool_calls`, streamed as they are written as
+        `on_text(..., tool_calls=[CallDelta, ...])`) split off the content (`text`); streamed, text that may still
+        become either is held back, and what was not sent is `Choice.unsent` / `Choice.unsent_reasoning` /
+        `Choice.unsent_calls`."""
         sampled = bool(request.options.get("do_sample"))
         runs = request.n if sampled else 1
         pieces: queue.SimpleQueue[tuple[int, str, str, int]] = queue.SimpleQueue()  # run, content, reasoning, covered
@@ -164,8 +165,9 @@ class CompletionService:
             # a piece goes with the count of tokens its text covers (read on the loop thread, as it is sent); read
             # into parts, only what is surely reasoning or content (the rest may still be a block's end or a call)
             reasoning, piece = readers[run].feed(piece)
-            if piece or reasoning or request.logprobs is not None:
-                pieces.put((run, piece, reasoning, deltas[run].covered))
+            calls = readers[run].take_calls()  # tool calls as they are written: names, then argument pieces
+            if piece or reasoning or calls or request.logprobs is not None:
+                pieces.put((run, piece, reasoning, calls, deltas[run].covered))
 
         for run in range(runs):
             deltas.append(TextDeltas(self.tokenizer, request.stop,
@@ -186,12 +188,12 @@ class CompletionService:
         try:
             while on_text is not None and (not all(t.done for t in tickets) or not pieces.empty()):
                 try:  # the loop thread puts; this thread sends
-                    run, piece, reasoning, covered = pieces.get(timeout=0.05)
+                    run, piece, reasoning, calls, covered = pieces.get(timeout=0.05)
                 except queue.Empty:
                     continue
                 logprobs = None if request.logprobs is None else streams[run].take(covered)
                 for index in range(run, request.n, runs):  # a greedy answer goes to every choice
-                    on_text(index, piece, logprobs, reasoning=reasoning or None)
+                    on_text(index, piece, logprobs, reasoning=reasoning or None, tool_calls=calls or None)
             for ticket in tickets:
                 ticket.wait()
         except BaseException:
@@ -207,8 +209,9 @@ class CompletionService:
                 logprobs = stream.take(answer_tokens(self.tokenizer, new, delta.text), final=not streamed)
             parts = readers[run].finish(delta.text)
             reason = finish_reason(delta.stopped, new, job.max_new_tokens, job.eos, called_tools=bool(parts.calls))
-            unsent = (parts.unsent_content, parts.unsent_reasoning) if streamed else ("", "")
-            choices.append(Choice(parts.content, reason, logprobs, parts.calls, unsent[0], parts.reasoning, unsent[1]))
+            unsent = (parts.unsent_content, parts.unsent_reasoning, parts.unsent_calls) if streamed else ("", "", [])
+            choices.append(Choice(parts.content, reason, logprobs, parts.calls, unsent[0], parts.reasoning, unsent[1],
+                                  unsent[2]))
         choices = [choices[index % runs] for index in range(request.n)]
         generated = sum(len(job.new_tokens) for job in jobs)
         completion = sum(len(jobs[index % runs].new_tokens) for index in range(request.n))
@@ -393,7 +396,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         try:
             events.created()
             choices, usage, stats = self.service.complete(
-                request, True, on_text=lambda index, piece, logprobs, reasoning=None: events.piece(piece, reasoning))
+                request, True, on_text=lambda index, piece, logprobs, reasoning=None, tool_calls=None: events.piece(
+                    piece, reasoning, tool_calls))
             events.finish(choices[0], usage, stats)
         except ClientGone:
             return
@@ -437,8 +441,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             for index, choice in enumerate(choices):  # with the log-probabilities no piece carried
                 if choice.unsent_reasoning:  # held back while it could have been the block's end
                     send(index, None, reasoning=choice.unsent_reasoning)
-                if choice.unsent or choice.tool_calls:  # content held back while it could have been a call
-                    send(index, choice.unsent, tool_calls=choice.tool_calls)
+                if choice.unsent or choice.unsent_calls:  # content held back while it could have been a call; the
+                    send(index, choice.unsent, tool_calls=choice.unsent_calls)  # calls' last pieces
                 send(index, None, choice.logprobs, reason=choice.finish_reason)
             if request.include_usage:
                 self.wfile.write(sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -12,7 +12,9 @@ What the answer does with them follows `tool_choice`:
 - "none": the tools are shown to the model, and its answer is text.
 
 Either way the answer is the target's own text (greedy: `target.generate`'s, under the same constraint for the forced
-choices); the calls are read from it, never repaired: an answer whose calls do not parse is returned as text.
+choices); the calls are read from it, never repaired: an answer whose calls do not parse is returned as text. JSON
+arguments are returned as the model wrote them. Streamed, calls are sent as they are written
+(inference/tool_call_stream.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .partial_json import PartialCall, partial_json_list
 
 if TYPE_CHECKING:
     from .tool_parsers import ToolParser
@@ -111,13 +115,27 @@ class ToolRequest:
             return text, []
         if self.choice == "function":
             try:
-                return ("", [ToolCall(self.function, json.dumps(json.loads(text), ensure_ascii=False))])
+                json.loads(text)
             except json.JSONDecodeError:  # cut by max_tokens
                 return text, []
+            return "", [ToolCall(self.function, text)]  # the arguments as written (as they were streamed)
         if self.choice == "required":
             return json_list(text)
         content, calls = parser.parse(text, self.tools)
         return content, calls if self.parallel else calls[:1]
+
+    def partial_calls(self, text: str, parser: ToolParser | None) -> list[PartialCall]:
+        """The calls an answer's text so far has begun, each with the part of its arguments the text fixes
+        (inference/tool_call_stream.py); [] for a parser that cannot read calls before they end."""
+        if not self.parses_calls:
+            return []
+        if self.choice == "function":
+            return [PartialCall(self.function, text)]
+        if self.choice == "required":
+            return partial_json_list(text, ("parameters", "arguments"))
+        partial_calls = getattr(parser, "partial_calls", None)
+        calls = [] if partial_calls is None else partial_calls(text, self.tools)
+        return calls if self.parallel else calls[:1]
 
 
 def json_list(text: str) -> tuple[str, list[ToolCall]]:
@@ -129,7 +147,22 @@ def json_list(text: str) -> tuple[str, list[ToolCall]]:
     if not isinstance(values, list):
         return text, []
     calls = [call_from_object(value, ("parameters", "arguments")) for value in values]
-    return ("", calls) if calls and None not in calls else (text, [])
+    if not calls or None in calls:
+        return text, []
+    return "", keep_raw_arguments(calls, partial_json_list(text, ("parameters", "arguments")))
+
+
+def keep_raw_arguments(calls: list[ToolCall], partial: list[PartialCall]) -> list[ToolCall]:
+    """`calls` read from whole JSON, each with its arguments as the model wrote them (`partial`'s reading of the same
+    text) where those are the same JSON: what a stream of the answer sent is then the start of each call's arguments."""
+    for call, written in zip(calls, partial):
+        try:
+            same = call.name == written.name and json.loads(written.arguments) == json.loads(call.arguments)
+        except json.JSONDecodeError:
+            same = False
+        if same:
+            call.arguments = written.arguments
+    return calls
 
 
 class ToolRequestError(ValueError):

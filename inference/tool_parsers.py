@@ -2,7 +2,9 @@
 
 Each parser has `parse(text, tools) -> (content, calls)` (an answer holding no call that parses is all content: calls
 are read, never repaired) and `content_length(text)`: how much of a growing answer is surely content, so a stream can
-send it before the answer ends. `detect_parser` picks the parser a chat template's call format needs.
+send it before the answer ends. `hermes` and `qwen3_coder` also have `partial_calls(text, tools)`: the calls a growing
+answer has begun, so a stream sends them as they are written (inference/tool_call_stream.py); the others' calls go
+whole at the end. `detect_parser` picks the parser a chat template's call format needs.
 
 | parser        | the model writes                                                      | models                       |
 |---------------|-----------------------------------------------------------------------|------------------------------|
@@ -22,8 +24,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from .partial_json import PartialCall, partial_json_call, skip_whitespace
 from .text_deltas import before_marker
-from .tool_calls import ToolCall, call_from_object, json_list
+from .tool_calls import ToolCall, call_from_object, json_list, keep_raw_arguments
 
 
 class HermesParser:
@@ -32,6 +35,7 @@ class HermesParser:
 
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
+    arguments_keys = ("arguments", "parameters")
 
     def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
         """(content, calls) of an answer; (text, []) when it holds no call that parses."""
@@ -43,12 +47,13 @@ class HermesParser:
             close = text.find(self.end, position)
             body = text[position + len(self.start): close if close >= 0 else len(text)]
             try:
-                call = call_from_object(json.loads(body), ("arguments", "parameters"))
+                call = call_from_object(json.loads(body), self.arguments_keys)
             except json.JSONDecodeError:
                 call = None
             if call is None:
                 return text, []
-            calls.append(call)
+            written, _ = partial_json_call(body, skip_whitespace(body, 0), self.arguments_keys)
+            calls += keep_raw_arguments([call], [written] if written else [])  # the arguments as written
             if close < 0:  # the answer ended (EOS) inside an otherwise whole block
                 break
             position = close + len(self.end)
@@ -58,6 +63,21 @@ class HermesParser:
         """How much of a growing answer is surely content (streamable): the text before a call's start, less any
         tail that could still be one, less trailing whitespace (the content is stripped before a call)."""
         return len(text[:before_marker(text, self.start)].rstrip())
+
+    def partial_calls(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> list[PartialCall]:
+        """The calls a growing answer has begun (inference/tool_call_stream.py): each block's object as far as it
+        goes."""
+        calls, position = [], 0
+        while (position := text.find(self.start, position)) >= 0:
+            body = skip_whitespace(text, position + len(self.start))
+            call, end = partial_json_call(text, body, self.arguments_keys)
+            if call is None:
+                break
+            calls.append(call)
+            if end is None:
+                break
+            position = end
+        return calls
 
 
 class Qwen3CoderParser:
@@ -114,6 +134,42 @@ class Qwen3CoderParser:
         """The text before a block's start (or a tail that could still become one), less trailing whitespace."""
         return len(text[:min(before_marker(text, marker) for marker in self.markers)].rstrip())
 
+    function_open, parameter_open = re.compile(r"<function=([^>\n]+)>"), re.compile(r"<parameter=([^>\n]+)>")
+
+    def partial_calls(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> list[PartialCall]:
+        """The calls a growing answer has begun (inference/tool_call_stream.py): a call once its function's name is
+        whole, its arguments the start of the JSON `parse` will build from its parameters."""
+        calls, position = [], 0
+        while (match := self.function_open.search(text, position)) is not None:
+            name, close = match.group(1).strip(), text.find("</function>", match.end())
+            body = text[match.end(): close if close >= 0 else len(text)]
+            calls.append(PartialCall(name, self._partial_arguments(body, _properties(tools, name))))
+            if close < 0:
+                break
+            position = close + len("</function>")
+        return calls
+
+    def _partial_arguments(self, body: str, properties: dict[str, Any]) -> str:
+        """The start of `json.dumps` of a function block's parameters that `body` (the block so far) fixes: each
+        whole parameter; of the one being written, its key, and for a string its text less a tail that may be the
+        closing tag (or the newline before it); never the closing brace (the whole answer's reading sends it)."""
+        arguments, position = "{", 0
+        while (match := self.parameter_open.search(body, position)) is not None:
+            key, close = match.group(1).strip(), body.find("</parameter>", match.end())
+            arguments += ("" if arguments == "{" else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+            value = body[match.end(): close if close >= 0 else len(body)]
+            value = value[1:] if value.startswith("\n") else value  # as `parameter` reads it: one newline each side
+            if close >= 0:
+                value = value[:-1] if value.endswith("\n") else value
+                arguments += json.dumps(parameter_value(value, properties.get(key)), ensure_ascii=False)
+                position = close + len("</parameter>")
+                continue
+            if "string" in schema_types(properties.get(key)):  # escaped a character at a time: a prefix of the whole
+                held = min(before_marker(value, "\n</parameter>"), before_marker(value, "</parameter>"))
+                arguments += '"' + json.dumps(value[:held], ensure_ascii=False)[1:-1]
+            break
+        return arguments
+
 
 def _properties(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
     """The parameter schemas (`properties`) of the tool called `name` ({} if no tool has that name)."""
@@ -130,12 +186,17 @@ JSON_TYPES = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool
               "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list)}
 
 
+def schema_types(schema: dict[str, Any] | None) -> list[str]:
+    """The JSON types a parameter's schema names ([]: any)."""
+    types = (schema or {}).get("type")
+    return [types] if isinstance(types, str) else list(types or [])
+
+
 def parameter_value(text: str, schema: dict[str, Any] | None) -> Any:
     """A parameter's text as the type its JSON schema names: strings (and schemas allowing a string) as written; other
     types read as JSON when the text is that type; a schema without a type takes the text's JSON if it is JSON. Text
     that is not its type stays the string it is."""
-    types = (schema or {}).get("type")
-    types = [types] if isinstance(types, str) else list(types or [])
+    types = schema_types(schema)
     if "string" in types:
         return text
     try:

@@ -225,3 +225,17 @@ def tree_options(spec: str) -> dict[str, Any]:
     """`SpeculativeLM.configure_tree` keywords of a command line's `--tree`: depth,top_k,nodes[,stop_prob[,min_prob]]
     (EAGLE heads' dynamic tree) or a static tree's name or path (Medusa heads)."""
     return parse_eagle_tree(spec) if "," in spec else {"tree": spec}
+
+
+def tree_spec(description: dict[str, Any]) -> str:
+    """A `SpeculativeLM.tree_description()` as the `--tree` value that gives that tree (a static tree's name, or
+    depth,top_k,nodes,stop_prob,min_prob), with the prompt-lookup branch after it: what a command prints it uses."""
+    if description["kind"] == "static":
+        spec = description["name"]
+    else:
+        spec = ",".join(f"{description[key]:g}" for key in ("depth", "top_k", "nodes", "stop_prob", "min_prob"))
+    lookup = description.get("lookup_tokens", 0)
+    if lookup:
+        grows = description.get("lookup_max_tokens")
+        spec += f" + prompt lookup {lookup}" + (f" -> {grows}" if grows and grows != lookup else "") + " tokens"
+    return spec

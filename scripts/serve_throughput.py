@@ -6,6 +6,7 @@
 `--clients` threads each send MT-bench first turns (chat template applied) one after another, as chat users of a
 server do; every side answers the same prompts in the same process, one after the other:
 - `one_at_a_time`: `lm.generate` per request under a lock (the server before continuous batching);
+- `target_generate`: plain `target.generate` per request under a lock (on the same CPU kernels): no speculation;
 - `loop_batch_1`: the serving loop with `max_batch=1` (the batching machinery, one row at a time);
 - `loop_batch_N`: the serving loop with `max_batch=clients`: requests join the running batch between rounds;
 - `plain_loop_batch_N`: the same loop drafting nothing (each round one plain step of every row): plain continuous
@@ -100,6 +101,11 @@ def main() -> int:
             out = lm.generate(ids[None], max_new_tokens=args.max_new_tokens)
             return out[0, ids.shape[0]:].tolist(), lm.last_stats["mean_accepted"]
 
+    def plain_generate(ids: torch.Tensor) -> tuple[list[int], float]:
+        with generate_lock:
+            out = lm.target.generate(ids[None], max_new_tokens=args.max_new_tokens, do_sample=False)
+            return out[0, ids.shape[0]:].tolist(), 1.0
+
     def through(loop: ServingLoop):
         def answer(ids: torch.Tensor) -> tuple[list[int], float]:
             request = loop.run(loop.lm.batch_request(ids, max_new_tokens=args.max_new_tokens))
@@ -109,11 +115,12 @@ def main() -> int:
     plain = SpeculativeLM(lm.target, lm.heads)  # the same target, its CPU kernels included; no drafting
     plain.drafter, plain.certified_argmax = PlainDrafter(lm.target.device), lm.certified_argmax
     results, reference = {}, None
-    sides = [("one_at_a_time", None, lm), ("loop_batch_1", 1, lm), (f"loop_batch_{args.clients}", args.clients, lm),
+    sides = [("one_at_a_time", None, lm), ("target_generate", None, None), ("loop_batch_1", 1, lm), (f"loop_batch_{args.clients}", args.clients, lm),
              (f"plain_loop_batch_{args.clients}", args.clients, plain)]
     for name, max_batch, model in sides:
         loop = None if max_batch is None else ServingLoop(model, max_batch)
-        results[name], answers = run_clients(prompts, args.clients, one_at_a_time if loop is None else through(loop))
+        answer = through(loop) if loop is not None else one_at_a_time if model is not None else plain_generate
+        results[name], answers = run_clients(prompts, args.clients, answer)
         if loop is not None:
             results[name]["shared_forwards"] = 1 - loop.engine.stats["batched_forwards"] / max(
                 loop.engine.stats["target_forwards"], 1)

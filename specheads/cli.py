@@ -174,6 +174,7 @@ def build_server(args: argparse.Namespace):
     from specheads.inference.chat import read_chat_template
     from specheads.inference.multimodal import image_processor_for
     from specheads.inference.server import CompletionService, make_server
+    from specheads.inference.tree import tree_spec
 
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     lm, kernels = _load_lm(args)
@@ -193,8 +194,9 @@ def build_server(args: argparse.Namespace):
             f"{t} tokens {costs[t]:.1f} ms" for t in (1, 16, 128) if t in costs)
     tools = f"; tool calls read as {service.tool_parser.name}" if service.tool_parser else ""
     tools += f"; reasoning read as {service.reasoning_parser.name}" if service.reasoning_parser else ""
-    print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; "
-          f"{', '.join(f'{k}={v}' for k, v in kernels.items())}{budget}{tools})", file=sys.stderr, flush=True)
+    print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; tree "
+          f"{tree_spec(lm.tree_description())}; {', '.join(f'{k}={v}' for k, v in kernels.items())}{budget}{tools})",
+          file=sys.stderr, flush=True)
     return server
 
 
@@ -339,6 +341,7 @@ def run_chat(args: argparse.Namespace) -> int:
     during an answer drops that turn."""
     from specheads.inference.chat import ChatSession, read_chat_template
     from specheads.inference.multimodal import image_processor_for, takes_images
+    from specheads.inference.tree import tree_spec
 
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     lm, kernels = _load_lm(args)
@@ -347,7 +350,8 @@ def run_chat(args: argparse.Namespace) -> int:
         raise ValueError(f"--image needs a vision-language target with an image processor; {args.target!r} has none")
     session = ChatSession(lm, system=args.system, chat_template=template, reuse_cache=not args.no_cache,
                           processor=processor, chat_template_kwargs=args.chat_template_kwargs, **_generate_options(args))
-    print(f"[specheads] chat with {args.target} ({', '.join(f'{k}={v}' for k, v in kernels.items())}); "
+    print(f"[specheads] chat with {args.target} (tree {tree_spec(lm.tree_description())}; "
+          f"{', '.join(f'{k}={v}' for k, v in kernels.items())}); "
           f"/reset starts over, {'/image FILE attaches an image, ' if processor else ''}/exit quits", file=sys.stderr)
     reasoning = args.reasoning
     if reasoning == "auto":

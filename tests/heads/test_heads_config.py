@@ -151,3 +151,30 @@ def test_tree_probabilities_must_be_in_0_1(field, value):
     with pytest.raises(ValueError, match=rf"HeadsConfig\.{field}={value!r}; expected a probability in \[0, 1\)"):
         HeadsConfig(**{field: value})
     assert getattr(HeadsConfig(**{field: 0.25}), field) == 0.25
+
+
+def test_cpu_tree_replaces_the_tree_fields_on_cpus_only(tmp_path):
+    """`cpu_tree` holds the fields of a CPU's default tree; `tree_defaults` gives them on "cpu" and the others
+    elsewhere; the field survives a save and load."""
+    small = {"tree_depth": 4, "tree_top_k": 4, "tree_num_nodes": 8, "tree_stop_prob": 0.2, "tree_min_prob": 0.03}
+    config = HeadsConfig(tree_depth=5, tree_top_k=8, tree_num_nodes=24, cpu_tree=small)
+    assert config.tree_defaults("cpu") == {**small, "static_tree": "medusa_default"}
+    assert config.tree_defaults("cuda") == {"tree_depth": 5, "tree_top_k": 8, "tree_num_nodes": 24,
+                                            "tree_stop_prob": 0.0, "tree_min_prob": 0.0, "static_tree": "medusa_default"}
+    partial = HeadsConfig(tree_num_nodes=24, cpu_tree={"tree_num_nodes": 10})  # the rest from the tree_* fields
+    assert partial.tree_defaults("cpu")["tree_num_nodes"] == 10 and partial.tree_defaults("cpu")["tree_depth"] == 6
+    assert HeadsConfig().cpu_tree == {} and HeadsConfig().tree_defaults("cpu") == HeadsConfig().tree_defaults("cuda")
+    config.save_pretrained(tmp_path)
+    assert HeadsConfig.from_pretrained(tmp_path).cpu_tree == small
+
+
+@pytest.mark.parametrize("cpu_tree, message", [
+    ({"tree_width": 4}, r"HeadsConfig\.cpu_tree=\{'tree_width': 4\} is invalid \(unknown keys \['tree_width'\]\)"),
+    ([4, 4, 8], r"HeadsConfig\.cpu_tree=\[4, 4, 8\] is invalid; expected a dict of some of tree_depth"),
+    ({"tree_num_nodes": 0}, r"HeadsConfig\.cpu_tree\['tree_num_nodes'\]=0 is invalid; expected a positive integer"),
+    ({"tree_min_prob": 1.5}, r"HeadsConfig\.cpu_tree\['tree_min_prob'\]=1\.5; expected a probability in \[0, 1\)"),
+    ({"static_tree": ""}, r"HeadsConfig\.cpu_tree\['static_tree'\]='' is invalid; expected a tree name or path"),
+])
+def test_a_bad_cpu_tree_is_refused_by_name(cpu_tree, message):
+    with pytest.raises(ValueError, match=message):
+        HeadsConfig(cpu_tree=cpu_tree)

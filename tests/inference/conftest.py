@@ -297,3 +297,16 @@ def record_tree_sizes(lm) -> list[int]:
 
     lm.drafter.propose = recording
     return sizes
+
+
+def join_streamed_calls(pieces: list) -> list[tuple[str, str, str]]:
+    """Streamed tool-call pieces (chat chunks' `delta.tool_calls` entries, or `CallDelta`s) joined as a client joins
+    them: (id, name, arguments) per call index; a call's first piece (with its id and name) comes in index order."""
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        piece = piece if isinstance(piece, dict) else piece.body()
+        if "id" in piece:
+            assert piece["index"] == len(calls) and piece["type"] == "function", piece
+            calls[piece["index"]] = [piece["id"], piece["function"]["name"], ""]
+        calls[piece["index"]][2] += piece["function"]["arguments"]
+    return [tuple(call) for call in calls.values()]

@@ -79,6 +79,23 @@ def test_eagle_with_early_stopping(stories260k):
     assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
 
 
+def test_a_cpu_target_takes_the_checkpoints_cpu_tree(stories260k):
+    """Heads whose config holds a `cpu_tree` draft that tree on a CPU target (the tree_* fields elsewhere), a field
+    it leaves out from tree_*, and a tree given to `SpeculativeLM` over either; greedy output stays the target's."""
+    target, tokenizer = stories260k
+    ids = tokenizer("Lily saw a bird", return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    eagle = create_heads(target, "eagle", tree_depth=6, tree_top_k=8, tree_num_nodes=32,
+                         cpu_tree={"tree_depth": 3, "tree_num_nodes": 6, "tree_min_prob": 0.05})
+    lm = SpeculativeLM(target, eagle)
+    tree = lm.tree_description()
+    assert (tree["depth"], tree["top_k"], tree["nodes"], tree["min_prob"]) == (3, 8, 6, 0.05)
+    assert torch.equal(lm.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
+    assert SpeculativeLM(target, eagle, tree_num_nodes=12).tree_description()["nodes"] == 12  # given: it wins
+    medusa = create_heads(target, "medusa", num_heads=3, cpu_tree={"static_tree": "medusa_small"})
+    assert SpeculativeLM(target, medusa).tree_description()["name"].startswith("medusa_small")  # cut to 3 heads
+
+
 @pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
 def test_eagle_with_pruned_trees(stories260k, head_type):
     """Trees pruned to the likely nodes (tree_min_prob: their size changes from round to round) with early

@@ -131,6 +131,11 @@ def test_a_response_is_the_chat_answer_as_items_whole_or_streamed(tool_server): 
             if item["type"] == "function_call":
                 done = [p for k, p in events if k == "response.function_call_arguments.done"]
                 assert [p["arguments"] for p in done] == [item["arguments"]]
+                # sent while written: the arguments in several pieces that join to the call's
+                deltas = [p["delta"] for k, p in events if k == "response.function_call_arguments.delta"]
+                assert len(deltas) > 1 and "".join(deltas) == item["arguments"]
+                assert kinds.index("response.output_item.added", kinds.index("response.output_item.done")) < kinds.index(
+                    "response.function_call_arguments.delta")  # the call's item opened after the message closed
         added = [p["item"]["id"] for k, p in events if k == "response.output_item.added"]
         finished = [p["item"]["id"] for k, p in events if k == "response.output_item.done"]
         assert added == finished == [i["id"] for i in final["output"]]  # each item opened, then closed, in order

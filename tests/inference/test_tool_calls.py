@@ -27,7 +27,7 @@ from specheads.inference.tool_parsers import (
     parameter_value,
 )
 
-from .conftest import make_heads
+from .conftest import join_streamed_calls, make_heads
 from .test_server import post
 
 # a Hermes-style tool-calling template written for these tests: the tools' names in the prompt, earlier calls written
@@ -156,7 +156,9 @@ def test_auto_tool_choice_returns_the_call_the_target_wrote(tool_server):
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
-def test_streamed_tool_call_holds_back_the_call_and_sends_it_whole(tool_server):
+def test_streamed_tool_call_is_sent_as_it_is_written(tool_server):
+    """Streamed, the content goes before the call, never the call's text; the call goes as it is written (its name
+    first, then its arguments in pieces) and its pieces join to the whole answer's call."""
     url, _, _ = tool_server
     request = {"messages": QUESTION, "tools": [WEATHER]}
     _, whole = post(url, request)
@@ -166,9 +168,10 @@ def test_streamed_tool_call_holds_back_the_call_and_sends_it_whole(tool_server):
     content = "".join(d.get("content", "") for d in deltas)
     assert content == whole["choices"][0]["message"]["content"]
     assert not any("<tool" in d.get("content", "") for d in deltas)  # no piece of the call went out as content
-    calls = [call for d in deltas for call in d.get("tool_calls", [])]
-    assert [(c["index"], c["function"]) for c in calls] == [
-        (0, whole["choices"][0]["message"]["tool_calls"][0]["function"])]
+    pieces = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [(name, arguments) for _, name, arguments in join_streamed_calls(pieces)] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["choices"][0]["message"]["tool_calls"]]
+    assert len(pieces) > 2  # the arguments went in pieces while written, not whole at the end
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert len([d for d in deltas if d.get("content")]) > 1  # the content streamed in pieces before the call
 
@@ -278,7 +281,9 @@ def test_forced_tool_choice_constrains_the_answer_to_the_calls_json(tool_server,
         if stream:
             deltas = [e["choices"][0]["delta"] for e in body]
             assert "".join(d.get("content", "") for d in deltas) == ""
-            calls, reason = [c for d in deltas for c in d.get("tool_calls", [])], body[-1]["choices"][0]["finish_reason"]
+            reason = body[-1]["choices"][0]["finish_reason"]
+            calls = [{"id": id_, "function": {"name": name, "arguments": arguments}}
+                     for id_, name, arguments in join_streamed_calls([c for d in deltas for c in d.get("tool_calls", [])])]
         else:
             assert body["choices"][0]["message"]["content"] is None
             calls, reason = body["choices"][0]["message"]["tool_calls"], body["choices"][0]["finish_reason"]
@@ -359,28 +364,6 @@ def test_llama3_json_parser_reads_whole_answers_of_calls():
     for text in ('The answer is {"name": "a", "parameters": {}}', '{"city": "Paris"}', '{"name": "a", "parameters": {',
                  "plain text"):
         assert parser.parse(text) == (text, []), text
-
-
-@pytest.mark.parametrize("parser", [HermesParser(), Qwen3CoderParser(), Llama3JsonParser(), PythonicParser(),
-                                    MistralParser()])
-@pytest.mark.parametrize("text", [
-    CALL_ANSWER, "Just text, no call.", "Text with < and <tool in it <tool_", '  {"name": "a", "parameters": {}}',
-    'A <tool_call>{"broken"</tool_call> tail', "Hi   \n", "<tool_call>", "{ not json",
-    '[{"name": "a", "arguments": {"x": 1}}]', 'get_weather{"city": "Paris"}', "Paris", "[TOOL_CALLS]a[ARGS]{}",
-    "Well [x] and {y}", "One sec.\n<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n</function>"
-    "\n</tool_call>", "Use <function=weather> <func", '[weather(city="Paris"), clock()]', "[weather(city=", "[x] marks it",
-])
-def test_streamed_content_is_the_content_whatever_the_pieces(parser, text):
-    """Streamed piece by piece (every split), the content sent plus what is sent at the end is the parsed answer's
-    content, and no piece of a call is sent."""
-    tools = ToolRequest([WEATHER])
-    content, calls = tools.read_calls(text, parser)
-    for size in (1, 2, 3, 7):
-        stream = AnswerParts(tools, parser)
-        sent = "".join(stream.feed(text[i:i + size])[1] for i in range(0, len(text), size))
-        assert sent + stream.finish(text).unsent_content == content and content.startswith(sent), (size, sent)
-        if calls:
-            assert "<tool_call>" not in sent and "{" not in sent[len(content):]
 
 
 def test_mistral_parser_reads_both_call_layouts():
@@ -502,9 +485,9 @@ def test_sampled_choices_each_get_their_calls_streamed(tool_server):
     assert status == 200
     for index in (0, 1):
         choices = [c for e in events for c in e["choices"] if c["index"] == index]
-        calls = [call for c in choices for call in c["delta"].get("tool_calls", [])]
-        assert calls and all(c["function"]["name"] in ("weather", "clock") for c in calls), choices
-        assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+        calls = join_streamed_calls([call for c in choices for call in c["delta"].get("tool_calls", [])])
+        assert calls and all(name in ("weather", "clock") for _, name, _ in calls), choices
+        assert all(isinstance(json.loads(arguments), dict) for _, _, arguments in calls)
         assert choices[-1]["finish_reason"] == "tool_calls"
 
 
@@ -539,10 +522,17 @@ def test_qwen3_coder_and_pythonic_calls_come_from_the_targets_answer(stories260k
             assert [(c.name, json.loads(c.arguments)) for c in choice.tool_calls] == [("forecast", expected)], repr(choice.text)
             assert choice.finish_reason == "tool_calls" and choice.text == ""
             sent: list[str] = []
+            pieces: list = []
             (streamed,), _, _ = service.complete(request, on_text=lambda index, piece, logprobs, reasoning=None,
-                                                 sent=sent: sent.append(piece))
+                                                 tool_calls=None, sent=sent, pieces=pieces: (
+                                                     sent.append(piece), pieces.extend(tool_calls or [])))
             assert "".join(sent) == "" and streamed.unsent == ""  # no piece of the call went out as content
             assert [json.loads(c.arguments) for c in streamed.tool_calls] == [expected]
+            # the call's pieces, with those that finish it, join to the answer's call (its id, name and arguments)
+            joined = join_streamed_calls(pieces + streamed.unsent_calls)
+            assert joined == [(c.id, c.name, c.arguments) for c in streamed.tool_calls]
+            if parser == "qwen3_coder":  # sent while written (its name first), not at the end
+                assert len(pieces) >= 2 and pieces[0].name == "forecast"
         finally:
             service.close()
 

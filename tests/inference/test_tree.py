@@ -12,6 +12,8 @@ from specheads.inference.tree import (
     chain_tree,
     load_static_tree,
     static_tree_from_paths,
+    tree_options,
+    tree_spec,
     truncate_static_tree,
 )
 
@@ -204,3 +206,17 @@ def test_load_static_tree_errors_name_the_tree(tmp_path):
     path.write_text("nodes: [1, 2]\n")
     with pytest.raises(ValueError, match="paths"):
         load_static_tree(str(path))
+
+
+def test_tree_spec_is_the_tree_option_that_gives_the_tree():
+    """`tree_spec` writes a tree description as `--tree` takes it (and the lookup branch after it)."""
+    dynamic = {"kind": "dynamic", "depth": 4, "top_k": 4, "nodes": 8, "stop_prob": 0.2, "min_prob": 0.03,
+               "lookup_tokens": 0}
+    assert tree_spec(dynamic) == "4,4,8,0.2,0.03"
+    assert tree_options(tree_spec(dynamic)) == {"tree_depth": 4, "tree_top_k": 4, "tree_num_nodes": 8,
+                                                "tree_stop_prob": 0.2, "tree_min_prob": 0.03}
+    looked_up = {**dynamic, "lookup_tokens": 10, "lookup_max_tokens": 40}
+    assert tree_spec(looked_up) == "4,4,8,0.2,0.03 + prompt lookup 10 -> 40 tokens"
+    assert tree_spec({**looked_up, "lookup_max_tokens": None}) == "4,4,8,0.2,0.03 + prompt lookup 10 tokens"
+    assert tree_spec({"kind": "static", "name": "medusa_small", "nodes": 20, "depth": 3, "lookup_tokens": 0}) == \
+        "medusa_small"
