@@ -7,12 +7,12 @@ Agent clients show a long call (a file's content, a shell command) while it is w
 What is sent must be part of the final answer's arguments, so a partial reader gives, for the answer's text so far,
 each call begun (`PartialCall`): its name and the prefix of its arguments that the text already fixes. The formats:
 
-- JSON (hermes blocks, `tool_choice` "required" and a named function): the arguments are the JSON the model wrote, as
+- JSON (hermes blocks, llama3_json answers, `tool_choice` "required" and a named function): the arguments are the JSON the model wrote, as
   written (its raw text; whole answers use the same text), streamed as it grows; the partial reading is
   inference/partial_json.py.
 - Qwen3-Coder XML: the arguments are built as `json.dumps` of the parameters; a string parameter is streamed as it
   grows (escaped character by character, less a tail that may be its closing tag), other types once their tag closes.
-- Other parsers (llama3_json, pythonic, mistral) have no partial reader: their calls go whole at the end.
+- Other parsers (pythonic, mistral) have no partial reader: their calls go whole at the end.
 
 `CallStream` keeps what was sent and makes the deltas. At the end the whole answer's calls are checked against what
 was streamed (`agrees`): when each begins with what was sent, the rest follows (`complete`: usually the closing brace);

@@ -2,9 +2,9 @@
 
 Each parser has `parse(text, tools) -> (content, calls)` (an answer holding no call that parses is all content: calls
 are read, never repaired) and `content_length(text)`: how much of a growing answer is surely content, so a stream can
-send it before the answer ends. `hermes` and `qwen3_coder` also have `partial_calls(text, tools)`: the calls a growing
-answer has begun, so a stream sends them as they are written (inference/tool_call_stream.py); the others' calls go
-whole at the end. `detect_parser` picks the parser a chat template's call format needs.
+send it before the answer ends. `hermes`, `qwen3_coder` and `llama3_json` also have `partial_calls(text, tools)`: the
+calls a growing answer has begun, so a stream sends them as they are written (inference/tool_call_stream.py); the
+others' calls go whole at the end. `detect_parser` picks the parser a chat template's call format needs.
 
 | parser        | the model writes                                                      | models                       |
 |---------------|-----------------------------------------------------------------------|------------------------------|
@@ -214,23 +214,48 @@ class Llama3JsonParser:
 
     name = "llama3_json"
     tag = "<|python_tag|>"  # usually a special token (skipped in the text), but kept when written out
+    arguments_keys = ("parameters", "arguments")
 
     def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
         body = text.strip()
         body = body[len(self.tag):].lstrip() if body.startswith(self.tag) else body
         decoder, calls, position = json.JSONDecoder(), [], 0
         while position < len(body):
+            start = position
             try:
                 value, position = decoder.raw_decode(body, position)
             except json.JSONDecodeError:
                 return text, []
-            call = call_from_object(value, ("parameters", "arguments"))
+            call = call_from_object(value, self.arguments_keys)
             if call is None:
                 return text, []
-            calls.append(call)
-            while position < len(body) and body[position] in " \t\r\n;":
-                position += 1
+            written, _ = partial_json_call(body, start, self.arguments_keys)
+            calls += keep_raw_arguments([call], [written] if written else [])  # the arguments as written
+            position = self._next_call(body, position)
         return ("", calls) if calls else (text, [])
+
+    @staticmethod
+    def _next_call(text: str, position: int) -> int:
+        """Past the whitespace and `;` between two calls."""
+        while position < len(text) and text[position] in " \t\r\n;":
+            position += 1
+        return position
+
+    def partial_calls(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> list[PartialCall]:
+        """The calls a growing answer has begun (inference/tool_call_stream.py): each object as far as it goes."""
+        position = skip_whitespace(text, 0)
+        if text.startswith(self.tag, position):
+            position = skip_whitespace(text, position + len(self.tag))
+        calls: list[PartialCall] = []
+        while position < len(text) and text[position] == "{":
+            call, end = partial_json_call(text, position, self.arguments_keys)
+            if call is None:
+                break
+            calls.append(call)
+            if end is None:
+                break
+            position = self._next_call(text, end)
+        return calls
 
     def content_length(self, text: str) -> int:
         """An answer that opens like a call is held whole until it ends; any other streams as it comes."""

@@ -271,12 +271,12 @@ def _generate_options(args: argparse.Namespace) -> dict:
     )
 
 
-def _stats_line(stats: dict, kernels: dict | None = None) -> str:
+def _stats_line(stats: dict, kernels: dict | None = None, tree: str | None = None) -> str:
     line = f"[specheads] {stats['new_tokens']} tokens, tau={stats['mean_accepted']:.2f}, {stats['tokens_per_second']:.1f} tokens/s"
     if "prompt_tokens" in stats:
         line += f", prompt {stats['prompt_tokens']} tokens ({stats['reused_prompt_tokens']} reused)"
-    if kernels:
-        line += f" ({', '.join(f'{k}={v}' for k, v in kernels.items())})"
+    if kernels or tree:
+        line += f" ({'; '.join(([f'tree {tree}'] if tree else []) + [', '.join(f'{k}={v}' for k, v in kernels.items())])})"
     return line
 
 
@@ -285,6 +285,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from specheads.inference.constraints import constraint_from_options
     from specheads.inference.prompts import tokenize_prompts
+    from specheads.inference.tree import tree_spec
 
     if args.prompts is not None:
         if args.image:
@@ -307,7 +308,7 @@ def run_generate(args: argparse.Namespace) -> int:
     processors = None if constraint is None else [constraint]
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
     lm.generate(input_ids, logits_processor=processors, streamer=streamer, **_generate_options(args), **images)
-    print("\n" + _stats_line(lm.last_stats, kernels), file=sys.stderr)
+    print("\n" + _stats_line(lm.last_stats, kernels, tree_spec(lm.tree_description())), file=sys.stderr)
     _save_learned(lm, args)
     return 0
 

@@ -62,7 +62,8 @@ def test_generate_streams_text_and_prints_tau(stories260k_eagle_dir, capfd, stor
     assert "tokens/s" in err
     argmax = "bf16" if wants_certified_argmax("auto", stories260k[0]) else "default"  # needs oneDNN bf16 products
     # the kernels `auto` (every default) chose: stories260K's small layers keep the default linear kernels
-    assert f"(cpu_linear=default, draft_linear=default, cpu_attention=gqa, cpu_argmax={argmax})" in err
+    # with the tree drafted: the heads' default (no cpu_tree in their config)
+    assert f"(tree 6,8,32,0,0; cpu_linear=default, draft_linear=default, cpu_attention=gqa, cpu_argmax={argmax})" in err
 
 
 @pytest.mark.parametrize(("option", "kernels"), [

@@ -57,6 +57,8 @@ def stream_answer(tools: ToolRequest, parser, text: str, size: int):
     XML_NOTE, 'Two.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
     '{"name": "clock", "arguments": {}}\n</tool_call>', 'Cut <tool_call>\n{"name": "weather", "arguments": {"city": "Pa',
     '<tool_call>{"name": "weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>',
+    '<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}; {"name": "clock", "parameters": {}}',
+    '{"name": "weather", "parameters": {"city": "Os',
 ])
 def test_streamed_parts_join_to_the_answer_whatever_the_pieces(parser, text):
     """Streamed piece by piece (every split): the content sent plus what is sent at the end is the answer's content,
@@ -78,7 +80,7 @@ def test_streamed_parts_join_to_the_answer_whatever_the_pieces(parser, text):
         else:  # streamed while written, and the whole text did not read as calls after all: kept as written
             assert [(c.name, c.arguments) for c in parts.calls] == [(c.name, c.arguments) for c in partial]
             assert text.startswith(parts.content)
-    if parser.name in ("hermes", "qwen3_coder") and whole_calls:  # these two stream before the end
+    if parser.name in ("hermes", "qwen3_coder", "llama3_json") and whole_calls:  # these stream before the end
         assert partial and [c.name for c in partial] == [c.name for c in whole_calls]
 
 
