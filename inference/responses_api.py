@@ -10,9 +10,9 @@ block), a `message` item with the `output_text`, and a `function_call` item per 
 `max_output_tokens` cut it. Streamed, as the typed events of the Responses API (`ResponseEvents`): text and reasoning
 deltas as they are sure (as the chat stream sends them), each call whole before `response.completed`.
 
-Nothing is stored: `previous_response_id` and `conversation` (server-side state) are refused by name, as are
-`background` runs and `include` / `top_logprobs` (not produced here); `store` and `metadata` are accepted and change
-nothing.
+Responses are stored (unless `store: false`) so that `previous_response_id` continues a conversation
+(inference/response_store.py); `conversation` objects are refused by name, as are `background` runs and `include` /
+`top_logprobs` (not produced here); `metadata` is accepted and returned.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from .tool_call_stream import CallDelta
 from .tool_calls import ToolCall
 
 REFUSED = {  # fields whose answer this server cannot give: refused by name, never ignored
-    "previous_response_id": "responses are not stored: send the whole conversation as input",
-    "conversation": "conversations are not stored: send the whole conversation as input",
+    # (previous_response_id is read before: inference/response_store.py)
+    "conversation": "conversation objects are not stored: use previous_response_id or send the whole conversation "
+                    "as input",
     "background": "background responses are not supported",
     "include": "no extra output (include) is produced",
     "top_logprobs": "log-probabilities are not returned by /v1/responses (use /v1/chat/completions)",
@@ -198,7 +199,8 @@ def response_object(response_id: str, created: int, body: dict[str, Any], model:
         "temperature": body.get("temperature"), "top_p": body.get("top_p"), "tools": body.get("tools") or [],
         "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
-        "store": False, "usage": None,
+        "store": body.get("store", True) is not False, "previous_response_id": body.get("previous_response_id"),
+        "usage": None,
     }
     if usage is not None:
         response["usage"] = {
@@ -300,8 +302,8 @@ class ResponseEvents:
         self.send("response.output_item.done", output_index=index, item=done)
         self.open = None
 
-    def finish(self, choice: Choice, usage: dict[str, Any], stats: dict[str, Any]) -> None:
-        """Send what was held back, close the items, send each call, then the finished response."""
+    def finish(self, choice: Choice, usage: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+        """Send what was held back, close the items, finish each call, then the finished response (returned)."""
         self.piece(choice.unsent, choice.unsent_reasoning, choice.unsent_calls)
         if not choice.tool_calls and "message" not in self.item_ids:
             self._delta("message", "")  # an empty answer still has its message item
@@ -315,6 +317,7 @@ class ResponseEvents:
                                    self.item_ids)
         self.send("response.incomplete" if response["status"] == "incomplete" else "response.completed",
                   response=response)
+        return response
 
 
 def event_bytes(event_type: str, payload: dict[str, Any]) -> bytes:

@@ -3,8 +3,9 @@
     specheads serve --target smollm2-135m-instruct --heads checkpoints/smollm2-135m-instruct-eagle3 --port 8000
 
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both with `"stream": true` as server-sent events),
-`POST /v1/responses` (OpenAI's Responses API, read as the chat request it asks for: inference/responses_api.py),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text: requests, tokens, forwards, accepted drafts). Any
+`POST /v1/responses` (OpenAI's Responses API, read as the chat request it asks for: inference/responses_api.py; stored
+responses for `previous_response_id`, `GET` / `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`:
+inference/response_store.py), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text: requests, tokens, forwards, accepted drafts). Any
 OpenAI client works (`base_url="http://127.0.0.1:8000/v1"`). Answers are the
 target's own, as `generate` gives them: greedy (`temperature` 0) identical to `target.generate`, sampling from its
 distribution. Each answer carries `specheads` statistics (tau, reused prompt tokens, tokens/s).
@@ -46,6 +47,7 @@ from .openai_api import (
 from .openai_penalties import LogitBias, OccurrencePenalties
 from .prompt_cache import PromptCachePool
 from .reasoning import detect_reasoning_parser, make_reasoning_parser
+from .response_store import ResponseStore
 from .responses_api import ResponseEvents, chat_body, event_bytes, new_item_id, response_object
 from .serving_loop import COUNTERS, LABELED_COUNTERS, ServingLoop
 from .target_support import context_limit
@@ -53,6 +55,7 @@ from .text_deltas import TextDeltas
 from .tool_parsers import detect_parser, make_parser
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+RESPONSES_PREFIX = "/v1/responses/"  # + a stored response's id (GET, DELETE; GET .../input_items)
 FALLBACK_MAX_TOKENS = 4096  # a request without max_tokens, on a target whose config states no context length
 
 
@@ -82,12 +85,15 @@ class CompletionService:
             force the calls: `tool_choice` "required" or a named function).
         reasoning_parser: how chat answers' reasoning is split off (inference/reasoning.py) into `reasoning_content`:
             "auto" (`think` when the chat template knows `</think>`), a parser's name, or None (all content).
+        responses_store: `/v1/responses` responses kept for `previous_response_id` and `GET /v1/responses/{id}`
+            (inference/response_store.py), the least recently used forgotten past it; 0: none.
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
                  chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8,
                  processor: Any = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 tool_parser: str | None = "auto", reasoning_parser: str | None = "auto") -> None:
+                 tool_parser: str | None = "auto", reasoning_parser: str | None = "auto",
+                 responses_store: int = 1000) -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
@@ -102,6 +108,7 @@ class CompletionService:
         self.reasoning_parser = None if reasoning_parser is None else make_reasoning_parser(reasoning_parser)
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
+        self.responses = ResponseStore(responses_store)
         # JSON schema text / regex / "json_object" -> its constraint (compiling takes seconds; the JSON-object one
         # learns the tokens of each state as it meets them)
         self._constraints: dict[str, Any] = {}
@@ -340,9 +347,26 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                            "text/plain; version=0.0.4")
                 return
             self.service.check_key(self.headers.get("Authorization"))
-            if self.path.rstrip("/") != "/v1/models":
+            path = self.path.rstrip("/")
+            if path.startswith(RESPONSES_PREFIX) and path.endswith("/input_items"):
+                response_id = path[len(RESPONSES_PREFIX):-len("/input_items")]
+                self._send_json(HTTPStatus.OK, self.service.responses.input_items(response_id))
+            elif path.startswith(RESPONSES_PREFIX):
+                self._send_json(HTTPStatus.OK, self.service.responses.get(path[len(RESPONSES_PREFIX):]))
+            elif path == "/v1/models":
+                self._send_json(HTTPStatus.OK, self.service.models())
+            else:
                 raise ApiError(f"no route GET {self.path}", 404)
-            self._send_json(HTTPStatus.OK, self.service.models())
+        except ApiError as err:
+            self._send_json(err.status, err.body())
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        try:
+            self.service.check_key(self.headers.get("Authorization"))
+            path = self.path.rstrip("/")
+            if not path.startswith(RESPONSES_PREFIX):
+                raise ApiError(f"no route DELETE {self.path}; expected {RESPONSES_PREFIX}{{id}}", 404)
+            self._send_json(HTTPStatus.OK, self.service.responses.delete(path[len(RESPONSES_PREFIX):]))
         except ApiError as err:
             self._send_json(err.status, err.body())
 
@@ -370,16 +394,20 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, server_error(err).body())
 
     def _respond(self, body: Any) -> None:
-        """POST /v1/responses: the chat request it asks for, answered as a response object or its events."""
-        request = self.service.parse(chat_body(body), True)
+        """POST /v1/responses: the chat request it asks for (after the conversation its `previous_response_id`
+        continues), answered as a response object or its events, and stored unless it says `store: false`."""
+        continued = self.service.responses.continued(body) if isinstance(body, dict) else body
+        request = self.service.parse(chat_body(continued), True)
         if request.stream:
-            self._stream_response(request, body)
+            self._stream_response(request, body, continued)
             return
         (choice,), usage, stats = self.service.complete(request, True)
-        self._send_json(HTTPStatus.OK, response_object(new_item_id("resp"), int(time.time()), body,
-                                                       self.service.model_name, choice, usage, stats))
+        response = response_object(new_item_id("resp"), int(time.time()), body, self.service.model_name, choice, usage,
+                                   stats)
+        self.service.responses.keep(continued, response)
+        self._send_json(HTTPStatus.OK, response)
 
-    def _stream_response(self, request: ParsedRequest, body: dict[str, Any]) -> None:
+    def _stream_response(self, request: ParsedRequest, body: dict[str, Any], continued: dict[str, Any]) -> None:
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -398,7 +426,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             choices, usage, stats = self.service.complete(
                 request, True, on_text=lambda index, piece, logprobs, reasoning=None, tool_calls=None: events.piece(
                     piece, reasoning, tool_calls))
-            events.finish(choices[0], usage, stats)
+            self.service.responses.keep(continued, events.finish(choices[0], usage, stats))
         except ClientGone:
             return
         except Exception as err:  # headers already sent: the error travels as an event

@@ -165,6 +165,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="split chat answers' <think>...</think> block off as message.reasoning_content: think "
                         "(Qwen3, QwQ, DeepSeek-R1), auto (think when the chat template knows </think>; default), none "
                         "(the whole answer is content)")
+    p.add_argument("--responses-store", type=int, default=1000, metavar="N",
+                   help="/v1/responses responses kept in memory for previous_response_id and GET /v1/responses/{id}, "
+                        "the least recently used forgotten past N (default: 1000; 0: none)")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     # a request without max_tokens runs to the end of the context (OpenAI's default) unless the server sets one
     p.set_defaults(max_new_tokens=None)
@@ -184,7 +187,8 @@ def build_server(args: argparse.Namespace):
     service = CompletionService(lm, args.served_model_name or args.target, defaults, args.cache_slots, template,
                                 args.api_key, args.max_batch, processor, args.chat_template_kwargs,
                                 None if args.tool_call_parser == "none" else args.tool_call_parser,
-                                None if args.reasoning_parser == "none" else args.reasoning_parser)
+                                None if args.reasoning_parser == "none" else args.reasoning_parser,
+                                args.responses_store)
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]

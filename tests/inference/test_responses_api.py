@@ -78,7 +78,7 @@ def test_chat_body_reads_a_responses_request():
 
 
 @pytest.mark.parametrize(("body", "param", "needle"), [
-    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
+    ({"input": "Hi", "conversation": "conv_1"}, "conversation", "not stored"),
     ({"input": "Hi", "background": True}, "background", "background"),
     ({"input": "Hi", "include": ["message.output_text.logprobs"]}, "include", "include"),
     ({"input": "Hi", "truncation": "auto"}, "truncation", "disabled"),
