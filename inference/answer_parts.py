@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .reasoning import ThinkParser
 from .tool_call_stream import CallDelta, CallStream
-from .tool_calls import ToolCall, ToolRequest
+from .tool_calls import ToolCall, ToolRequest, new_call_id
 from .tool_parsers import ToolParser
 
 
@@ -47,7 +47,7 @@ class AnswerParts:
         self.text = ""  # the answer so far
         self.sent_reasoning = 0  # characters of the reasoning sent
         self.sent_content = 0  # characters of the content sent
-        self.stream = CallStream()  # the calls sent as they were written
+        self.stream = CallStream(getattr(tool_parser, "new_call_id", new_call_id))  # the calls sent as written
         self.call_deltas: list[CallDelta] = []  # made by `feed`, not yet taken (`take_calls`)
 
     def _split(self, text: str, final: bool) -> tuple[str, str]:

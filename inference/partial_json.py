@@ -3,7 +3,8 @@
 `json_members` reads the members of an object whose text may stop anywhere; `partial_json_call` the call such an
 object has begun (`{"name": ..., "arguments": {...}}`: its name once whole, its arguments' raw text as far as it goes);
 `partial_json_list` the calls of a list of them. The raw text of a call's arguments, as the model wrote it, is also
-what whole answers return (`raw_arguments`), so what a stream sends is always the beginning of the final arguments.
+what whole answers return (`tool_calls.keep_raw_arguments`), so what a stream sends is always the beginning of the
+final arguments.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def json_members(text: str, start: int) -> tuple[list[Member], int | None]:
     if position < len(text) and text[position] == "}":
         return members, position + 1
     while position < len(text):
-        key_end = value_end(text, position)
-        if text[position] != '"' or key_end is None:
+        key_end = value_end(text, position) if text[position] == '"' else None
+        if key_end is None:
             return members, None
         key = json.loads(text[position:key_end])
         position = skip_whitespace(text, key_end)
@@ -127,16 +128,6 @@ def partial_json_call(text: str, start: int, arguments_keys: tuple[str, ...]) ->
         value = json.loads(text[arguments.start:arguments.end])
         call.arguments = value if isinstance(value, str) else ""
     return call, end
-
-
-def raw_arguments(text: str, start: int, arguments_keys: tuple[str, ...]) -> str | None:
-    """The raw text of the object or array arguments of the whole JSON call object at `start` (the last such member,
-    as `json.loads` keeps the last of a repeated key), or None when they are not an object or array."""
-    members, _ = json_members(text, start)
-    arguments = [m for m in members if m.key in arguments_keys and m.end is not None]
-    if not arguments or text[arguments[-1].start] not in "{[":
-        return None
-    return text[arguments[-1].start:arguments[-1].end]
 
 
 def partial_json_list(text: str, arguments_keys: tuple[str, ...]) -> list[PartialCall]:

@@ -59,9 +59,13 @@ class ResponseStore:
         rest = {key: value for key, value in body.items() if key != "previous_response_id"}
         return {**rest, "input": history + input_items(body.get("input"))}
 
+    def stores(self, body: dict[str, Any]) -> bool:
+        """Whether the response to `body` will be stored (the response object's `store`)."""
+        return self.capacity > 0 and body.get("store") is not False
+
     def keep(self, body: dict[str, Any], response: dict[str, Any]) -> None:
         """Store a finished `response` to the (continued) request `body`, unless it asked `store: false`."""
-        if self.capacity == 0 or body.get("store") is False:
+        if not self.stores(body):
             return
         with self._lock:
             self._responses[response["id"]] = (copy.deepcopy(response), input_items(body.get("input")))

@@ -8,7 +8,7 @@ check, the chat template, the tool-call and reasoning parsers and the answer its
 `target.generate`'s). The answer comes back as a response object (`response_object`): a `reasoning` item (the think
 block), a `message` item with the `output_text`, and a `function_call` item per call; `status` "incomplete" when
 `max_output_tokens` cut it. Streamed, as the typed events of the Responses API (`ResponseEvents`): text and reasoning
-deltas as they are sure (as the chat stream sends them), each call whole before `response.completed`.
+deltas as they are sure (as the chat stream sends them), each call as it is written (inference/tool_call_stream.py).
 
 Responses are stored (unless `store: false`) so that `previous_response_id` continues a conversation
 (inference/response_store.py); `conversation` objects are refused by name, as are `background` runs and `include` /

@@ -398,6 +398,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         continues), answered as a response object or its events, and stored unless it says `store: false`."""
         continued = self.service.responses.continued(body) if isinstance(body, dict) else body
         request = self.service.parse(chat_body(continued), True)
+        body = {**body, "store": self.service.responses.stores(body)}  # as the response object says it
         if request.stream:
             self._stream_response(request, body, continued)
             return

@@ -7,12 +7,13 @@ Agent clients show a long call (a file's content, a shell command) while it is w
 What is sent must be part of the final answer's arguments, so a partial reader gives, for the answer's text so far,
 each call begun (`PartialCall`): its name and the prefix of its arguments that the text already fixes. The formats:
 
-- JSON (hermes blocks, llama3_json answers, `tool_choice` "required" and a named function): the arguments are the JSON the model wrote, as
-  written (its raw text; whole answers use the same text), streamed as it grows; the partial reading is
+- JSON (hermes blocks, llama3_json answers, `tool_choice` "required" and a named function): the arguments are the
+  JSON as the model wrote it (whole answers return the same text), streamed as it grows; the partial reading is
   inference/partial_json.py.
 - Qwen3-Coder XML: the arguments are built as `json.dumps` of the parameters; a string parameter is streamed as it
   grows (escaped character by character, less a tail that may be its closing tag), other types once their tag closes.
-- Other parsers (pythonic, mistral) have no partial reader: their calls go whole at the end.
+- Mistral's JSON list or `name[ARGS]{...}` calls: the JSON as written, as the others.
+- Pythonic calls (Python literals, not JSON) have no partial reader: they go whole at the end.
 
 `CallStream` keeps what was sent and makes the deltas. At the end the whole answer's calls are checked against what
 was streamed (`agrees`): when each begins with what was sent, the rest follows (`complete`: usually the closing brace);
@@ -23,6 +24,7 @@ cut by max_tokens. (Unstreamed answers keep the whole-answer rule: calls that do
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,7 @@ class CallDelta:
 class CallStream:
     """What of an answer's calls was streamed, and the deltas that bring a client up to date."""
 
+    new_id: Callable[[], str] = new_call_id  # a call's id (the tool parser's `new_call_id` where it has one)
     sent: list[ToolCall] = field(default_factory=list)  # per call: its id, name and the arguments sent
 
     def update(self, partial: list[PartialCall]) -> list[CallDelta]:
@@ -58,9 +61,10 @@ class CallStream:
         deltas = []
         for index, call in enumerate(partial):
             if index == len(self.sent):
-                self.sent.append(ToolCall(call.name, call.arguments, new_call_id()))
+                self.sent.append(ToolCall(call.name, call.arguments, self.new_id()))
                 deltas.append(CallDelta(index, call.arguments, self.sent[index].id, call.name))
-            elif len(call.arguments) > len(self.sent[index].arguments):
+            elif len(call.arguments) > len(self.sent[index].arguments) and call.arguments.startswith(
+                    self.sent[index].arguments):  # (a reading that is not the sent text grown waits for the end)
                 deltas.append(CallDelta(index, call.arguments[len(self.sent[index].arguments):]))
                 self.sent[index].arguments = call.arguments
         return deltas
@@ -72,7 +76,7 @@ class CallStream:
 
     def complete(self, calls: list[ToolCall]) -> list[CallDelta]:
         """The deltas that finish the streamed calls as the whole answer's `calls` (which `agrees`), and send the
-        calls not streamed yet whole; the streamed calls' ids go to `calls`."""
+        calls not streamed yet whole; `calls` get the streamed calls' ids, and new ones for the others."""
         deltas = []
         for index, call in enumerate(calls):
             if index < len(self.sent):
@@ -80,6 +84,7 @@ class CallStream:
                 if rest:
                     deltas.append(CallDelta(index, rest))
             else:
+                call.id = self.new_id()
                 deltas.append(CallDelta(index, call.arguments, call.id, call.name))
         self.sent = [ToolCall(call.name, call.arguments, call.id) for call in calls]
         return deltas

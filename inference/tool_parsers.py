@@ -2,9 +2,9 @@
 
 Each parser has `parse(text, tools) -> (content, calls)` (an answer holding no call that parses is all content: calls
 are read, never repaired) and `content_length(text)`: how much of a growing answer is surely content, so a stream can
-send it before the answer ends. `hermes`, `qwen3_coder` and `llama3_json` also have `partial_calls(text, tools)`: the
-calls a growing answer has begun, so a stream sends them as they are written (inference/tool_call_stream.py); the
-others' calls go whole at the end. `detect_parser` picks the parser a chat template's call format needs.
+send it before the answer ends. All but `pythonic` also have `partial_calls(text, tools)`: the calls a growing answer
+has begun, so a stream sends them as they are written (inference/tool_call_stream.py); pythonic calls go whole at the
+end. A parser with `new_call_id` makes its calls' ids (Mistral's 9 characters). `detect_parser` picks the parser a chat template's call format needs.
 
 | parser        | the model writes                                                      | models                       |
 |---------------|-----------------------------------------------------------------------|------------------------------|
@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from .partial_json import PartialCall, partial_json_call, skip_whitespace
+from .partial_json import PartialCall, partial_json_call, partial_json_list, skip_whitespace, value_end
 from .text_deltas import before_marker
 from .tool_calls import ToolCall, call_from_object, json_list, keep_raw_arguments
 
@@ -316,10 +316,15 @@ class MistralParser:
     marker, args_marker = "[TOOL_CALLS]", "[ARGS]"
     function_name = re.compile(r"[A-Za-z0-9_.\-]+")
 
+    @staticmethod
+    def new_call_id() -> str:
+        """A call id as Mistral's chat templates demand of the calls a client sends back: 9 letters and digits."""
+        return uuid.uuid4().hex[:9]
+
     def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
         content, calls = self._parse(text)
         for call in calls:
-            call.id = uuid.uuid4().hex[:9]
+            call.id = self.new_call_id()
         return content, calls
 
     def _parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -335,13 +340,14 @@ class MistralParser:
             position = match.end()
             if body.startswith(self.args_marker, position):
                 position += len(self.args_marker)
+            start = position
             try:
                 arguments, position = decoder.raw_decode(body, position)
             except json.JSONDecodeError:
                 return text, []
             if not isinstance(arguments, dict):
                 return text, []
-            calls.append(ToolCall(match.group(), json.dumps(arguments, ensure_ascii=False)))
+            calls.append(ToolCall(match.group(), body[start:position]))  # the arguments as written
             while position < len(body) and body[position].isspace():
                 position += 1
         return ("", calls) if calls else (text, [])
@@ -357,6 +363,25 @@ class MistralParser:
         if not rest or rest.startswith("{") or rest.startswith(self.args_marker) or self.args_marker.startswith(rest):
             return 0
         return len(text)
+
+    def partial_calls(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> list[PartialCall]:
+        """The calls a growing answer has begun (inference/tool_call_stream.py): the list's objects as far as they
+        go, or each `name[ARGS]{...}` once its name is followed by its arguments."""
+        body = text.replace(self.marker, " ")
+        position = skip_whitespace(body, 0)
+        if body.startswith("[", position):
+            return partial_json_list(body, ("parameters", "arguments"))
+        calls: list[PartialCall] = []
+        while (match := self.function_name.match(body, position)) is not None:
+            start = match.end() + (len(self.args_marker) if body.startswith(self.args_marker, match.end()) else 0)
+            if not body.startswith("{", start):  # the name may still grow, or its [ARGS] is still being written
+                break
+            end = value_end(body, start)
+            calls.append(PartialCall(match.group(), body[start:len(body) if end is None else end]))
+            if end is None:
+                break
+            position = skip_whitespace(body, end)
+        return calls
 
 
 PARSERS = {parser.name: parser for parser in (HermesParser, Qwen3CoderParser, Llama3JsonParser, PythonicParser,

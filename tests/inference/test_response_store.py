@@ -82,5 +82,6 @@ def test_the_store_forgets_the_least_recently_used_past_its_capacity():
     with pytest.raises(ApiError, match="--responses-store 0") as err:
         ResponseStore(0).continued({"input": "x", "previous_response_id": "a"})
     assert err.value.param == "previous_response_id"
+    assert store.stores({}) and not store.stores({"store": False}) and not ResponseStore(0).stores({})
     with pytest.raises(ValueError, match="capacity=-1"):
         ResponseStore(-1)
