@@ -13,7 +13,8 @@ each call begun (`PartialCall`): its name and the prefix of its arguments that t
 - Qwen3-Coder XML: the arguments are built as `json.dumps` of the parameters; a string parameter is streamed as it
   grows (escaped character by character, less a tail that may be its closing tag), other types once their tag closes.
 - Mistral's JSON list or `name[ARGS]{...}` calls: the JSON as written, as the others.
-- Pythonic calls (Python literals, not JSON) have no partial reader: they go whole at the end.
+- Pythonic calls: the JSON `parse` builds from the keywords, a keyword at a time once its value (a Python literal)
+  is whole.
 
 `CallStream` keeps what was sent and makes the deltas. At the end the whole answer's calls are checked against what
 was streamed (`agrees`): when each begins with what was sent, the rest follows (`complete`: usually the closing brace);

@@ -2,9 +2,9 @@
 
 Each parser has `parse(text, tools) -> (content, calls)` (an answer holding no call that parses is all content: calls
 are read, never repaired) and `content_length(text)`: how much of a growing answer is surely content, so a stream can
-send it before the answer ends. All but `pythonic` also have `partial_calls(text, tools)`: the calls a growing answer
-has begun, so a stream sends them as they are written (inference/tool_call_stream.py); pythonic calls go whole at the
-end. A parser with `new_call_id` makes its calls' ids (Mistral's 9 characters). `detect_parser` picks the parser a chat template's call format needs.
+send it before the answer ends, and `partial_calls(text, tools)`: the calls a growing answer has begun, so a stream
+sends them as they are written (inference/tool_call_stream.py). A parser with `new_call_id` makes its calls' ids
+(Mistral's 9 characters). `detect_parser` picks the parser a chat template's call format needs.
 
 | parser        | the model writes                                                      | models                       |
 |---------------|-----------------------------------------------------------------------|------------------------------|
@@ -303,6 +303,71 @@ class PythonicParser:
         if not opening or opening.startswith(("[", self.tags[0])) or self.tags[0].startswith(opening):
             return 0
         return len(text)
+
+    call_open = re.compile(r"\s*([A-Za-z_][\w.]*)\(")
+    keyword = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*")
+
+    def partial_calls(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> list[PartialCall]:
+        """The calls a growing answer has begun (inference/tool_call_stream.py): a call once `name(` is written, its
+        arguments the start of the JSON `parse` builds, a keyword at a time (once its value is whole)."""
+        body = text.lstrip().removeprefix(self.tags[0]).lstrip()
+        if not body.startswith("["):
+            return []
+        calls: list[PartialCall] = []
+        position = 1
+        while (match := self.call_open.match(body, position)) is not None:
+            call = PartialCall(match.group(1), "{")
+            calls.append(call)
+            position = match.end()
+            while (keyword := self.keyword.match(body, position)) is not None:
+                end = python_value_end(body, keyword.end())
+                try:
+                    value = ast.literal_eval(body[keyword.end():end]) if end is not None else None
+                    written = json.dumps(value, ensure_ascii=False) if end is not None else None
+                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                    written = None
+                if written is None:
+                    return calls
+                key = json.dumps(keyword.group(1), ensure_ascii=False)
+                call.arguments += ("" if call.arguments == "{" else ", ") + key + ": " + written
+                position = skip_whitespace(body, end)
+                if body.startswith(",", position):
+                    position += 1
+            position = skip_whitespace(body, position)
+            if not body.startswith(")", position):
+                return calls
+            position = skip_whitespace(body, position + 1)
+            if not body.startswith(",", position):
+                return calls
+            position += 1
+        return calls
+
+
+def python_value_end(text: str, start: int) -> int | None:
+    """Where the Python literal starting at `start` ends: at the `,` or `)` after it outside brackets and strings
+    (None: `text` ends first)."""
+    depth, position, quote = 0, start, ""
+    while position < len(text):
+        char = text[position]
+        if quote:
+            if char == "\\":
+                position += 1
+            elif text.startswith(quote, position):
+                position += len(quote) - 1
+                quote = ""
+        elif char in "\"'":
+            quote = text[position:position + 3] if text[position:position + 3] in ('"""', "'''") else char
+            position += len(quote) - 1
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            if depth == 0:
+                return position if position > start else None
+            depth -= 1
+        elif char == "," and depth == 0:
+            return position if position > start else None
+        position += 1
+    return None
 
 
 class MistralParser:

@@ -61,6 +61,7 @@ def stream_answer(tools: ToolRequest, parser, text: str, size: int):
     '{"name": "weather", "parameters": {"city": "Os',
     '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "clock", "arguments": {}}]',
     '[TOOL_CALLS]weather[ARGS]{"city": "Oslo"} clock[ARGS]{}', 'weather{"city": "Os',
+    "[weather(city='Rome, \"Italy\"', days=[1, (2, 3)]), clock()]", "[weather(city='Ro",
 ])
 def test_streamed_parts_join_to_the_answer_whatever_the_pieces(parser, text):
     """Streamed piece by piece (every split): the content sent plus what is sent at the end is the answer's content,
@@ -82,7 +83,7 @@ def test_streamed_parts_join_to_the_answer_whatever_the_pieces(parser, text):
         else:  # streamed while written, and the whole text did not read as calls after all: kept as written
             assert [(c.name, c.arguments) for c in parts.calls] == [(c.name, c.arguments) for c in partial]
             assert text.startswith(parts.content)
-    if parser.name != "pythonic" and whole_calls:  # these stream before the end
+    if whole_calls:  # every parser reads calls before the answer ends
         assert partial and [c.name for c in partial] == [c.name for c in whole_calls]
 
 
@@ -215,3 +216,26 @@ def test_calls_get_the_parsers_ids(choice):
             else:
                 parts = stream_answer(tools, parser, text, size)[2]
             assert [(c.name, len(c.id)) for c in parts.calls] == [("weather", length)]
+
+
+PYTHON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-999, 999), st.text(alphabet="ab,()[]'\"\\ \né=", max_size=6)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(alphabet="k,)'", max_size=2), inner,
+                                                                            max_size=2)), max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=st.lists(st.dictionaries(st.sampled_from(["city", "days", "q", "x_1"]), PYTHON_VALUES, max_size=3),
+                      min_size=1, max_size=2))
+def test_pythonic_partial_arguments_are_the_start_of_the_final_json(calls):
+    """For every prefix of a pythonic list of calls (string values with commas, parentheses, quotes and escapes;
+    nested lists and dicts), the arguments read are the start of those `parse` reads from the whole list."""
+    text = "[" + ", ".join(f"f{i}(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")"
+                           for i, kw in enumerate(calls)) + "]"
+    parser = PythonicParser()
+    content, whole = parser.parse(text)
+    assert content == "" and [json.loads(c.arguments) for c in whole] == calls
+    for cut in range(len(text) + 1):
+        for index, call in enumerate(parser.partial_calls(text[:cut])):
+            assert call.name == f"f{index}" and whole[index].arguments.startswith(call.arguments), (cut, call)
+    assert [c.arguments + "}" for c in parser.partial_calls(text)] == [c.arguments for c in whole]
