@@ -73,6 +73,10 @@ class AnswerParts:
             return content
         return "" if self.tools.forced else content[:self.tool_parser.content_length(content)]
 
+    def reasoning_length(self, text: str) -> int:
+        """Characters of the whole answer `text` its reasoning block takes, tags included (0: none)."""
+        return 0 if self.reasoning_parser is None else self.reasoning_parser.block_length(text, self.opened)
+
     def take_calls(self) -> list[CallDelta]:
         """The call pieces the last `feed`s made (inference/tool_call_stream.py), once."""
         deltas, self.call_deltas = self.call_deltas, []

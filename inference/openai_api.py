@@ -78,6 +78,7 @@ class Choice:
     reasoning: str | None = None  # the answer's think block (None: it has none)
     unsent_reasoning: str = ""  # streamed: the reasoning held back while it could have been the block's end
     unsent_calls: list[CallDelta] = field(default_factory=list)  # streamed: the pieces that finish the calls
+    reasoning_tokens: int = 0  # of the answer's tokens, those of its reasoning block (tags included)
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None,
@@ -457,6 +458,19 @@ def answer_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[int], text: s
         if len(tokenizer.decode(tokens[:count], skip_special_tokens=True)) >= len(text):
             return count
     return len(tokens)
+
+
+def tokens_covering(tokenizer: PreTrainedTokenizerBase, tokens: list[int], length: int) -> int:
+    """The fewest of the generated `tokens` whose decoded text reaches `length` characters (a reasoning block's
+    tokens: `usage.completion_tokens_details.reasoning_tokens`), found by bisection."""
+    low, high = 0, len(tokens)
+    while low < high:
+        middle = (low + high) // 2
+        if len(tokenizer.decode(tokens[:middle], skip_special_tokens=True)) >= length:
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def finish_reason(stopped_by_string: bool, new_tokens: list[int], max_new_tokens: int, eos: set[int],

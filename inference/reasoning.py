@@ -44,6 +44,15 @@ class ThinkParser:
             return body.strip(), ""
         return body[:before_marker(body, self.end)].strip(), ""
 
+    def block_length(self, text: str, opened: bool) -> int:
+        """How many characters of a whole answer `text` its reasoning block takes (through `</think>`; all of them for
+        a block never closed; 0 without one): what the answer's reasoning tokens spell (`usage.reasoning_tokens`)."""
+        stripped = text.lstrip()
+        if not stripped.startswith(self.start) and not opened:
+            return 0
+        close = text.find(self.end)
+        return len(text) if close < 0 else close + len(self.end)
+
 
 REASONING_PARSERS = {ThinkParser.name: ThinkParser}
 

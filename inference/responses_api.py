@@ -207,7 +207,7 @@ def response_object(response_id: str, created: int, body: dict[str, Any], model:
             "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
             "total_tokens": usage["total_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens_details": {"reasoning_tokens": 0},  # not counted apart: the reasoning is in output_tokens
+            "output_tokens_details": {"reasoning_tokens": usage["completion_tokens_details"]["reasoning_tokens"]},
         }
         response["specheads"] = stats
     return response

@@ -43,6 +43,7 @@ from .openai_api import (
     response_body,
     sse,
     token_logprobs,
+    tokens_covering,
 )
 from .openai_penalties import LogitBias, OccurrencePenalties
 from .prompt_cache import PromptCachePool
@@ -217,13 +218,16 @@ class CompletionService:
             parts = readers[run].finish(delta.text)
             reason = finish_reason(delta.stopped, new, job.max_new_tokens, job.eos, called_tools=bool(parts.calls))
             unsent = (parts.unsent_content, parts.unsent_reasoning, parts.unsent_calls) if streamed else ("", "", [])
+            thought = readers[run].reasoning_length(delta.text)
             choices.append(Choice(parts.content, reason, logprobs, parts.calls, unsent[0], parts.reasoning, unsent[1],
-                                  unsent[2]))
+                                  unsent[2], tokens_covering(self.tokenizer, new, thought) if thought else 0))
         choices = [choices[index % runs] for index in range(request.n)]
         generated = sum(len(job.new_tokens) for job in jobs)
         completion = sum(len(jobs[index % runs].new_tokens) for index in range(request.n))
         usage = {"prompt_tokens": ids.shape[1], "completion_tokens": completion, "total_tokens": ids.shape[1] + completion,
                  "prompt_tokens_details": {"cached_tokens": jobs[0].reused_prompt_tokens}}
+        if chat:  # OpenAI's count of the reasoning among the completion tokens
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}
         forwards = sum(job.target_forwards for job in jobs)
         summary = {"mean_accepted": generated / max(forwards, 1), "target_forwards": forwards,
                    "tokens_per_second": generated / seconds if seconds > 0 else 0.0,

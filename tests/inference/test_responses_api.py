@@ -113,6 +113,9 @@ def test_a_response_is_the_chat_answer_as_items_whole_or_streamed(tool_server): 
         assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                          for c in message.get("tool_calls", [])]
         assert body["usage"]["output_tokens"] == chat["usage"]["completion_tokens"] and body["usage"]["input_tokens"] > 0
+        assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == chat["usage"]["completion_tokens_details"][
+            "reasoning_tokens"] and (chat["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0) == (
+            "reasoning_content" in message)
 
         events = events_of(url, request)
         kinds = [kind for kind, _ in events]

@@ -204,6 +204,12 @@ def test_reasoning_is_split_off_as_reasoning_content_streamed_or_not(tool_server
     message = body["choices"][0]["message"]
     assert status == 200 and message == {"role": "assistant", "content": "Yes, it is blue.",
                                          "reasoning_content": "The sky is blue on a sunny day."}
+    # the reasoning tokens: the fewest of the answer's tokens that spell its block, through </think>
+    ids = torch.tensor([template_ids(tokenizer, THINKING_QUESTION)])
+    new = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=80, do_sample=False)[0, ids.shape[1]:]
+    thought = body["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < thought < body["usage"]["completion_tokens"]
+    assert tokenizer.decode(new[:thought]).endswith("</think>") and "</think>" not in tokenizer.decode(new[:thought - 1])
     status, events = post(url, {"messages": THINKING_QUESTION, "stream": True})
     deltas = [e["choices"][0]["delta"] for e in events]
     reasoning = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
@@ -220,6 +226,7 @@ def test_reasoning_is_split_off_as_reasoning_content_streamed_or_not(tool_server
     assert cut.startswith("<think>") and "</think>" not in cut
     assert message == {"role": "assistant", "content": "", "reasoning_content": cut.replace("<think>", "").strip()}
     assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 14  # all of a block never closed
 
     # a prompt that opens the block (DeepSeek-R1's generation prompt): the answer starts as reasoning
     ids = template_ids(tokenizer, QUESTION, open_think=True)
