@@ -26,9 +26,10 @@ def test_describe_eagle_and_medusa_heads(stories260k, tmp_path):
     assert summary["custom_generate"] is False and summary["target_adapter"] is None
     write_custom_generate(tmp_path / "eagle")
     assert describe_heads(tmp_path / "eagle")["custom_generate"] is True
-    create_heads(stories260k[0], "medusa").save_pretrained(tmp_path / "medusa")
+    assert "cpu_tree" not in summary  # none: the same tree on every device
+    create_heads(stories260k[0], "medusa", cpu_tree={"static_tree": "medusa_small"}).save_pretrained(tmp_path / "medusa")
     medusa = describe_heads(tmp_path / "medusa")
-    assert medusa["num_heads"] >= 1 and "tree" not in medusa
+    assert medusa["num_heads"] >= 1 and "tree" not in medusa and medusa["cpu_tree"] == {"static_tree": "medusa_small"}
 
 
 def test_info_command_checks_the_heads_against_a_target(stories260k, tmp_path, capsys):
