@@ -22,6 +22,8 @@ from transformers import PreTrainedTokenizerBase, TextStreamer
 from .answer_parts import AnswerParts
 from .prompt_cache import PromptCache
 from .reasoning import ThinkParser
+from .tool_calls import ToolCall, template_message, tool_request
+from .tool_parsers import PARSERS, detect_parser, make_parser
 
 
 def read_chat_template(value: str) -> str:
@@ -33,7 +35,8 @@ def read_chat_template(value: str) -> str:
 
 
 class ChatSession:
-    """A conversation: `ask(text)` adds a user message, generates the answer, adds it, returns its text.
+    """A conversation: `ask(text)` adds a user message, generates the answer, adds it, returns its text; with `tools`,
+    the answer's calls are `last_calls`, and `add_tool_result(call_id, text)` then `reply()` go on after them.
 
     Args:
         lm: the `SpeculativeLM` that answers.
@@ -45,6 +48,11 @@ class ChatSession:
         processor: a vision-language target's processor (`multimodal.image_processor_for`): messages may then show
             images, and it renders the conversation (its chat template unless `chat_template` is given).
         chat_template_kwargs: keywords of the chat template (`enable_thinking=False`, ...).
+        tools: OpenAI-style function tools (`{"type": "function", "function": {"name", "description", "parameters"}}`)
+            the chat template shows the model: each answer's calls are read out of it (`last_calls`, and the history's
+            assistant turn holds them), and `add_tool_result` + `reply` continue after them (inference/tool_calls.py).
+        tool_parser: how calls are read (inference/tool_parsers.py): "auto" (the format the chat template shows) or a
+            parser's name.
         **generate_options: passed to every `lm.generate` call (max_new_tokens, do_sample, temperature, stop_strings,
             logits_processor, ...).
 
@@ -61,6 +69,8 @@ class ChatSession:
         reuse_cache: bool = True,
         processor: Any | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_parser: str = "auto",
         **generate_options: Any,
     ) -> None:
         self.lm = lm
@@ -80,11 +90,37 @@ class ChatSession:
             )
         self.system = system
         self.generate_options = generate_options
+        self.tools, self.tool_parser = self._tools(tools, tool_parser, renderer)
+        self.last_calls: list[ToolCall] = []  # the calls the last answer made (with `tools`)
         self.cache = PromptCache() if reuse_cache else None
         self.messages: list[dict[str, Any]] = []
         self.images: list[Any] = []  # the conversation's images (PIL), in the order its messages show them
         self.last_stats: dict[str, Any] = {}
         self.reset()
+
+    def _tools(self, tools: list[dict[str, Any]] | None, parser: str, renderer: Any) -> tuple[Any, Any]:
+        """The checked `ToolRequest` and its parser (None, None without tools); a template that does not show the
+        tools, or shows no call format known here, is refused by name."""
+        if not tools:
+            return None, None
+        if self.processor is not None:
+            raise ValueError("ChatSession: tools with a vision-language processor are not supported")
+        request = tool_request({"tools": tools})  # a ValueError (ToolRequestError) names a malformed tool
+        template = self.chat_template or renderer.chat_template
+        name = detect_parser(template) if parser == "auto" else parser
+        if name is None:
+            raise ValueError("ChatSession(tools=...): the chat template shows no tool-call format known here; pass "
+                             f"tool_parser= (one of {', '.join(PARSERS)})")
+        probe = [{"role": "user", "content": "?"}]
+        if self._render_text(probe, request.tools) == self._render_text(probe, None):
+            raise ValueError("ChatSession(tools=...): the chat template leaves the tools out of the prompt, so the model "
+                             "could not know them; pass a chat_template that renders `tools`")
+        return request, make_parser(name)
+
+    def _render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=self.chat_template,
+                                                  tokenize=False, **({"tools": tools} if tools else {}),
+                                                  **self.template_kwargs)
 
     def reset(self) -> None:
         """Start a new conversation (the system message stays)."""
@@ -109,9 +145,11 @@ class ChatSession:
 
             return encode_image_prompt(self.processor, self.messages, self.images, self.chat_template,
                                        self.template_kwargs)
+        tools = {} if self.tools is None else {"tools": self.tools.tools}
+        messages = [{**message, **template_message(message)} for message in self.messages]  # calls' arguments as objects
         return self.tokenizer.apply_chat_template(
-            self.messages, add_generation_prompt=True, chat_template=self.chat_template, return_tensors="pt",
-            return_dict=True, **self.template_kwargs,
+            messages, add_generation_prompt=True, chat_template=self.chat_template, return_tensors="pt",
+            return_dict=True, **tools, **self.template_kwargs,
         )["input_ids"], {}
 
     def ask(self, text: str, streamer: Any | None = None, images: list[Any] | None = None) -> str:
@@ -130,15 +168,43 @@ class ChatSession:
         self.messages.append(self._message("user", text, len(shown)))
         self.images += shown
         try:
-            input_ids, inputs = self.render_with_inputs()
-            out = self.lm.generate(input_ids.to(self.lm.target.device), prompt_cache=self.cache, streamer=streamer,
-                                   **inputs, **self.generate_options)
+            return self._answer(streamer)
         except BaseException:
             self.messages.pop()  # the turn did not happen (an error, Ctrl-C): the history stays as it was
             del self.images[len(self.images) - len(shown):]
             raise
+
+    def add_tool_result(self, call_id: str, content: str, name: str | None = None) -> None:
+        """Add a tool's result to the history: the answer to the call `call_id` of the last answer (`last_calls`);
+        then `reply()` has the model go on."""
+        if not any(call.id == call_id for call in self.last_calls):
+            known = ", ".join(call.id for call in self.last_calls) or "none"
+            raise ValueError(f"call_id={call_id!r} is not a call of the last answer (its calls: {known})")
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": content,
+                              **({"name": name} if name else {})})
+
+    def reply(self, streamer: Any | None = None) -> str:
+        """Generate the next assistant turn after the history as it is (the tools' results added), add it, return
+        its text."""
+        if not self.messages or self.messages[-1]["role"] != "tool":
+            raise ValueError("reply() goes on after tool results (add_tool_result); to say something, use ask(text)")
+        return self._answer(streamer)
+
+    def _answer(self, streamer: Any | None) -> str:
+        """Generate the assistant's turn after the history, add it (its calls read out when the session has tools),
+        return its text (the content, with tools)."""
+        input_ids, inputs = self.render_with_inputs()
+        out = self.lm.generate(input_ids.to(self.lm.target.device), prompt_cache=self.cache, streamer=streamer,
+                               **inputs, **self.generate_options)
         answer = self.tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
-        self.messages.append(self._message("assistant", answer))
+        self.last_calls = []
+        if self.tools is None:
+            self.messages.append(self._message("assistant", answer))
+        else:
+            parts = AnswerParts(self.tools, self.tool_parser).finish(answer)
+            answer, self.last_calls = parts.content, parts.calls
+            self.messages.append({"role": "assistant", "content": answer,
+                                  **({"tool_calls": [call.body() for call in parts.calls]} if parts.calls else {})})
         self.last_stats = {**self.lm.last_stats, "prompt_tokens": int(input_ids.shape[1])}
         return answer
 
