@@ -10,6 +10,7 @@ final arguments.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\n\r"
@@ -29,43 +30,34 @@ def skip_whitespace(text: str, position: int) -> int:
     return position
 
 
+# a whole JSON string (the unrolled form: fast on long strings), an opening quote that never closes, or a bracket
+JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+JSON_STRUCTURE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"|[\[\]{}]', re.S)
+JSON_SCALAR = re.compile(r'[^,}\]\s]+')
+
+
 def value_end(text: str, start: int) -> int | None:
     """Where the JSON value starting at `start` ends (one past its last character), or None if `text` ends first (a
-    number or literal at the very end may still grow: None too). Does not check the value is valid JSON."""
-    first = text[start] if start < len(text) else ""
+    number or literal at the very end may still grow: None too). Does not check the value is valid JSON. Scans with
+    regular expressions (no loop over characters in Python): streams call it on every piece of a growing answer."""
+    first = text[start:start + 1]
     if first == '"':
-        position = start + 1
-        while position < len(text):
-            if text[position] == "\\":
-                position += 2
-            elif text[position] == '"':
-                return position + 1
-            else:
-                position += 1
+        match = JSON_STRING.match(text, start)
+        return None if match is None else match.end()
+    if first in ("{", "["):
+        depth = 0
+        for match in JSON_STRUCTURE.finditer(text, start):
+            token = match.group()
+            if token == '"':  # a string still being written: the value goes on
+                return None
+            if token[0] == '"':
+                continue
+            depth += 1 if token in "{[" else -1
+            if depth == 0:
+                return match.end()
         return None
-    if first in "{[":
-        depth, position, in_string = 0, start, False
-        while position < len(text):
-            char = text[position]
-            if in_string:
-                if char == "\\":
-                    position += 1
-                elif char == '"':
-                    in_string = False
-            elif char == '"':
-                in_string = True
-            elif char in "{[":
-                depth += 1
-            elif char in "}]":
-                depth -= 1
-                if depth == 0:
-                    return position + 1
-            position += 1
-        return None
-    position = start
-    while position < len(text) and text[position] not in ",}] \t\n\r":
-        position += 1
-    return position if position < len(text) and position > start else None
+    match = JSON_SCALAR.match(text, start)
+    return match.end() if match is not None and match.end() < len(text) else None
 
 
 @dataclass

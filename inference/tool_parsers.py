@@ -18,6 +18,7 @@ sends them as they are written (inference/tool_call_stream.py). A parser with `n
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 import uuid
@@ -321,11 +322,7 @@ class PythonicParser:
             position = match.end()
             while (keyword := self.keyword.match(body, position)) is not None:
                 end = python_value_end(body, keyword.end())
-                try:
-                    value = ast.literal_eval(body[keyword.end():end]) if end is not None else None
-                    written = json.dumps(value, ensure_ascii=False) if end is not None else None
-                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                    written = None
+                written = None if end is None else literal_json(body[keyword.end():end])
                 if written is None:
                     return calls
                 key = json.dumps(keyword.group(1), ensure_ascii=False)
@@ -343,31 +340,40 @@ class PythonicParser:
         return calls
 
 
+# a whole Python string literal (triple-quoted or not; the unrolled form), an opening quote that never closes, or a
+# bracket or comma
+PYTHON_STRUCTURE = re.compile(
+    r"'''[^'\\]*(?:(?:\\.|'(?!''))[^'\\]*)*'''|\"\"\"[^\"\\]*(?:(?:\\.|\"(?!\"\"))[^\"\\]*)*\"\"\""
+    r"|'[^'\\\n]*(?:\\.[^'\\\n]*)*'|\"[^\"\\\n]*(?:\\.[^\"\\\n]*)*\"|'''|\"\"\"|'|\"|[()\[\]{},]", re.S)
+
+
 def python_value_end(text: str, start: int) -> int | None:
     """Where the Python literal starting at `start` ends: at the `,` or `)` after it outside brackets and strings
-    (None: `text` ends first)."""
-    depth, position, quote = 0, start, ""
-    while position < len(text):
-        char = text[position]
-        if quote:
-            if char == "\\":
-                position += 1
-            elif text.startswith(quote, position):
-                position += len(quote) - 1
-                quote = ""
-        elif char in "\"'":
-            quote = text[position:position + 3] if text[position:position + 3] in ('"""', "'''") else char
-            position += len(quote) - 1
-        elif char in "([{":
+    (None: `text` ends first). Scans with a regular expression, as `partial_json.value_end` does."""
+    depth = 0
+    for match in PYTHON_STRUCTURE.finditer(text, start):
+        token = match.group()
+        if token in ("'", '"', "'''", '"""'):  # a string still being written
+            return None
+        if token[0] in "'\"":
+            continue
+        if token in "([{":
             depth += 1
-        elif char in ")]}":
-            if depth == 0:
-                return position if position > start else None
+        elif depth == 0:  # a comma or a closing bracket outside the value: it ends there
+            return match.start() if match.start() > start else None
+        elif token in ")]}":
             depth -= 1
-        elif char == "," and depth == 0:
-            return position if position > start else None
-        position += 1
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def literal_json(text: str) -> str | None:
+    """A Python literal's text as the JSON `parse` writes for it (None: not a literal, or not JSON), kept: a growing
+    answer's whole keywords are read again with every piece."""
+    try:
+        return json.dumps(ast.literal_eval(text), ensure_ascii=False)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
 
 
 class MistralParser:

@@ -25,6 +25,7 @@ from specheads.inference.tool_parsers import (
     MistralParser,
     PythonicParser,
     Qwen3CoderParser,
+    python_value_end,
 )
 
 from .conftest import join_streamed_calls
@@ -171,6 +172,11 @@ def test_partial_json_call_reads_every_prefix_as_the_start_of_the_arguments(argu
 def test_json_members_and_value_end_read_as_far_as_the_text_goes():
     assert value_end('"a\\"b" x', 0) == 6 and value_end('{"}": [1, "]"]} ,', 0) == 15 and value_end("12", 0) is None
     assert value_end("12,", 0) == 2 and value_end('{"a": [1', 0) is None and value_end('"ab', 0) is None
+    assert value_end('["a\\"]", 1] x', 0) == 11 and value_end('["a]', 0) is None  # a bracket inside an open string
+    # Python literals (pythonic calls): triple quotes, escapes, nesting; None while a string is open
+    assert python_value_end("'''a'b'', c)''', d=1)", 0) == 15 and python_value_end("'a\\'b', x", 0) == 6
+    assert python_value_end("(1, [2, 3]))", 0) == 11 and python_value_end("'ab", 0) is None
+    assert python_value_end('"""x', 0) is None and python_value_end(", x", 0) is None
     members, end = json_members('{"a": 1, "b": {"c": "}"}, "d"', 0)
     assert [(m.key, m.end is not None) for m in members] == [("a", True), ("b", True)] and end is None
     assert json_members("{ }", 0) == ([], 3) and json_members("[1]", 0) == ([], None)
