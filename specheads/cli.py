@@ -135,6 +135,9 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
                    help="a reasoning model's <think> block: show (printed apart, dimmed on a terminal), hide (left out; "
                         "its length on stderr), raw (printed as written, tags and all), auto (show when the chat "
                         "template knows </think>, else raw; default)")
+    p.add_argument("--tools", default=None, metavar="FILE_OR_JSON",
+                   help="OpenAI-style function tools (a JSON list) shown to the model: each call it makes is printed "
+                        "on stderr and the next input line is its result; the call format is read off the chat template")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -354,8 +357,12 @@ def run_chat(args: argparse.Namespace) -> int:
     processor = image_processor_for(args.target) if takes_images(lm.target) else None
     if args.image and processor is None:
         raise ValueError(f"--image needs a vision-language target with an image processor; {args.target!r} has none")
+    tools = None
+    if args.tools is not None:
+        tools = json.loads(Path(args.tools).read_text() if Path(args.tools).is_file() else args.tools)
     session = ChatSession(lm, system=args.system, chat_template=template, reuse_cache=not args.no_cache,
-                          processor=processor, chat_template_kwargs=args.chat_template_kwargs, **_generate_options(args))
+                          processor=processor, chat_template_kwargs=args.chat_template_kwargs, tools=tools,
+                          **_generate_options(args))
     print(f"[specheads] chat with {args.target} (tree {tree_spec(lm.tree_description())}; "
           f"{', '.join(f'{k}={v}' for k, v in kernels.items())}); "
           f"/reset starts over, {'/image FILE attaches an image, ' if processor else ''}/exit quits", file=sys.stderr)
@@ -403,18 +410,31 @@ def _chat_loop(session, images: list[str], reasoning: str = "raw") -> None:
                 images.append(path)
                 print(f"[specheads] {path} goes with the next message", file=sys.stderr)
             continue
-        streamer = (TextStreamer(session.tokenizer, skip_prompt=True, skip_special_tokens=True) if reasoning == "raw"
+        def streamer():
+            return (TextStreamer(session.tokenizer, skip_prompt=True, skip_special_tokens=True) if reasoning == "raw"
                     else ReasoningStreamer(session.tokenizer, show_reasoning=reasoning == "show"))
+
+        printer = streamer()
         try:
-            session.ask(text, streamer=streamer, images=images)
+            session.ask(text, streamer=printer, images=images)
             images = []
         except KeyboardInterrupt:
             print("\n[specheads] interrupted: the turn is dropped", file=sys.stderr)
             continue
-        if reasoning == "hide" and streamer.reasoning_chars:
-            print(f"[specheads] reasoning hidden ({streamer.reasoning_chars} characters; --reasoning show prints it)",
+        if reasoning == "hide" and printer.reasoning_chars:
+            print(f"[specheads] reasoning hidden ({printer.reasoning_chars} characters; --reasoning show prints it)",
                   file=sys.stderr)
         print(_stats_line(session.last_stats), file=sys.stderr, flush=True)
+        while session.last_calls:  # --tools: each call's result is the next input line, then the model goes on
+            for call in session.last_calls:
+                print(f"[specheads] tool call {call.name}({call.arguments}) [{call.id}]: its result?", file=sys.stderr,
+                      flush=True)
+                result = sys.stdin.readline()
+                if not result:
+                    return
+                session.add_tool_result(call.id, result.rstrip("\n"))
+            session.reply(streamer=streamer())
+            print(_stats_line(session.last_stats), file=sys.stderr, flush=True)
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError, ImportError)

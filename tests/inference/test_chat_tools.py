@@ -49,3 +49,21 @@ def test_tools_a_template_cannot_show_are_refused(stories260k):
         ChatSession(lm, chat_template=PLAIN_TEMPLATE, tools=[WEATHER], tool_parser="hermes")
     with pytest.raises(ValueError, match="tools\\[0\\]"):
         ChatSession(lm, chat_template=TOOL_TEMPLATE, tools=[{"type": "function"}])
+
+
+def test_chat_command_with_tools_asks_each_result_then_goes_on(tool_server, monkeypatch, capsys):  # noqa: F811
+    """`specheads chat --tools`: a call is printed on stderr, the next input line is its result, the model goes on."""
+    import io
+    import sys
+
+    from specheads.cli import _chat_loop
+
+    _, target, tokenizer = tool_server
+    lm = SpeculativeLM(target, make_heads(target, "eagle"), tokenizer=tokenizer)
+    session = ChatSession(lm, chat_template=TOOL_TEMPLATE, tools=[WEATHER], max_new_tokens=80)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(QUESTION[0]["content"] + "\nrain\n/exit\n"))
+    _chat_loop(session, [], "raw")
+    _, err = capsys.readouterr()
+    assert 'tool call weather({"city": "Paris"}) [call_' in err and "its result?" in err
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "tool", "assistant"]
+    assert session.messages[2]["content"] == "rain"
