@@ -283,8 +283,9 @@ def _stats_line(stats: dict, kernels: dict | None = None, tree: str | None = Non
     line = f"[specheads] {stats['new_tokens']} tokens, tau={stats['mean_accepted']:.2f}, {stats['tokens_per_second']:.1f} tokens/s"
     if "prompt_tokens" in stats:
         line += f", prompt {stats['prompt_tokens']} tokens ({stats['reused_prompt_tokens']} reused)"
-    if kernels or tree:
-        line += f" ({'; '.join(([f'tree {tree}'] if tree else []) + [', '.join(f'{k}={v}' for k, v in kernels.items())])})"
+    details = ([f"tree {tree}"] if tree else []) + ([", ".join(f"{k}={v}" for k, v in kernels.items())] if kernels else [])
+    if details:
+        line += f" ({'; '.join(details)})"
     return line
 
 
@@ -357,9 +358,7 @@ def run_chat(args: argparse.Namespace) -> int:
     processor = image_processor_for(args.target) if takes_images(lm.target) else None
     if args.image and processor is None:
         raise ValueError(f"--image needs a vision-language target with an image processor; {args.target!r} has none")
-    tools = None
-    if args.tools is not None:
-        tools = json.loads(Path(args.tools).read_text() if Path(args.tools).is_file() else args.tools)
+    tools = None if args.tools is None else _read_tools(args.tools)
     session = ChatSession(lm, system=args.system, chat_template=template, reuse_cache=not args.no_cache,
                           processor=processor, chat_template_kwargs=args.chat_template_kwargs, tools=tools,
                           **_generate_options(args))
@@ -377,6 +376,14 @@ def run_chat(args: argparse.Namespace) -> int:
     finally:
         _save_learned(lm, args)
     return 0
+
+
+def _read_tools(value: str) -> list:
+    """`--tools`: a JSON list of OpenAI-style tools, or a file holding one."""
+    try:
+        return json.loads(value if value.lstrip().startswith("[") else Path(value).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--tools {value!r}: expected a JSON list of tools, or a file holding one ({err})") from None
 
 
 def _chat_loop(session, images: list[str], reasoning: str = "raw") -> None:

@@ -67,3 +67,16 @@ def test_chat_command_with_tools_asks_each_result_then_goes_on(tool_server, monk
     assert 'tool call weather({"city": "Paris"}) [call_' in err and "its result?" in err
     assert [m["role"] for m in session.messages] == ["user", "assistant", "tool", "assistant"]
     assert session.messages[2]["content"] == "rain"
+
+
+def test_chat_command_reads_tools_from_json_or_a_file(tmp_path):
+    from specheads.cli import _read_tools
+
+    assert _read_tools(json.dumps([WEATHER])) == [WEATHER]
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    assert _read_tools(str(tmp_path / "tools.json")) == [WEATHER]
+    (tmp_path / "bad.json").write_text("[{")
+    with pytest.raises(ValueError, match="expected a JSON list of tools"):
+        _read_tools(str(tmp_path / "bad.json"))
+    with pytest.raises(FileNotFoundError):
+        _read_tools(str(tmp_path / "missing.json"))
