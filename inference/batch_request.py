@@ -37,6 +37,8 @@ class BatchRequest:
         learn: an online corpus lookup learns the answer once it finishes (a server's warm-up request: False).
         inputs: the prompt's extra model inputs (a vision-language target's images: inference/multimodal.py), given
             to its prefill only, which then runs alone and in one piece.
+        prediction: token ids the answer is expected to resemble (OpenAI's Predicted Outputs): drafted from like the
+            context by prompt lookup (inference/lookup.py: `with_prediction`); the answer stays the target's own.
     """
 
     prompt: torch.Tensor
@@ -52,6 +54,7 @@ class BatchRequest:
     learn: bool = True
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     position_offset: int = 0  # set by its prefill: the text positions' offset from cache indices (M-RoPE images)
+    prediction: list[int] = field(default_factory=list)
     # filled in by the engine
     new_tokens: list[int] = field(default_factory=list)
     target_forwards: int = 0  # forwards this row took part in (its prefill counts one)
@@ -79,6 +82,7 @@ def build_batch_request(
     record_logits: bool = False,
     seed: int | None = None,
     inputs: dict[str, torch.Tensor] | None = None,
+    prediction: list[int] | None = None,
     **options: Any,
 ) -> BatchRequest:
     """One prompt as a request for a `BatchEngine`, checked as `lm.generate` checks it (`SpeculativeLM.batch_request`).
@@ -90,6 +94,7 @@ def build_batch_request(
         seed: sampling draws from a generator of its own seeded with this (reproducible whatever else runs in the
             batch); None: torch's global generator.
         inputs: the prompt's extra model inputs (`pixel_values`, ... as the target's processor returns them).
+        prediction: token ids the answer is expected to resemble (`BatchRequest.prediction`).
         **options: `generate`'s decoding options (do_sample, temperature, top_p, top_k, logits_processor,
             stop_strings, generation_config, acceptance, ...).
     """
@@ -105,10 +110,14 @@ def build_batch_request(
         check_prompt_cache_call(prompt_cache, 1, None)
     checked = prompt_inputs(lm.target, inputs or {})
     check_prompt_inputs_call(checked, input_ids, None, None)
+    vocab = lm.heads.config.vocab_size
+    if prediction is not None and not all(isinstance(t, int) and 0 <= t < vocab for t in prediction):
+        raise ValueError(f"prediction: expected token ids in [0, {vocab}), got {prediction[:8]!r}...")
     return BatchRequest(
         prompt, budget, params, set(eos_ids(eos_token_id, config)), options.get("acceptance", "exact"),
         None if criteria is None else StopChecker(criteria, prompt), streamer,
         StepRecorder(params) if record_logits else None, prompt_cache, inputs=checked,
+        prediction=list(prediction or []),
     )
 
 

@@ -44,7 +44,7 @@ from specheads.inference.kv_cache import (
     select_rows,
     tree_cache,
 )
-from specheads.inference.lookup import LookupDrafter
+from specheads.inference.lookup import LookupDrafter, with_prediction
 from specheads.inference.round_budget import AutoRoundBudget, node_probs_of
 from specheads.inference.sampling import SamplingParams, choose_token
 from specheads.inference.sequence_processors import SequenceContext
@@ -304,6 +304,8 @@ class BatchEngine:
             context.commit(root)
         drafter = lm.drafter.fork()
         drafter.reset()
+        if request.prediction:  # OpenAI's Predicted Outputs: guessed from like the context
+            drafter = with_prediction(drafter, request.prediction)
         constrain_drafts(drafter, context, lm.heads.config.vocab_size)  # processors that ban: allowed drafts only
         return _Row(request, drafter, features, torch.cat([prompt[1:], root[None]]), context,
                     None if request.prompt_cache is None else [features])

@@ -231,3 +231,22 @@ class LookupDrafter:
         if self.guess and accepted[: len(self.guess)] == self.guess:
             return min(2 * self.length, self.max_tokens)
         return self.num_tokens
+
+
+PREDICTION_TOKENS, PREDICTION_MAX_TOKENS = 10, 64  # a predicted answer's guess: 10 tokens, growing up to 64
+
+
+def with_prediction(drafter: Drafter, prediction: list[int]) -> LookupDrafter:
+    """`drafter` (a row's, freshly reset) also guessing from `prediction`, the tokens the answer is expected to
+    resemble (OpenAI's Predicted Outputs: a file being edited, a previous draft): prompt lookup's index holds them
+    before the context, so where the context's last tokens occur in the prediction (and nowhere later), the tokens
+    after them there are the guess, grown while the target copies them. A drafter without prompt lookup gets it
+    (`PREDICTION_TOKENS`, growing to `PREDICTION_MAX_TOKENS`). Like any guess, it only changes speed."""
+    if not isinstance(drafter, LookupDrafter) or not drafter.num_tokens:
+        inner = drafter.drafter if isinstance(drafter, LookupDrafter) else drafter
+        corpus = drafter.corpus if isinstance(drafter, LookupDrafter) else None
+        corpus_tokens = drafter.corpus_tokens if isinstance(drafter, LookupDrafter) else 8
+        drafter = LookupDrafter(inner, PREDICTION_TOKENS, max_tokens=PREDICTION_MAX_TOKENS, corpus=corpus,
+                                corpus_tokens=corpus_tokens)
+    drafter.index.extend(list(prediction))
+    return drafter

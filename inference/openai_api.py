@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .generate_inputs import eos_ids
 from .openai_errors import ApiError
+from .predicted_outputs import prediction_tokens
 from .structured_outputs import structured_output
 from .tool_call_stream import CallDelta
 from .tool_calls import ToolCall, ToolRequest, ToolRequestError, template_message, tool_request
@@ -64,6 +65,7 @@ class ParsedRequest:
     presence_penalty: float = 0.0  # OpenAI's penalties on tokens the answer already holds (`OccurrencePenalties`)
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (`LogitBias`)
+    prediction: list[int] = field(default_factory=list)  # OpenAI's Predicted Outputs (inference/predicted_outputs.py)
 
 
 @dataclass
@@ -363,7 +365,7 @@ def parse_request(
         logprobs=logprobs, n=n, inputs=inputs, tools=tools,
         presence_penalty=_number(body, "presence_penalty", float, -2, 2) or 0.0,
         frequency_penalty=_number(body, "frequency_penalty", float, -2, 2) or 0.0,
-        logit_bias=_logit_bias(body.get("logit_bias"), len(tokenizer)),
+        logit_bias=_logit_bias(body.get("logit_bias"), len(tokenizer)), prediction=prediction_tokens(body, tokenizer),
     )
 
 

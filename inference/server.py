@@ -46,6 +46,7 @@ from .openai_api import (
     tokens_covering,
 )
 from .openai_penalties import LogitBias, OccurrencePenalties
+from .predicted_outputs import prediction_usage
 from .prompt_cache import PromptCachePool
 from .reasoning import detect_reasoning_parser, make_reasoning_parser
 from .response_store import ResponseStore
@@ -185,7 +186,7 @@ class CompletionService:
             try:
                 jobs.append(self.lm.batch_request(ids, streamer=deltas[-1], logits_processor=processors, seed=seed,
                                                   record_logits=request.logprobs is not None, inputs=request.inputs,
-                                                  **options))
+                                                  prediction=request.prediction, **options))
             except ValueError as err:  # the prompt does not fit, a setting the target refuses, ...
                 raise ApiError(str(err)) from err
         start = time.perf_counter()
@@ -228,6 +229,10 @@ class CompletionService:
                  "prompt_tokens_details": {"cached_tokens": jobs[0].reused_prompt_tokens}}
         if chat:  # OpenAI's count of the reasoning among the completion tokens
             usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}
+        if request.prediction:  # how much of the prediction the answers kept (summed over the choices, as tokens are)
+            counts = [prediction_usage(request.prediction, jobs[index % runs].new_tokens) for index in range(request.n)]
+            usage.setdefault("completion_tokens_details", {}).update(
+                {key: sum(count[key] for count in counts) for key in counts[0]})
         forwards = sum(job.target_forwards for job in jobs)
         summary = {"mean_accepted": generated / max(forwards, 1), "target_forwards": forwards,
                    "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
