@@ -519,14 +519,16 @@ def generate_batched(
     stats: dict[str, Any],
     stops: list[StopChecker | None] | None = None,
     recorders: list[StepRecorder] | None = None,
+    prediction: list[int] | None = None,
 ) -> list[list[int]]:
     """Speculative decoding of several prompts with batched verification; returns each row's new tokens.
 
     `stops`: per prompt, the stopping criteria to check on its emitted tokens (inference/stopping.py);
-    `recorders`: per prompt, where each emitted token's logits and scores go (inference/step_scores.py)."""
+    `recorders`: per prompt, where each emitted token's logits and scores go (inference/step_scores.py);
+    `prediction`: what every answer is expected to resemble (`BatchRequest.prediction`)."""
     requests = [
         BatchRequest(prompt, max_new_tokens, params, eos, acceptance, None if stops is None else stops[b],
-                     recorder=None if recorders is None else recorders[b], row=b)
+                     recorder=None if recorders is None else recorders[b], row=b, prediction=list(prediction or []))
         for b, prompt in enumerate(prompts)
     ]
     engine = BatchEngine(lm, stats)

@@ -40,7 +40,7 @@ from specheads.inference.generate_inputs import (
     settings_and_inputs,
     split_prompts,
 )
-from specheads.inference.lookup import LookupDrafter, check_lookup_settings
+from specheads.inference.lookup import LookupDrafter, check_lookup_settings, with_prediction
 from specheads.inference.multimodal import check_prompt_inputs_call
 from specheads.inference.prompt_cache import PromptCache, check_prompt_cache_call
 from specheads.inference.round_budget import AutoRoundBudget, calibrate_verification_ms, selectable_nodes
@@ -297,6 +297,7 @@ class SpeculativeLM(CpuKernels):
         acceptance: str = "exact",
         batched: bool | None = None,
         fast_path: bool | None = None,
+        prediction: list[int] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         """Generate like `transformers.generate`: returns prompt + new tokens, (B, n + new).
@@ -344,6 +345,9 @@ class SpeculativeLM(CpuKernels):
             fast_path: run rows on a static KV cache with fixed-shape tree verification, captured as a CUDA
                 graph on CUDA (inference/fast_path.py). None: on for a CUDA target and batch size 1 (not for
                 sliding-window targets whose window could be reached); True forces it (also on CPU); False: off.
+            prediction: token ids every row's answer is expected to resemble (OpenAI's Predicted Outputs: the text
+                being edited): drafted from like the context (`lookup.with_prediction`); the output is unchanged.
+                Not on the fast path (refused: pass fast_path=False).
             **kwargs: as in transformers: any other field of `GenerationConfig` (e.g. `epsilon_cutoff`, or `num_beams`,
                 refused when > 1) updates a copy of the generation config; the rest are extra inputs of the target's
                 prompt forward: a vision-language target's images (`pixel_values`, `image_grid_thw`, ... as its
@@ -391,6 +395,10 @@ class SpeculativeLM(CpuKernels):
             check_prompt_cache_call(prompt_cache, len(prompts), batched)
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
+        if prediction is not None and runner is not None:
+            raise ValueError("prediction= is drafted from on the eager path only: pass fast_path=False with it")
+        if prediction is not None:  # checked as batch_request checks it
+            self.batch_request(prompts[0], max_new_tokens=0, prediction=prediction)
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
             runner.graphed_prefill = self.graphed_prefill
@@ -404,7 +412,8 @@ class SpeculativeLM(CpuKernels):
                              "batched=False")
         if batched:
             stops = [None if criteria is None else StopChecker(criteria, p) for p in prompts]
-            rows = generate_batched(self, prompts, max_new_tokens, params, eos, acceptance, stats, stops, recorders)
+            rows = generate_batched(self, prompts, max_new_tokens, params, eos, acceptance, stats, stops, recorders,
+                                    prediction)
         else:
             verifier = runner if runner is not None else DynamicTreeVerifier(
                 self.target, self.heads.select_features, argmax=None if params.reads_sequence else self.certified_argmax
@@ -416,7 +425,7 @@ class SpeculativeLM(CpuKernels):
                 stop = None if criteria is None else StopChecker(criteria, prompt)
                 rows.append(self._generate_row(prompt, max_new_tokens, params, eos, streamer, acceptance, stats, verifier,
                                                row_drafter, row, stop, None if recorders is None else recorders[row],
-                                               prompt_cache, inputs))
+                                               prompt_cache, inputs, prediction))
         if streamer is not None:
             streamer.end()
         seconds = time.perf_counter() - start
@@ -448,6 +457,7 @@ class SpeculativeLM(CpuKernels):
         recorder: StepRecorder | None = None,
         prompt_cache: PromptCache | None = None,
         inputs: dict[str, torch.Tensor] | None = None,
+        prediction: list[int] | None = None,
     ) -> list[int]:
         """Speculative decoding of one prompt (n,), row `row` of the caller's batch; returns the new token ids.
 
@@ -489,6 +499,8 @@ class SpeculativeLM(CpuKernels):
         next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
         prefix_length = prompt.shape[0]
         drafter.reset()
+        if prediction:  # OpenAI's Predicted Outputs: guessed from like the context
+            drafter = with_prediction(drafter, prediction)
         constrain_drafts(drafter, context, self.heads.config.vocab_size)  # processors that ban: allowed drafts only
         graphed = None
         if (isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact" and context is None

@@ -11,7 +11,7 @@ from specheads.inference.batched import BatchEngine
 from specheads.inference.openai_errors import ApiError
 from specheads.inference.predicted_outputs import prediction_tokens, prediction_usage
 
-from .conftest import make_heads
+from .conftest import left_pad, make_heads
 from .test_server import MODEL, chat_ids, greedy_text, post, server  # noqa: F401 (a fixture)
 
 
@@ -39,6 +39,14 @@ def test_a_prediction_is_drafted_from_and_never_changes_the_answer(stories260k, 
     assert right.target_forwards < plain.target_forwards / 2, (right.target_forwards, plain.target_forwards)
     with pytest.raises(ValueError, match=r"prediction: expected token ids in \[0, 512\)"):
         lm.batch_request(ids, max_new_tokens=4, prediction=[1, 9999])
+    # `generate` takes it too, one row or batched (left-padded rows), and refuses it on the fast path
+    out = lm.generate(ids, max_new_tokens=48, prediction=expected[5:])
+    assert out[0, ids.shape[1]:].tolist() == expected and lm.last_stats["target_forwards"] == right.target_forwards
+    two, mask = left_pad([ids[0].tolist(), tokenizer("Tom had a red ball").input_ids])
+    batched = lm.generate(two, attention_mask=mask, max_new_tokens=24, prediction=expected)
+    assert torch.equal(batched, lm.generate(two, attention_mask=mask, max_new_tokens=24))
+    with pytest.raises(ValueError, match="pass fast_path=False"):
+        lm.generate(ids, max_new_tokens=4, prediction=expected, fast_path=True)
 
 
 def test_prediction_is_read_from_text_or_parts_and_counted(stories260k):
