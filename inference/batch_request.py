@@ -110,15 +110,19 @@ def build_batch_request(
         check_prompt_cache_call(prompt_cache, 1, None)
     checked = prompt_inputs(lm.target, inputs or {})
     check_prompt_inputs_call(checked, input_ids, None, None)
-    vocab = lm.heads.config.vocab_size
-    if prediction is not None and not all(isinstance(t, int) and 0 <= t < vocab for t in prediction):
-        raise ValueError(f"prediction: expected token ids in [0, {vocab}), got {prediction[:8]!r}...")
+    check_prediction(prediction, lm.heads.config.vocab_size)
     return BatchRequest(
         prompt, budget, params, set(eos_ids(eos_token_id, config)), options.get("acceptance", "exact"),
         None if criteria is None else StopChecker(criteria, prompt), streamer,
         StepRecorder(params) if record_logits else None, prompt_cache, inputs=checked,
         prediction=list(prediction or []),
     )
+
+
+def check_prediction(prediction: list[int] | None, vocab_size: int) -> None:
+    """Refuse a `prediction` (`BatchRequest.prediction`) that is not a list of token ids, naming it."""
+    if prediction is not None and not all(isinstance(t, int) and 0 <= t < vocab_size for t in prediction):
+        raise ValueError(f"prediction: expected token ids in [0, {vocab_size}), got {list(prediction)[:8]!r}...")
 
 
 def check_batching_options(max_round_nodes: Any, prefill_chunk: Any) -> None:

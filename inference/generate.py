@@ -23,7 +23,12 @@ from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.loading import load_heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.accept import accept_greedy, accept_tree
-from specheads.inference.batch_request import BatchRequest, build_batch_request, check_batching_options
+from specheads.inference.batch_request import (
+    BatchRequest,
+    build_batch_request,
+    check_batching_options,
+    check_prediction,
+)
 from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.corpus_lookup import CorpusLookup, corpus_for_target
@@ -397,8 +402,7 @@ class SpeculativeLM(CpuKernels):
         stats["fast_path"] = runner is not None
         if prediction is not None and runner is not None:
             raise ValueError("prediction= is drafted from on the eager path only: pass fast_path=False with it")
-        if prediction is not None:  # checked as batch_request checks it
-            self.batch_request(prompts[0], max_new_tokens=0, prediction=prediction)
+        check_prediction(prediction, self.heads.config.vocab_size)
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
             runner.graphed_prefill = self.graphed_prefill

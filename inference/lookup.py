@@ -242,11 +242,10 @@ def with_prediction(drafter: Drafter, prediction: list[int]) -> LookupDrafter:
     before the context, so where the context's last tokens occur in the prediction (and nowhere later), the tokens
     after them there are the guess, grown while the target copies them. A drafter without prompt lookup gets it
     (`PREDICTION_TOKENS`, growing to `PREDICTION_MAX_TOKENS`). Like any guess, it only changes speed."""
-    if not isinstance(drafter, LookupDrafter) or not drafter.num_tokens:
-        inner = drafter.drafter if isinstance(drafter, LookupDrafter) else drafter
-        corpus = drafter.corpus if isinstance(drafter, LookupDrafter) else None
-        corpus_tokens = drafter.corpus_tokens if isinstance(drafter, LookupDrafter) else 8
-        drafter = LookupDrafter(inner, PREDICTION_TOKENS, max_tokens=PREDICTION_MAX_TOKENS, corpus=corpus,
-                                corpus_tokens=corpus_tokens)
-    drafter.index.extend(list(prediction))
+    if not isinstance(drafter, LookupDrafter):
+        drafter = LookupDrafter(drafter, PREDICTION_TOKENS, max_tokens=PREDICTION_MAX_TOKENS)
+    elif not drafter.num_tokens:  # corpus lookup alone: prompt lookup joins it
+        drafter = LookupDrafter(drafter.drafter, PREDICTION_TOKENS, max_tokens=PREDICTION_MAX_TOKENS,
+                                corpus=drafter.corpus, corpus_tokens=drafter.corpus_tokens)
+    drafter.index.extend(prediction)
     return drafter

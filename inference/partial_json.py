@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 WHITESPACE = " \t\n\r"
@@ -122,22 +123,29 @@ def partial_json_call(text: str, start: int, arguments_keys: tuple[str, ...]) ->
     return call, end
 
 
-def partial_json_list(text: str, arguments_keys: tuple[str, ...]) -> list[PartialCall]:
-    """The calls begun in a partial JSON list of call objects (`[{"name": ..., "parameters": {...}}, ...]`)."""
+def partial_json_calls(text: str, position: int, arguments_keys: tuple[str, ...],
+                       next_object: Callable[[int], int]) -> list[PartialCall]:
+    """The calls begun in call objects written one after another, the first at `position`: each next one starts
+    where `next_object(end of the one before)` says (-1: none); reading stops at the first call not begun."""
     calls: list[PartialCall] = []
-    position = skip_whitespace(text, 0)
-    if position >= len(text) or text[position] != "[":
-        return calls
-    position = skip_whitespace(text, position + 1)
-    while position < len(text) and text[position] == "{":
+    while 0 <= position < len(text) and text[position] == "{":
         call, end = partial_json_call(text, position, arguments_keys)
         if call is None:
             break
         calls.append(call)
         if end is None:
             break
-        position = skip_whitespace(text, end)
-        if position >= len(text) or text[position] != ",":
-            break
-        position = skip_whitespace(text, position + 1)
+        position = next_object(end)
     return calls
+
+
+def partial_json_list(text: str, arguments_keys: tuple[str, ...]) -> list[PartialCall]:
+    """The calls begun in a partial JSON list of call objects (`[{"name": ..., "parameters": {...}}, ...]`)."""
+    def after_comma(end: int) -> int:
+        position = skip_whitespace(text, end)
+        return skip_whitespace(text, position + 1) if text.startswith(",", position) else -1
+
+    position = skip_whitespace(text, 0)
+    if not text.startswith("[", position):
+        return []
+    return partial_json_calls(text, skip_whitespace(text, position + 1), arguments_keys, after_comma)

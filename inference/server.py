@@ -230,9 +230,9 @@ class CompletionService:
         if chat:  # OpenAI's count of the reasoning among the completion tokens
             usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}
         if request.prediction:  # how much of the prediction the answers kept (summed over the choices, as tokens are)
-            counts = [prediction_usage(request.prediction, jobs[index % runs].new_tokens) for index in range(request.n)]
+            counts = [prediction_usage(request.prediction, job.new_tokens) for job in jobs]  # greedy: one, copied
             usage.setdefault("completion_tokens_details", {}).update(
-                {key: sum(count[key] for count in counts) for key in counts[0]})
+                {key: sum(counts[index % runs][key] for index in range(request.n)) for key in counts[0]})
         forwards = sum(job.target_forwards for job in jobs)
         summary = {"mean_accepted": generated / max(forwards, 1), "target_forwards": forwards,
                    "tokens_per_second": generated / seconds if seconds > 0 else 0.0,

@@ -25,7 +25,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from .partial_json import PartialCall, partial_json_call, partial_json_list, skip_whitespace, value_end
+from .partial_json import (
+    PartialCall,
+    partial_json_call,
+    partial_json_calls,
+    partial_json_list,
+    skip_whitespace,
+    value_end,
+)
 from .text_deltas import before_marker
 from .tool_calls import ToolCall, call_from_object, json_list, keep_raw_arguments
 
@@ -68,17 +75,11 @@ class HermesParser:
     def partial_calls(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> list[PartialCall]:
         """The calls a growing answer has begun (inference/tool_call_stream.py): each block's object as far as it
         goes."""
-        calls, position = [], 0
-        while (position := text.find(self.start, position)) >= 0:
-            body = skip_whitespace(text, position + len(self.start))
-            call, end = partial_json_call(text, body, self.arguments_keys)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            position = end
-        return calls
+        def next_block(end: int) -> int:  # the object after the next <tool_call> (-1: none yet)
+            start = text.find(self.start, end)
+            return -1 if start < 0 else skip_whitespace(text, start + len(self.start))
+
+        return partial_json_calls(text, next_block(0), self.arguments_keys, next_block)
 
 
 class Qwen3CoderParser:
@@ -247,16 +248,7 @@ class Llama3JsonParser:
         position = skip_whitespace(text, 0)
         if text.startswith(self.tag, position):
             position = skip_whitespace(text, position + len(self.tag))
-        calls: list[PartialCall] = []
-        while position < len(text) and text[position] == "{":
-            call, end = partial_json_call(text, position, self.arguments_keys)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            position = self._next_call(text, end)
-        return calls
+        return partial_json_calls(text, position, self.arguments_keys, lambda end: self._next_call(text, end))
 
     def content_length(self, text: str) -> int:
         """An answer that opens like a call is held whole until it ends; any other streams as it comes."""
