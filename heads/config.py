@@ -36,6 +36,11 @@ FIELD_HELP: dict[str, str] = {
     "verification. 0 = the whole vocabulary.",
     "draft_vocab_size": "EAGLE-3: size of the reduced draft vocabulary its lm_head predicts (<= vocab_size; "
     "default min(vocab_size, 32000)); the d2t buffer maps draft ids to target ids.",
+    "parallel_depth": "EAGLE-3: draft this many depths in ONE head forward (P-EAGLE parallel drafting: the depths past "
+    "the first read a learned `mask_hidden` feature and the embedding of `parallel_slot_token` instead of the head's own "
+    "outputs); 0 = autoregressive drafting, one head forward per depth. Training runs these depths (not `loss.ttt_steps`).",
+    "parallel_slot_token": "EAGLE-3 with parallel_depth: the target token whose embedding the parallel slots read "
+    "(vLLM's `ptd_token_id`).",
     "tree_depth": "Default draft tree depth (EAGLE dynamic trees).",
     "tree_top_k": "Default children expanded per node (EAGLE dynamic trees).",
     "tree_num_nodes": "Default number of draft nodes kept after global reranking (EAGLE dynamic trees).",
@@ -97,6 +102,8 @@ class HeadsConfig(PretrainedConfig):
         eagle_input_norm: bool = False,
         draft_vocab_size: int | None = None,
         eagle_draft_vocab_size: int = 0,
+        parallel_depth: int = 0,
+        parallel_slot_token: int = 0,
         tree_depth: int = 6,
         tree_top_k: int = 8,
         tree_num_nodes: int = 32,
@@ -136,6 +143,8 @@ class HeadsConfig(PretrainedConfig):
             draft_vocab_size = min(vocab_size, 32000) if isinstance(vocab_size, int) else vocab_size
         self.draft_vocab_size = draft_vocab_size
         self.eagle_draft_vocab_size = eagle_draft_vocab_size
+        self.parallel_depth = parallel_depth
+        self.parallel_slot_token = parallel_slot_token
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_num_nodes = tree_num_nodes
@@ -216,11 +225,25 @@ class HeadsConfig(PretrainedConfig):
                 f"HeadsConfig.eagle_draft_vocab_size={subset} is set for head_type={self.head_type!r}; it applies to "
                 "eagle heads only (eagle3 heads use draft_vocab_size)"
             )
+        self.validate_parallel_drafting()
         if self.head_type == "eagle3" and len(self.feature_layers) < 2:
             raise ValueError(
                 f"HeadsConfig.feature_layers={self.feature_layers!r}; EAGLE-3 heads fuse at least 2 target layers "
                 "(default: 3, [2, L//2, L-3])"
             )
+
+    def validate_parallel_drafting(self) -> None:
+        """Raise a ValueError naming `parallel_depth` / `parallel_slot_token` when they are invalid."""
+        depth, token = self.parallel_depth, self.parallel_slot_token
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0 or depth == 1:
+            raise ValueError(f"HeadsConfig.parallel_depth={depth!r} is invalid; expected 0 (off) or an integer >= 2 "
+                             f"({FIELD_HELP['parallel_depth']})")
+        if depth and self.head_type != "eagle3":
+            raise ValueError(f"HeadsConfig.parallel_depth={depth} is set for head_type={self.head_type!r}; parallel "
+                             "drafting (P-EAGLE) applies to eagle3 heads only")
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
+            raise ValueError(f"HeadsConfig.parallel_slot_token={token!r} is invalid; expected a token id in [0, "
+                             f"vocab_size={self.vocab_size}) ({FIELD_HELP['parallel_slot_token']})")
 
 
 def _check_positive(name: str, value: Any, where: str | None = None) -> None:

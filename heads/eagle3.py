@@ -49,6 +49,11 @@ class Eagle3Heads(DraftHeads):
 
     Buffers (saved in the checkpoint): `d2t` (draft_vocab_size,) long, the target id of each draft id (sorted,
     unique); `t2d` (vocab_size,) bool, which target ids are in the draft vocabulary.
+
+    With `config.parallel_depth` = K >= 2 (P-EAGLE parallel drafting) the heads also hold `mask_hidden` (n*h,), a
+    learned stand-in for target features: a draft round feeds the committed positions as usual plus K-1 "parallel
+    slots" after them, each reading (mask_hidden, `parallel_slot_token`), and the one forward returns the logits of
+    all K depths (`forward(..., parallel_slots=K-1)`; inference/parallel_drafting.py).
     """
 
     float32_linears = ("fc",)  # fuses the target features (outlier dimensions): float32 under int8 drafting
@@ -71,7 +76,38 @@ class Eagle3Heads(DraftHeads):
         self.register_buffer(
             "t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True
         )
+        self.register_parameter("mask_hidden", self._new_mask_hidden() if config.parallel_depth else None)
         self.post_init()
+
+    def _new_mask_hidden(self) -> nn.Parameter:
+        """A fresh (n*h,) parallel-slot feature, N(0, initializer_range) like the other fresh weights."""
+        values = torch.empty(self.fc.in_features, device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        return nn.Parameter(values.normal_(std=self.config.initializer_range))
+
+    @torch.no_grad()
+    def enable_parallel_drafting(self, depth: int, token_id: int | None = None) -> None:
+        """Turn these (trained, autoregressive) heads into parallel-drafting ones of `depth` depths: add a fresh
+        `mask_hidden` and cap the default trees at that depth. Train them afterwards (`init_heads` with
+        `head.options.parallel_depth`): the parallel slots start untrained.
+
+        Raises:
+            ValueError: the heads already draft in parallel, or `depth` / `token_id` are invalid.
+        """
+        if self.config.parallel_depth:
+            raise ValueError(f"these heads already draft in parallel (parallel_depth={self.config.parallel_depth})")
+        old = (self.config.parallel_depth, self.config.parallel_slot_token)
+        self.config.parallel_depth = depth
+        if token_id is not None:
+            self.config.parallel_slot_token = token_id
+        try:
+            self.config.validate_parallel_drafting()
+        except ValueError:
+            self.config.parallel_depth, self.config.parallel_slot_token = old
+            raise
+        self.config.tree_depth = min(self.config.tree_depth, depth)
+        if "tree_depth" in self.config.cpu_tree:
+            self.config.cpu_tree["tree_depth"] = min(self.config.cpu_tree["tree_depth"], depth)
+        self.mask_hidden = self._new_mask_hidden()
 
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Concatenate the n tapped (pre-norm) target layers. Each (B, T, h) -> (B, T, n*h)."""
@@ -95,23 +131,35 @@ class Eagle3Heads(DraftHeads):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         past_key_values: Any | None = None,
+        parallel_slots: int = 0,
         **attention_kwargs: Any,
     ) -> torch.Tensor:
         """One decoder step of the head.
 
         Args:
             features: (B, T, n*h) target features from `select_features` (fused here by `fc`), or (B, T, h) the
-                head's own previous outputs.
-            input_ids: (B, T) the tokens x_{t+1} that followed each feature.
+                head's own previous outputs. With `parallel_slots` = S: (B, T-S, n*h), the features of the first T-S
+                positions only.
+            input_ids: (B, T) the tokens x_{t+1} that followed each feature (`parallel_slot_token` at parallel slots).
             position_ids: (B, T) positions t.
             attention_mask: (B or 1, 1, T, S) additive float mask over the S = cached + T keys.
             past_key_values: the head's own `DynamicCache` (drafting, and the TTT unroll), or None.
+            parallel_slots: the last S positions are P-EAGLE parallel slots: they read `mask_hidden` as their feature.
             attention_kwargs: passed on to the attention function (the TTT unroll's `ttt_chain`).
 
         Returns:
             (B, T, h) the pre-norm hidden state: `logits` reads it, and it is the next step's input feature.
         """
         h, fused = self.config.hidden_size, self.fc.in_features
+        if parallel_slots:
+            if self.mask_hidden is None:
+                raise ValueError("Eagle3Heads.forward: parallel_slots given but these heads draft autoregressively "
+                                 "(parallel_depth=0, no mask_hidden)")
+            if features.shape[-1] != fused:
+                raise ValueError(f"Eagle3Heads.forward: parallel slots follow target features ({fused} wide), not "
+                                 f"features of width {features.shape[-1]}")
+            slots = self.mask_hidden.to(features.dtype).expand(features.shape[0], parallel_slots, fused)
+            features = torch.cat([features, slots], dim=1)  # (B, T, n*h)
         if features.shape[-1] == fused:
             features = self.fc(features)  # (B, T, h)
         elif features.shape[-1] != h:

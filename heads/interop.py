@@ -235,6 +235,12 @@ def export_heads(heads_or_path: DraftHeads | str | os.PathLike, format: str, out
             f"format {format!r} holds {' or '.join(module.HEAD_TYPES)} heads but these heads are "
             f"head_type={config.head_type!r}"
         )
+    if getattr(config, "parallel_depth", 0):
+        raise ValueError(
+            f"these EAGLE-3 heads draft in parallel (parallel_depth={config.parallel_depth}, P-EAGLE): format "
+            f"{format!r} holds autoregressive heads only, which would run their untrained deeper steps; use them "
+            "with specheads (SpeculativeLM, serve)"
+        )
     foreign_config = module.foreign_config(config)  # raises for variants the format cannot express
     # An EAGLE head's draft vocabulary (d2t, `eagle_draft_vocab_size`) is a specheads drafting option over
     # unchanged weights: the other formats draft over the whole vocabulary, so it is left out.

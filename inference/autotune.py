@@ -51,6 +51,10 @@ def tree_candidates(lm: SpeculativeLM) -> list[Any]:
     # children per node come from the heads' draft vocabulary (EAGLE-3, or EAGLE with a d2t)
     vocab = lm.heads.draft_vocab_size
     candidates = [c for c in EAGLE_CANDIDATES if c["tree_top_k"] <= vocab]
+    parallel = getattr(lm.heads.config, "parallel_depth", 0)
+    if parallel:  # P-EAGLE heads draft at most their parallel depth: deeper candidates are capped there (once each)
+        capped = [{**c, "tree_depth": min(c["tree_depth"], parallel)} for c in candidates]
+        candidates = [c for i, c in enumerate(capped) if c not in capped[:i]]
     if not candidates:
         raise ValueError(
             f"--tree auto: the heads' draft vocabulary of {vocab} is smaller than every candidate's "

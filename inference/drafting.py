@@ -154,7 +154,7 @@ class EagleDrafter:
 
     def fork(self) -> EagleDrafter:
         """A drafter with the same heads and tree shape and its own (empty) draft cache."""
-        return EagleDrafter(self.heads, self.depth, self.top_k, self.num_nodes, self.dtype, self.stop_prob, self.min_prob)
+        return type(self)(self.heads, self.depth, self.top_k, self.num_nodes, self.dtype, self.stop_prob, self.min_prob)
 
     def top_children(
         self, predicted: torch.Tensor, allowed: torch.Tensor | None = None

@@ -282,7 +282,7 @@ class FastPathRunner:
 
     def use_drafter(self, drafter: Drafter) -> Drafter:
         """Size verification for this drafter's trees and return the drafter to use on this path (`generate`
-        calls it before each call's rows): an EAGLE drafter without early stopping or pruning becomes its fixed-shape,
+        calls it before each call's rows): an (autoregressive) EAGLE drafter without early stopping or pruning becomes its fixed-shape,
         graphed `StaticEagleDrafter` (same trees, kept across calls with its graph); others are used as they are.
         Prompt lookup (`LookupDrafter`) wraps what its heads' drafter becomes; its graft runs eagerly.
         """
@@ -292,7 +292,8 @@ class FastPathRunner:
             self.drafter = drafter if heads_drafter is drafter.drafter else drafter.around(heads_drafter)
             return self.drafter
         self.fixed_slots, self.reserve = fixed_tree_slots(drafter), tree_reserve(drafter)
-        if self.static_drafting and isinstance(drafter, EagleDrafter) and drafter.stop_prob == drafter.min_prob == 0:
+        # `type(...) is`: a parallel drafter (a subclass) drafts in one forward already and runs as it is
+        if self.static_drafting and type(drafter) is EagleDrafter and drafter.stop_prob == drafter.min_prob == 0:
             if self.static_drafter is None or self.static_drafter.source is not drafter:
                 self.static_drafter = StaticEagleDrafter(drafter, self.capacity, use_graph=self.use_graphs)
             self.drafter = self.static_drafter

@@ -47,6 +47,7 @@ from specheads.inference.generate_inputs import (
 )
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings, with_prediction
 from specheads.inference.multimodal import check_prompt_inputs_call
+from specheads.inference.parallel_drafting import ParallelDrafter
 from specheads.inference.prompt_cache import PromptCache, check_prompt_cache_call
 from specheads.inference.round_budget import AutoRoundBudget, calibrate_verification_ms, selectable_nodes
 from specheads.inference.sampling import SamplingParams, choose_token
@@ -172,7 +173,8 @@ class SpeculativeLM(CpuKernels):
                     "EAGLE heads draft dynamic trees: use tree_depth / tree_top_k / tree_num_nodes (/ tree_stop_prob / "
                     "tree_min_prob), not tree"
                 )
-            self.drafter = EagleDrafter(
+            parallel = isinstance(heads, Eagle3Heads) and heads.config.parallel_depth  # P-EAGLE: one forward a round
+            self.drafter = (ParallelDrafter if parallel else EagleDrafter)(
                 heads,
                 depth=defaults["tree_depth"] if tree_depth is None else tree_depth,
                 top_k=defaults["tree_top_k"] if tree_top_k is None else tree_top_k,
@@ -222,8 +224,9 @@ class SpeculativeLM(CpuKernels):
         if isinstance(drafter, MedusaDrafter):
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
                     "depth": drafter.tree.max_depth, **lookup}
+        parallel = {"parallel": True} if isinstance(drafter, ParallelDrafter) else {}  # P-EAGLE: one forward a round
         return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes,
-                "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob, **lookup}
+                "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob, **parallel, **lookup}
 
     @classmethod
     def from_pretrained(

@@ -42,6 +42,22 @@ def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, Any]]:
             for m in record["messages"]]
 
 
+def unprompted_answers(messages: list[dict[str, Any]]) -> int:
+    """How many assistant turns come before the first user turn (ShareGPT's split conversations often open with one):
+    no prompt precedes them for a chat template to render, nor for the target to have answered."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    return sum(m["role"] == "assistant" for m in messages[:first_user])
+
+
+def prompted_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` without the assistant turns before the first user turn when a chat template renders them (it
+    cannot render an answer to nothing; `data regenerate` leaves those out too); as they are without a template."""
+    if not tokenizer.chat_template or not unprompted_answers(messages):
+        return messages
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    return [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+
+
 def _message_fields(turn: dict[str, Any]) -> dict[str, Any]:
     return {name: turn[name] for name in MESSAGE_FIELDS if turn.get(name)}
 
@@ -150,7 +166,10 @@ def tokenize_record(
         ids = bos + tokenizer(str(record["text"]), add_special_tokens=False).input_ids
         mask = [0] * len(bos) + [1] * (len(ids) - len(bos))
         return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
-    segments = conversation_segments(tokenizer, to_messages(record, fmt), record_template_kwargs(record, template_kwargs))
+    messages = prompted_messages(tokenizer, to_messages(record, fmt))
+    if not any(m["role"] == "assistant" for m in messages):  # nothing to train (its answers had no prompt)
+        return {"input_ids": [], "loss_mask": []}
+    segments = conversation_segments(tokenizer, messages, record_template_kwargs(record, template_kwargs))
     return _tokenized(tokenizer, segments, max_length)
 
 
@@ -177,7 +196,8 @@ def tokenized_examples(
     try:
         return [tokenize_record(tokenizer, record, fmt, max_length, template_kwargs)]
     except NotIncrementalTemplate:
-        messages, template_kwargs = to_messages(record, fmt), record_template_kwargs(record, template_kwargs)
+        messages = prompted_messages(tokenizer, to_messages(record, fmt))
+        template_kwargs = record_template_kwargs(record, template_kwargs)
         examples = []
         for i, message in enumerate(messages):
             if message["role"] == "assistant":

@@ -27,7 +27,13 @@ from datasets import Dataset, Features, Image, List, Value
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from specheads.training.conversations import asks_any, to_messages, tokenized_examples, unrendered_fields
+from specheads.training.conversations import (
+    asks_any,
+    to_messages,
+    tokenized_examples,
+    unprompted_answers,
+    unrendered_fields,
+)
 from specheads.training.data_sources import read_dataset_source, read_parquet
 
 logger = logging.getLogger(__name__)
@@ -158,6 +164,11 @@ def _tokenized_rows(
     for name, count in (unrendered_fields(tokenizer, records, fmt) if fmt != "text" else {}).items():
         logger.warning("data source %r: %d records hold %s, which the chat template never renders: it is not trained "
                        "(reasoning: put it in the content, inside the model's thinking tags)", str(source), count, name)
+    if fmt != "text" and tokenizer.chat_template:
+        unprompted = sum(1 for r in records if unprompted_answers(to_messages(r, fmt)))
+        if unprompted:
+            logger.warning("data source %r: %d conversations open with an assistant turn (no user turn before it): "
+                           "those turns are left out, the rest of each conversation is trained", str(source), unprompted)
     if exclude and fmt != "text":
         kept = [r for r in records if not asks_any(to_messages(r, fmt), exclude)]
         if len(kept) < len(records):

@@ -241,6 +241,9 @@ def eagle3_loss(
 ) -> LossOutput:
     """EAGLE-3 training-time test: `ttt_steps` unrolled steps, soft cross-entropy over the draft vocabulary.
 
+    Heads with `parallel_depth` = K (P-EAGLE) train their K depths instead: step 0 as above, steps 1..K-1 the
+    parallel slots (training/ttt.py), each weighted as TTT step i.
+
     Step i at index t predicts x_{t+2+i} (see training/ttt.py for the inputs, positions and mask). Its label
     is the target's distribution at t+1+i restricted to the draft vocabulary (softmax of the target logits
     gathered at `d2t`), or with labels="tokens" the data token (positions whose token is outside the draft
@@ -269,8 +272,12 @@ def eagle3_loss(
     labels = as_target_labels(target_logits, loss_mask, d2t, config.labels == "target", config.argmax_label_weight)
     in_draft = torch.zeros(labels.vocab_size, dtype=torch.bool, device=d2t.device)
     in_draft[d2t] = True  # (V,)
-    chain = uses_ttt_chain_attention(getattr(heads, "heads", heads))  # a training run's heads (`_HeadsView.heads`)
-    outputs = unroll_ttt(heads, features, input_ids, attention_mask, config.ttt_steps, noise, chain)
+    plain_heads = getattr(heads, "heads", heads)  # a training run's heads (`_HeadsView.heads`)
+    chain = uses_ttt_chain_attention(plain_heads)
+    heads_config = getattr(plain_heads, "config", None)  # None: a stand-in head of a test
+    parallel = getattr(heads_config, "parallel_depth", 0)  # P-EAGLE: its depths, each a parallel slot
+    steps, token = (parallel, heads_config.parallel_slot_token) if parallel else (config.ttt_steps, None)
+    outputs = unroll_ttt(heads, features, input_ids, attention_mask, steps, noise, chain, token)
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     correct: list[torch.Tensor] = []

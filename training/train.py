@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from specheads import create_heads, load_heads, load_target
 from specheads.atomic_files import write_atomically
 from specheads.heads.base import DraftHeads
+from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.hub import push_heads_folder
 from specheads.inference.multimodal import image_processor_for, takes_images
 from specheads.targets import logit_transforms
@@ -254,7 +255,8 @@ def initial_heads(config: RunConfig, target: torch.nn.Module) -> DraftHeads:
     """Fresh heads of `head.type` / `head.options`, or the trained heads of `init_heads` to train on.
 
     Heads from `init_heads` keep their architecture and draft vocabulary (more training on new data, a longer
-    schedule); `head.type` and any `head.options` given must agree with them.
+    schedule); `head.type` and any `head.options` given must agree with them, except `parallel_depth` (and
+    `parallel_slot_token`) on autoregressive EAGLE-3 heads: those become parallel-drafting heads (P-EAGLE) to train.
     """
     if config.init_heads is None:
         return create_heads(target, config.head.type, **config.head.options)
@@ -262,7 +264,10 @@ def initial_heads(config: RunConfig, target: torch.nn.Module) -> DraftHeads:
     if heads.config.head_type != config.head.type:
         raise ValueError(f"init_heads={config.init_heads!r} holds {heads.config.head_type} heads but head.type="
                          f"{config.head.type!r}: set head.type={heads.config.head_type}")
-    for key, value in config.head.options.items():
+    options = config.head.options
+    if options.get("parallel_depth") and isinstance(heads, Eagle3Heads) and not heads.config.parallel_depth:
+        heads.enable_parallel_drafting(options["parallel_depth"], options.get("parallel_slot_token"))  # then they agree
+    for key, value in options.items():
         if getattr(heads.config, key, value) != value:
             raise ValueError(f"head.options.{key}={value!r} but init_heads={config.init_heads!r} has {key}="
                              f"{getattr(heads.config, key)!r}: drop the option or make it agree")

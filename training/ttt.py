@@ -14,6 +14,10 @@ the keys of steps 1..i at index t only (its own chain), never to anything later.
     mask of step i (B, 1, n, (i+1)*n), one n x n block per step, 0 = attend:
         [ causal(step 0) | diag(step 1) | ... | diag(step i) ]
 
+P-EAGLE (parallel drafting, `parallel_slot_token` given): step i >= 1 at index t reads (mask_hidden, the parallel token)
+at position t+i instead of the head's own output and the data's token: the parallel slot that drafts depth i+1 of the
+root at t in one forward with the others (inference/parallel_drafting.py). Same positions, same mask.
+
 With `chain=True` the steps pass only the step-0 block's mask and `ttt_chain=True`: the heads' attention must be
 training/chain_attention.py's, which scores each query's own chain keys directly instead of the diagonal blocks.
 """
@@ -70,6 +74,7 @@ def unroll_ttt(
     steps: int,
     noise: torch.Tensor | None = None,
     chain: bool = False,
+    parallel_slot_token: int | None = None,
 ) -> list[torch.Tensor]:
     """Run `steps` TTT steps of an EAGLE-3 head over a batch; keep the graph for back-propagation.
 
@@ -81,6 +86,7 @@ def unroll_ttt(
         steps: number of steps (>= 1).
         noise: (B, T-1, 3h) added to the step-0 features, or None.
         chain: the heads attend through TTT chain attention (`use_ttt_chain_attention`): no dense masks.
+        parallel_slot_token: P-EAGLE: steps >= 1 are parallel slots reading this token (and `mask_hidden`).
 
     Returns:
         `steps` tensors (B, n, h), n = T-1: step i's output a^i_t at index t (its logits predict x_{t+2+i}).
@@ -101,9 +107,13 @@ def unroll_ttt(
     block_mask = ttt_attention_mask(key_padding, 0, features.dtype) if chain else None  # (B, 1, n, n)
     chain_kwargs = {"ttt_chain": True} if chain else {}  # what routes the attention function to the chain
     for step in range(steps):
-        tokens = shift_left(input_ids, 1 + step, n, fill=0)  # (B, n): x_{t+1+step}
         # chain: the step-0 block's mask for every step; dense: (B, 1, n, (step+1)*n)
         mask = block_mask if chain else ttt_attention_mask(key_padding, step, features.dtype)
-        hidden = heads(hidden, tokens, base_positions + step, mask, cache, **chain_kwargs)  # (B, n, h)
-        outputs.append(hidden)
+        if step and parallel_slot_token is not None:  # parallel slots: no features of their own, the parallel token
+            slot_tokens = torch.full_like(base_positions, parallel_slot_token)  # (B, n)
+            out = heads(features[:, :0], slot_tokens, base_positions + step, mask, cache, parallel_slots=n, **chain_kwargs)
+        else:
+            tokens = shift_left(input_ids, 1 + step, n, fill=0)  # (B, n): x_{t+1+step}
+            hidden = out = heads(hidden, tokens, base_positions + step, mask, cache, **chain_kwargs)  # (B, n, h)
+        outputs.append(out)
     return outputs

@@ -30,6 +30,9 @@ def test_describe_eagle_and_medusa_heads(stories260k, tmp_path):
     create_heads(stories260k[0], "medusa", cpu_tree={"static_tree": "medusa_small"}).save_pretrained(tmp_path / "medusa")
     medusa = describe_heads(tmp_path / "medusa")
     assert medusa["num_heads"] >= 1 and "tree" not in medusa and medusa["cpu_tree"] == {"static_tree": "medusa_small"}
+    assert "parallel_drafting" not in summary
+    create_heads(stories260k[0], "eagle3", parallel_depth=5, parallel_slot_token=3).save_pretrained(tmp_path / "peagle")
+    assert describe_heads(tmp_path / "peagle")["parallel_drafting"] == {"depth": 5, "slot_token": 3}
 
 
 def test_info_command_checks_the_heads_against_a_target(stories260k, tmp_path, capsys):

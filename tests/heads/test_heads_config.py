@@ -90,6 +90,24 @@ def test_eagle_needs_a_draft_layer_config():
     assert HeadsConfig(head_type="eagle", draft_layer_config=EAGLE_LAYER).draft_layer_config == EAGLE_LAYER
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(parallel_depth=1), "parallel_depth=1 is invalid; expected 0 .off. or an integer >= 2"),
+        (dict(parallel_depth=-2), "parallel_depth=-2 is invalid"),
+        (dict(parallel_depth=True), "parallel_depth=True is invalid"),
+        (dict(head_type="eagle", parallel_depth=3), "parallel_depth=3 is set for head_type='eagle'"),
+        (dict(parallel_depth=3, parallel_slot_token=512), r"parallel_slot_token=512 is invalid; expected a token id in \[0, "
+         "vocab_size=512\\)"),
+    ],
+)
+def test_parallel_drafting_fields_name_the_bad_value(fields, message):
+    with pytest.raises(ValueError, match=message):
+        HeadsConfig(**{"head_type": "eagle3", "draft_layer_config": EAGLE_LAYER, "feature_layers": [1, 2], **fields})
+    assert HeadsConfig(head_type="eagle3", draft_layer_config=EAGLE_LAYER, feature_layers=[1, 2],
+                       parallel_depth=3, parallel_slot_token=511).parallel_depth == 3
+
+
 def test_unknown_keys_are_dropped_with_a_warning(caplog):
     """Keys from a newer specheads are dropped (forward compatible) and the warning names them."""
     with caplog.at_level(logging.WARNING):

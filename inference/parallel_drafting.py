@@ -1,0 +1,89 @@
+"""P-EAGLE parallel drafting: EAGLE-3 heads with `parallel_depth` draft every depth of a tree in ONE head forward.
+
+An autoregressive EAGLE drafter runs the head once per depth (each level reads the features the level above
+predicted). Parallel heads (`HeadsConfig.parallel_depth` = K, trained so: training/ttt.py) append K-1 "parallel
+slots" after the committed positions instead, each reading a learned feature (`mask_hidden`) and a fixed token
+(`parallel_slot_token`); slot s sits at position p+s (p the root's position), sees the committed prefix and the slots
+before it, and scores the token at depth s+1. One forward therefore returns a distribution per depth:
+
+    committed entries ... (f_p, root)  -> depth 1      slot 1 (mask, ptd) -> depth 2  ...  slot K-1 -> depth K
+
+Those distributions do not depend on the tokens drafted above them (a slot never sees them), so a depth's top-k
+are every parent's children, and a path's score is the sum of its depths' log-probabilities: the tree is the best
+`num_nodes` of those paths (`DraftPool`, as `EagleDrafter`, so `stop_prob`, `min_prob`, `node_probs` and constrained
+drafting work alike). On a CPU, where each head forward costs fixed overhead, one forward instead of K is what makes
+deep trees cheap to draft (vLLM ships the same scheme as P-EAGLE, arXiv 2602.01469).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specheads.heads.eagle3 import Eagle3Heads
+from specheads.inference.drafting import DraftPool, EagleDrafter
+from specheads.inference.kv_cache import crop_cache
+from specheads.inference.tree import TreeBuffers, build_tree_buffers
+
+
+class ParallelDrafter(EagleDrafter):
+    """Dynamic trees of parallel-drafting EAGLE-3 heads: one head forward per round (see the module docstring).
+
+    Args are `EagleDrafter`'s (whose `fork` makes another of this class); `depth` may not exceed the heads'
+    `parallel_depth`.
+    """
+
+    def __init__(self, heads: Eagle3Heads, depth: int, *args: Any, **kwargs: Any) -> None:
+        parallel = getattr(heads.config, "parallel_depth", 0)
+        if not parallel:
+            raise ValueError("ParallelDrafter needs EAGLE-3 heads trained for parallel drafting (parallel_depth >= 2); "
+                             "these draft autoregressively: use EagleDrafter")
+        if depth > parallel:
+            raise ValueError(f"tree_depth={depth} exceeds the heads' parallel_depth={parallel}: they draft at most "
+                             f"{parallel} depths; use tree_depth <= {parallel}")
+        super().__init__(heads, depth, *args, **kwargs)
+
+    @torch.no_grad()
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        heads, k, device = self.heads, self.top_k, features.device
+        crop_cache(self.cache, self.committed)  # drops last round's parallel slots
+        start, length, slots = self.committed, features.shape[0], self.depth - 1
+
+        # 1. One forward: the L new committed positions, then the parallel slots, causal over the cache and all of them.
+        total = length + slots
+        tokens = torch.cat([next_tokens, next_tokens.new_full((slots,), heads.config.parallel_slot_token)])  # (L+S,)
+        mask = torch.zeros(1, 1, total, start + total, dtype=self.dtype, device=device)
+        mask[0, 0, :, start:] = torch.full((total, total), self.neg, dtype=self.dtype, device=device).triu(1)
+        positions = torch.arange(start, start + total, device=device)[None]
+        out = heads(features[None], tokens[None], positions, mask, self.cache, parallel_slots=slots)[0]  # (L+S, h)
+        self.committed = start + length
+        by_depth = out[length - 1 :]  # (D, h): row d scores depth d+1 (row 0: the root's own position)
+
+        # 2. Depth 1: the top-k children of the root. Unconstrained, every depth's top-k at once.
+        constrained = self.allowed_after is not None
+        allowed = self.allowed_after(next_tokens.new_zeros(1, 0))[0] if constrained else None
+        if constrained:
+            scores, children = self.top_children(by_depth[0], allowed)  # (k,)
+        else:
+            all_scores, all_children = self.top_children(by_depth)  # (D, k) each
+            scores, children = all_scores[0], all_children[0]
+        pool = DraftPool(scores, children, by_depth[0])
+
+        # 3. Deeper levels: each frontier node's children are its depth's top-k (the same for every parent unless a
+        #    constraint filters them per path); stop early as EagleDrafter does.
+        for level in range(2, self.depth + 1):
+            if self.stop_prob > 0 and float(pool.frontier_scores[0]) < self.log_stop:
+                break
+            row = by_depth[level - 1].expand(k, -1)  # (k, h)
+            if constrained:
+                level_scores, level_children = self.top_children(row, self.allowed_after(pool.frontier_paths()))
+            else:
+                level_scores = all_scores[level - 1].expand(k, k)
+                level_children = all_children[level - 1].expand(k, k)
+            pool.expand(row, level_scores, level_children)
+
+        # 4. Keep the best num_nodes of the pool (those likely enough, with min_prob).
+        self.last_pool = pool
+        tree_tokens, parents = pool.best_subtree(self.num_nodes, next_tokens[-1:], self.log_min)
+        return tree_tokens, build_tree_buffers(parents, dtype=self.dtype, check=False)  # valid by construction
