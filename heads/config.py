@@ -37,8 +37,8 @@ FIELD_HELP: dict[str, str] = {
     "draft_vocab_size": "EAGLE-3: size of the reduced draft vocabulary its lm_head predicts (<= vocab_size; "
     "default min(vocab_size, 32000)); the d2t buffer maps draft ids to target ids.",
     "parallel_depth": "EAGLE-3: draft this many depths in ONE head forward (P-EAGLE parallel drafting: the depths past "
-    "the first read a learned `mask_hidden` feature and the embedding of `parallel_slot_token` instead of the head's own "
-    "outputs); 0 = autoregressive drafting, one head forward per depth. Training runs these depths (not `loss.ttt_steps`).",
+    "the first read the root's features plus a learned offset per depth (`mask_hidden`) and the embedding of "
+    "`parallel_slot_token` instead of the head's own outputs); 0 = autoregressive drafting, one head forward per depth. Training runs these depths (not `loss.ttt_steps`).",
     "parallel_slot_token": "EAGLE-3 with parallel_depth: the target token whose embedding the parallel slots read "
     "(vLLM's `ptd_token_id`).",
     "tree_depth": "Default draft tree depth (EAGLE dynamic trees).",

@@ -50,10 +50,11 @@ class Eagle3Heads(DraftHeads):
     Buffers (saved in the checkpoint): `d2t` (draft_vocab_size,) long, the target id of each draft id (sorted,
     unique); `t2d` (vocab_size,) bool, which target ids are in the draft vocabulary.
 
-    With `config.parallel_depth` = K >= 2 (P-EAGLE parallel drafting) the heads also hold `mask_hidden` (n*h,), a
-    learned stand-in for target features: a draft round feeds the committed positions as usual plus K-1 "parallel
-    slots" after them, each reading (mask_hidden, `parallel_slot_token`), and the one forward returns the logits of
-    all K depths (`forward(..., parallel_slots=K-1)`; inference/parallel_drafting.py).
+    With `config.parallel_depth` = K >= 2 (P-EAGLE parallel drafting) the heads also hold `mask_hidden` (K-1, n*h),
+    one learned offset per drafted depth past the first: a draft round feeds the committed positions as usual plus
+    K-1 "parallel slots" after them, the slot of depth d reading (the root's target features + mask_hidden[d-2],
+    `parallel_slot_token`), and the one forward returns the logits of all K depths (`forward(..., parallel_slots=)`;
+    inference/parallel_drafting.py).
     """
 
     float32_linears = ("fc",)  # fuses the target features (outlier dimensions): float32 under int8 drafting
@@ -80,8 +81,9 @@ class Eagle3Heads(DraftHeads):
         self.post_init()
 
     def _new_mask_hidden(self) -> nn.Parameter:
-        """A fresh (n*h,) parallel-slot feature, N(0, initializer_range) like the other fresh weights."""
-        values = torch.empty(self.fc.in_features, device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        """Fresh (K-1, n*h) per-depth offsets of the parallel slots, N(0, initializer_range) like other fresh weights."""
+        shape = (self.config.parallel_depth - 1, self.fc.in_features)
+        values = torch.empty(shape, device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         return nn.Parameter(values.normal_(std=self.config.initializer_range))
 
     @torch.no_grad()
@@ -131,35 +133,37 @@ class Eagle3Heads(DraftHeads):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         past_key_values: Any | None = None,
-        parallel_slots: int = 0,
+        parallel_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
         **attention_kwargs: Any,
     ) -> torch.Tensor:
         """One decoder step of the head.
 
         Args:
             features: (B, T, n*h) target features from `select_features` (fused here by `fc`), or (B, T, h) the
-                head's own previous outputs. With `parallel_slots` = S: (B, T-S, n*h), the features of the first T-S
-                positions only.
+                head's own previous outputs. With S `parallel_slots`: (B, T-S, n*h), the first T-S positions'.
             input_ids: (B, T) the tokens x_{t+1} that followed each feature (`parallel_slot_token` at parallel slots).
             position_ids: (B, T) positions t.
             attention_mask: (B or 1, 1, T, S) additive float mask over the S = cached + T keys.
             past_key_values: the head's own `DynamicCache` (drafting, and the TTT unroll), or None.
-            parallel_slots: the last S positions are P-EAGLE parallel slots: they read `mask_hidden` as their feature.
+            parallel_slots: (anchors (B, S, n*h), depths (S,) long in [2, K]): the last S positions are P-EAGLE
+                parallel slots, slot j drafting depth depths[j] of the root whose target features are anchors[:, j]; it
+                reads anchors[:, j] + mask_hidden[depths[j] - 2].
             attention_kwargs: passed on to the attention function (the TTT unroll's `ttt_chain`).
 
         Returns:
             (B, T, h) the pre-norm hidden state: `logits` reads it, and it is the next step's input feature.
         """
         h, fused = self.config.hidden_size, self.fc.in_features
-        if parallel_slots:
+        if parallel_slots is not None:
             if self.mask_hidden is None:
                 raise ValueError("Eagle3Heads.forward: parallel_slots given but these heads draft autoregressively "
                                  "(parallel_depth=0, no mask_hidden)")
-            if features.shape[-1] != fused:
+            anchors, depths = parallel_slots
+            if features.shape[-1] != fused or anchors.shape[-1] != fused:
                 raise ValueError(f"Eagle3Heads.forward: parallel slots follow target features ({fused} wide), not "
-                                 f"features of width {features.shape[-1]}")
-            slots = self.mask_hidden.to(features.dtype).expand(features.shape[0], parallel_slots, fused)
-            features = torch.cat([features, slots], dim=1)  # (B, T, n*h)
+                                 f"features of width {features.shape[-1]} / anchors of width {anchors.shape[-1]}")
+            slots = anchors + self.mask_hidden[depths - 2].to(anchors.dtype)  # (B, S, n*h)
+            features = torch.cat([features, slots.to(features.dtype)], dim=1)  # (B, T, n*h)
         if features.shape[-1] == fused:
             features = self.fc(features)  # (B, T, h)
         elif features.shape[-1] != h:

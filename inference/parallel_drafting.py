@@ -2,11 +2,12 @@
 
 An autoregressive EAGLE drafter runs the head once per depth (each level reads the features the level above
 predicted). Parallel heads (`HeadsConfig.parallel_depth` = K, trained so: training/ttt.py) append K-1 "parallel
-slots" after the committed positions instead, each reading a learned feature (`mask_hidden`) and a fixed token
-(`parallel_slot_token`); slot s sits at position p+s (p the root's position), sees the committed prefix and the slots
-before it, and scores the token at depth s+1. One forward therefore returns a distribution per depth:
+slots" after the committed positions instead, slot s reading the root's features plus a learned offset of its depth
+(f_p + mask_hidden[s-1]) and a fixed token (`parallel_slot_token`); it sits at position p+s (p the root's position),
+sees the committed prefix and the slots before it, and scores the token at depth s+1. One forward therefore returns
+a distribution per depth:
 
-    committed entries ... (f_p, root)  -> depth 1      slot 1 (mask, ptd) -> depth 2  ...  slot K-1 -> depth K
+    committed entries ... (f_p, root) -> depth 1    slot 1 (f_p + m_0, ptd) -> depth 2  ...  slot K-1 -> depth K
 
 Those distributions do not depend on the tokens drafted above them (a slot never sees them), so a depth's top-k
 are every parent's children, and a path's score is the sum of its depths' log-probabilities: the tree is the best
@@ -56,9 +57,11 @@ class ParallelDrafter(EagleDrafter):
         mask = torch.zeros(1, 1, total, start + total, dtype=self.dtype, device=device)
         mask[0, 0, :, start:] = torch.full((total, total), self.neg, dtype=self.dtype, device=device).triu(1)
         positions = torch.arange(start, start + total, device=device)[None]
-        out = heads(features[None], tokens[None], positions, mask, self.cache, parallel_slots=slots)[0]  # (L+S, h)
+        anchors = features[-1:].expand(slots, -1)[None]  # (1, S, n*h): every slot drafts for the root at the last one
+        depths = torch.arange(2, slots + 2, device=device)  # (S,)
+        out = heads(features[None], tokens[None], positions, mask, self.cache, parallel_slots=(anchors, depths))[0]
         self.committed = start + length
-        by_depth = out[length - 1 :]  # (D, h): row d scores depth d+1 (row 0: the root's own position)
+        by_depth = out[length - 1 :]  # (D, h) of the (L+S, h): row d scores depth d+1 (row 0: the root's own position)
 
         # 2. Depth 1: the top-k children of the root. Unconstrained, every depth's top-k at once.
         constrained = self.allowed_after is not None

@@ -4,7 +4,7 @@
 
 Sections (each runs even if an earlier one failed; failures are printed and recorded):
   1. identity, stories260K fp32: plain_greedy_static, fast-path speculative decoding (untrained Medusa,
-     EAGLE and EAGLE-3 heads, the EAGLE-3 ones also with the padded, graphed prompt forward, and a drafter that
+     EAGLE, EAGLE-3 and P-EAGLE heads, the EAGLE-3 ones also with the padded, graphed prompt forward, and a drafter that
      knows the greedy continuation: real acceptance, KV compaction), our plain decoding with and without the
      graphed prompt forward, vs target.generate. Any difference is a FAILURE (exit code 1).
   2. the same in bf16: differences are REPORTED, not failures (bf16 kernels may legitimately differ between a
@@ -13,7 +13,7 @@ Sections (each runs even if an earlier one failed; failures are printed and reco
      CUDA-graph replay (median of repeats, CUDA events, warm-up first); plain decoding tokens/s of
      target.generate vs plain_greedy_static; ms per round of untrained EAGLE heads: fast path with the whole
      greedy round as one graph (graphed_round.py), fast path per phase (graphed verification and drafting,
-     eager glue), fast path with eager drafting, normal path.
+     eager glue), fast path with eager drafting, normal path; and P-EAGLE heads (one eager head forward a round).
 Runs in well under 3 minutes on an H100.
 """
 
@@ -129,6 +129,8 @@ def identity_section(dtype: torch.dtype, max_new_tokens: int = 64) -> dict[str, 
     for head_type in ("medusa", "eagle", "eagle3"):
         torch.manual_seed(0)
         lms[head_type] = SpeculativeLM(target, create_heads(target, head_type))
+    torch.manual_seed(0)  # P-EAGLE: every depth from one (eager) head forward
+    lms["eagle3_parallel"] = SpeculativeLM(target, create_heads(target, "eagle3", parallel_depth=5))
     torch.manual_seed(0)  # the same heads again, with the padded, graphed prompt forward (GraphedPrefill)
     lms["eagle3_graphed_prefill"] = SpeculativeLM(target, create_heads(target, "eagle3"), graphed_prefill=True)
     torch.manual_seed(0)
@@ -298,6 +300,14 @@ def speculative_overhead_section(model: torch.nn.Module, new_tokens: int = 64) -
     result["draft_graph_captured"] = getattr(lm._fast_runner.static_drafter, "graph", None) is not None
     result["round_graph_captured"] = getattr(lm._fast_runner.greedy_round, "graph", None) is not None
     result["identical"] = all(first_difference(outputs[n], outputs["normal_path"]) is None for n in names)
+    # P-EAGLE heads of the same tree: one eager head forward a round instead of the graphed autoregressive levels
+    torch.manual_seed(0)
+    parallel = SpeculativeLM(model, create_heads(model, "eagle3", parallel_depth=5, tree_top_k=8, tree_num_nodes=24))
+    parallel.generate(ids, max_new_tokens=new_tokens, fast_path=True, eos_token_id=[])  # warm-up
+    for _ in range(2):
+        _, seconds = wall_seconds(lambda: parallel.generate(ids, max_new_tokens=new_tokens, fast_path=True, eos_token_id=[]))
+        ms_per_round = round(1000 * seconds / max(parallel.last_stats["rounds"], 1), 2)
+        result["parallel_fast_path_ms_per_round"] = min(result.get("parallel_fast_path_ms_per_round", 1e9), ms_per_round)
     return result
 
 

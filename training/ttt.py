@@ -14,9 +14,9 @@ the keys of steps 1..i at index t only (its own chain), never to anything later.
     mask of step i (B, 1, n, (i+1)*n), one n x n block per step, 0 = attend:
         [ causal(step 0) | diag(step 1) | ... | diag(step i) ]
 
-P-EAGLE (parallel drafting, `parallel_slot_token` given): step i >= 1 at index t reads (mask_hidden, the parallel token)
-at position t+i instead of the head's own output and the data's token: the parallel slot that drafts depth i+1 of the
-root at t in one forward with the others (inference/parallel_drafting.py). Same positions, same mask.
+P-EAGLE (parallel drafting, `parallel_slot_token` given): step i >= 1 at index t reads (f_t + mask_hidden[i-1], the
+parallel token) at position t+i instead of the head's own output and the data's token: the parallel slot that drafts
+depth i+1 of the root at t in one forward with the others (inference/parallel_drafting.py). Same positions, same mask.
 
 With `chain=True` the steps pass only the step-0 block's mask and `ttt_chain=True`: the heads' attention must be
 training/chain_attention.py's, which scores each query's own chain keys directly instead of the diagonal blocks.
@@ -103,6 +103,7 @@ def unroll_ttt(
     key_padding = attention_mask[:, 1:]  # (B, n): entry t is real when x_{t+1} is
     base_positions = torch.arange(n, device=input_ids.device).expand(batch, n)  # (B, n)
     cache = DynamicCache()
+    anchors = hidden  # (B, n, 3h): the root features the parallel slots read
     outputs = []
     block_mask = ttt_attention_mask(key_padding, 0, features.dtype) if chain else None  # (B, 1, n, n)
     chain_kwargs = {"ttt_chain": True} if chain else {}  # what routes the attention function to the chain
@@ -111,7 +112,8 @@ def unroll_ttt(
         mask = block_mask if chain else ttt_attention_mask(key_padding, step, features.dtype)
         if step and parallel_slot_token is not None:  # parallel slots: no features of their own, the parallel token
             slot_tokens = torch.full_like(base_positions, parallel_slot_token)  # (B, n)
-            out = heads(features[:, :0], slot_tokens, base_positions + step, mask, cache, parallel_slots=n, **chain_kwargs)
+            slots = (anchors, torch.full((n,), step + 1, device=input_ids.device))  # depth step+1 of each root
+            out = heads(features[:, :0], slot_tokens, base_positions + step, mask, cache, parallel_slots=slots, **chain_kwargs)
         else:
             tokens = shift_left(input_ids, 1 + step, n, fill=0)  # (B, n): x_{t+1+step}
             hidden = out = heads(hidden, tokens, base_positions + step, mask, cache, **chain_kwargs)  # (B, n, h)

@@ -77,8 +77,9 @@ def test_the_tree_holds_each_depths_top_k_of_one_forward(stories260k):
     tokens = torch.cat([next_tokens, torch.full((slots,), heads.config.parallel_slot_token)])
     mask = torch.full((length + slots, length + slots), NEG).triu(1)[None, None]
     with torch.no_grad():
+        anchors = features[-1:].expand(slots, -1)[None]  # every slot reads the root's features + its depth's offset
         out = heads(features[None], tokens[None], torch.arange(length + slots)[None], mask, DynamicCache(),
-                    parallel_slots=slots)[0]
+                    parallel_slots=(anchors, torch.arange(2, slots + 2)))[0]
         top = torch.topk(torch.log_softmax(heads.logits(out[length - 1 :]), dim=-1), 3, dim=-1)  # (4, 3)
     expected_tokens = heads.d2t[top.indices]
     assert torch.equal(pool.tokens[0], expected_tokens[0])

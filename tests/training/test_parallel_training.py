@@ -48,8 +48,9 @@ def reference_parallel_loss(heads, features, target_logits, ids, attention_mask,
             slots = depth - 1
             tokens = torch.cat([ids[b, 1 : t + 2], torch.full((slots,), heads.config.parallel_slot_token)])
             mask = torch.full((t + 1 + slots, t + 1 + slots), NEG).triu(1)[None, None]
+            anchors = features[b : b + 1, t : t + 1].expand(1, slots, -1)  # the root's features, each slot
             out = heads(features[b : b + 1, : t + 1], tokens[None], torch.arange(t + 1 + slots)[None], mask,
-                        DynamicCache(), parallel_slots=slots)[0, t:]  # (K, h): row i drafts x_{t+2+i}
+                        DynamicCache(), parallel_slots=(anchors, torch.arange(2, slots + 2)))[0, t:]  # (K, h)
             for i in range(depth):
                 if t + 2 + i >= length or not loss_mask[b, t + 2 + i]:
                     continue
@@ -110,7 +111,7 @@ def test_init_heads_become_parallel_heads_to_train(tmp_path, stories_file, targe
     config = load_run_config(CONFIGS / "eagle3_stories260k.yaml", [
         f"init_heads={tmp_path / 'ar'}", "head.options={draft_vocab_size: 128, parallel_depth: 4}"])
     heads = initial_heads(config, target)
-    assert heads.config.parallel_depth == 4 and heads.config.tree_depth == 4 and heads.mask_hidden.shape == (3 * 64,)
+    assert heads.config.parallel_depth == 4 and heads.config.tree_depth == 4 and heads.mask_hidden.shape == (3, 3 * 64)
     heads.save_pretrained(tmp_path / "parallel")
     config.init_heads, config.head.options = str(tmp_path / "parallel"), {"parallel_depth": 5}
     with pytest.raises(ValueError, match="parallel_depth=5 but init_heads=.* has parallel_depth=4"):
