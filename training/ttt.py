@@ -86,7 +86,7 @@ def unroll_ttt(
         steps: number of steps (>= 1).
         noise: (B, T-1, 3h) added to the step-0 features, or None.
         chain: the heads attend through TTT chain attention (`use_ttt_chain_attention`): no dense masks.
-        parallel_slot_token: P-EAGLE: steps >= 1 are parallel slots reading this token (and `mask_hidden`).
+        parallel_slot_token: P-EAGLE: steps >= 1 are parallel slots reading this token (and f_t + `mask_hidden`).
 
     Returns:
         `steps` tensors (B, n, h), n = T-1: step i's output a^i_t at index t (its logits predict x_{t+2+i}).
@@ -110,7 +110,7 @@ def unroll_ttt(
     for step in range(steps):
         # chain: the step-0 block's mask for every step; dense: (B, 1, n, (step+1)*n)
         mask = block_mask if chain else ttt_attention_mask(key_padding, step, features.dtype)
-        if step and parallel_slot_token is not None:  # parallel slots: no features of their own, the parallel token
+        if step and parallel_slot_token is not None:  # parallel slots: their root's features, the parallel token
             slot_tokens = torch.full_like(base_positions, parallel_slot_token)  # (B, n)
             slots = (anchors, torch.full((n,), step + 1, device=input_ids.device))  # depth step+1 of each root
             out = heads(features[:, :0], slot_tokens, base_positions + step, mask, cache, parallel_slots=slots, **chain_kwargs)
