@@ -232,6 +232,13 @@ class HeadsConfig(PretrainedConfig):
                 "(default: 3, [2, L//2, L-3])"
             )
 
+    def fit_trees_to_parallel_depth(self) -> None:
+        """Cap the default trees' depth (`tree_depth`, and `cpu_tree`'s when it sets one) at `parallel_depth`: parallel
+        heads draft no deeper than their slots."""
+        self.tree_depth = min(self.tree_depth, self.parallel_depth)
+        if "tree_depth" in self.cpu_tree:
+            self.cpu_tree["tree_depth"] = min(self.cpu_tree["tree_depth"], self.parallel_depth)
+
     def validate_parallel_drafting(self) -> None:
         """Raise a ValueError naming `parallel_depth` / `parallel_slot_token` when they are invalid."""
         depth, token = self.parallel_depth, self.parallel_slot_token

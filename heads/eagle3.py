@@ -106,9 +106,7 @@ class Eagle3Heads(DraftHeads):
         except ValueError:
             self.config.parallel_depth, self.config.parallel_slot_token = old
             raise
-        self.config.tree_depth = min(self.config.tree_depth, depth)
-        if "tree_depth" in self.config.cpu_tree:
-            self.config.cpu_tree["tree_depth"] = min(self.config.cpu_tree["tree_depth"], depth)
+        self.config.fit_trees_to_parallel_depth()
         self.mask_hidden = self._new_mask_hidden()
 
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -60,9 +60,10 @@ def create_heads(
     if unknown:
         raise ValueError(f"create_heads: unknown options {sorted(unknown)}; expected HeadsConfig fields")
     fields.update(options)
-    if options.get("parallel_depth") and "tree_depth" not in options:  # P-EAGLE drafts no deeper than its slots
-        fields["tree_depth"] = min(HeadsConfig().tree_depth, options["parallel_depth"])
-    heads = HEAD_CLASSES[head_type](HeadsConfig(**fields))
+    config = HeadsConfig(**fields)
+    if config.parallel_depth and "tree_depth" not in options:  # P-EAGLE drafts no deeper than its slots
+        config.fit_trees_to_parallel_depth()
+    heads = HEAD_CLASSES[head_type](config)
     heads.to(device=target.device, dtype=target.dtype)
     heads.init_from_target(target)
     heads.attach_target(target)

@@ -44,6 +44,9 @@ class ParallelDrafter(EagleDrafter):
             raise ValueError(f"tree_depth={depth} exceeds the heads' parallel_depth={parallel}: they draft at most "
                              f"{parallel} depths; use tree_depth <= {parallel}")
         super().__init__(heads, depth, *args, **kwargs)
+        device = heads.mask_hidden.device
+        self.slot_depths = torch.arange(2, depth + 1, device=device)  # (S,): the depth each slot drafts
+        self.slot_tokens = torch.full((depth - 1,), heads.config.parallel_slot_token, device=device)  # (S,)
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
@@ -53,13 +56,12 @@ class ParallelDrafter(EagleDrafter):
 
         # 1. One forward: the L new committed positions, then the parallel slots, causal over the cache and all of them.
         total = length + slots
-        tokens = torch.cat([next_tokens, next_tokens.new_full((slots,), heads.config.parallel_slot_token)])  # (L+S,)
+        tokens = torch.cat([next_tokens, self.slot_tokens])  # (L+S,)
         mask = torch.zeros(1, 1, total, start + total, dtype=self.dtype, device=device)
         mask[0, 0, :, start:] = torch.full((total, total), self.neg, dtype=self.dtype, device=device).triu(1)
         positions = torch.arange(start, start + total, device=device)[None]
         anchors = features[-1:].expand(slots, -1)[None]  # (1, S, n*h): every slot drafts for the root at the last one
-        depths = torch.arange(2, slots + 2, device=device)  # (S,)
-        out = heads(features[None], tokens[None], positions, mask, self.cache, parallel_slots=(anchors, depths))[0]
+        out = heads(features[None], tokens[None], positions, mask, self.cache, parallel_slots=(anchors, self.slot_depths))[0]
         self.committed = start + length
         by_depth = out[length - 1 :]  # (D, h) of the (L+S, h): row d scores depth d+1 (row 0: the root's own position)
 

@@ -45,17 +45,21 @@ def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, Any]]:
 def unprompted_answers(messages: list[dict[str, Any]]) -> int:
     """How many assistant turns come before the first user turn (ShareGPT's split conversations often open with one):
     no prompt precedes them for a chat template to render, nor for the target to have answered."""
-    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-    return sum(m["role"] == "assistant" for m in messages[:first_user])
+    return sum(m["role"] == "assistant" for m in messages[: _first_user_turn(messages)])
 
 
 def prompted_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` without the assistant turns before the first user turn when a chat template renders them (it
     cannot render an answer to nothing; `data regenerate` leaves those out too); as they are without a template."""
-    if not tokenizer.chat_template or not unprompted_answers(messages):
+    if not tokenizer.chat_template:
         return messages
-    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    first_user = _first_user_turn(messages)
     return [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+
+
+def _first_user_turn(messages: list[dict[str, Any]]) -> int:
+    """Index of the first user message (len(messages) when there is none)."""
+    return next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
 
 
 def _message_fields(turn: dict[str, Any]) -> dict[str, Any]:

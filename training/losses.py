@@ -250,7 +250,7 @@ def eagle3_loss(
     vocabulary are then left out). Step i is weighted ttt_decay**i and counts where x_{t+2+i} is trained.
 
     Args:
-        heads: Eagle3Heads (or a view of them: callable like its forward, with `logits` and `d2t`).
+        heads: Eagle3Heads (or a view of them: callable like its forward, with `logits`, `d2t` and `config`).
         features: (B, T, 3h) the target's tapped features (`heads.select_features`).
         target_logits: (B, T, V) the target's logits (position t predicts x_{t+1}), or the `TargetLabels` made
             from them with `heads.d2t` as the label vocabulary.
@@ -274,9 +274,8 @@ def eagle3_loss(
     in_draft[d2t] = True  # (V,)
     plain_heads = getattr(heads, "heads", heads)  # a training run's heads (`_HeadsView.heads`)
     chain = uses_ttt_chain_attention(plain_heads)
-    heads_config = getattr(plain_heads, "config", None)  # None: a stand-in head of a test
-    parallel = getattr(heads_config, "parallel_depth", 0)  # P-EAGLE: its depths, each a parallel slot
-    steps, token = (parallel, heads_config.parallel_slot_token) if parallel else (config.ttt_steps, None)
+    parallel = plain_heads.config.parallel_depth  # P-EAGLE: its depths, each a parallel slot
+    steps, token = (parallel, plain_heads.config.parallel_slot_token) if parallel else (config.ttt_steps, None)
     outputs = unroll_ttt(heads, features, input_ids, attention_mask, steps, noise, chain, token)
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}

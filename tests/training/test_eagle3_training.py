@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -342,6 +343,7 @@ class _AlwaysRightHeads:
     every draft it makes is right, so the simulated chains run exactly as far as the trained tokens go."""
 
     d2t = torch.tensor([2, 5, 9])
+    config = SimpleNamespace(parallel_depth=0)  # drafts autoregressively: the loss unrolls loss.ttt_steps
 
     def __call__(self, features, input_ids, position_ids, attention_mask, cache=None):
         return features[..., :4]  # (B, n, h=4)
