@@ -20,10 +20,12 @@ HEAD_CLASSES: dict[str, type[DraftHeads]] = {
 }
 HEAD_TYPES: tuple[str, ...] = tuple(HEAD_CLASSES)
 
+from specheads.heads.draft_model import DraftModelHeads, early_exit_model  # noqa: E402  (not a registered type)
 from specheads.heads.loading import create_heads, load_heads  # noqa: E402  (needs HEAD_CLASSES)
 
 __all__ = [
     "DraftHeads",
+    "DraftModelHeads",
     "Eagle3Heads",
     "EagleHeads",
     "FIELD_HELP",
@@ -34,5 +36,6 @@ __all__ = [
     "TargetParts",
     "check_heads_match_target",
     "create_heads",
+    "early_exit_model",
     "load_heads",
 ]

@@ -11,12 +11,17 @@ from transformers import PretrainedConfig
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+# `DraftModelHeads` (heads/draft_model.py): a draft model wrapped to stand where heads stand; never a checkpoint
+DRAFT_MODEL_HEAD_TYPE = "draft_model"
 # the fields of the default draft tree (`HeadsConfig.cpu_tree` may replace any of them on CPUs)
 TREE_FIELDS = ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "tree_min_prob", "static_tree")
 
 # One line of help per field; also used by `specheads` docs and error messages.
 FIELD_HELP: dict[str, str] = {
-    "head_type": "Which draft architecture: one of specheads.HEAD_TYPES (medusa, eagle, eagle3).",
+    "head_type": "Which draft architecture: one of specheads.HEAD_TYPES (medusa, eagle, eagle3); 'draft_model' for a draft "
+    "model wrapped as heads at run time (heads/draft_model.py; never saved).",
+    "draft_model_name_or_path": "draft_model: the draft model's path or Hub id ('early-exit:N' for the target's first N "
+    "layers).",
     "format_version": "Checkpoint layout version; bumped when tensor names or semantics change.",
     "specheads_version": "The specheads version that wrote the checkpoint.",
     "target_name_or_path": "Path or Hub id of the target model the heads were built for.",
@@ -115,6 +120,7 @@ class HeadsConfig(PretrainedConfig):
         target_embedding_sample: list[float] | None = None,
         target_adapter: str = "",
         target_adapter_sample: dict[str, Any] | None = None,
+        draft_model_name_or_path: str = "",
         **kwargs: Any,
     ) -> None:
         if specheads_version is None:
@@ -158,6 +164,7 @@ class HeadsConfig(PretrainedConfig):
         )
         self.target_adapter = target_adapter
         self.target_adapter_sample = target_adapter_sample or {}
+        self.draft_model_name_or_path = draft_model_name_or_path
         super().__init__(**kwargs)
         self.validate_values()
 
@@ -171,7 +178,7 @@ class HeadsConfig(PretrainedConfig):
         """Raise a ValueError naming the first invalid field."""
         from specheads.heads import HEAD_TYPES  # the registry lives in heads/__init__.py
 
-        if self.head_type not in HEAD_TYPES:
+        if self.head_type not in HEAD_TYPES and self.head_type != DRAFT_MODEL_HEAD_TYPE:
             raise ValueError(f"HeadsConfig.head_type={self.head_type!r} is unknown; expected one of {HEAD_TYPES}")
         if not isinstance(self.format_version, int) or self.format_version > FORMAT_VERSION:
             raise ValueError(

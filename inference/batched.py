@@ -35,6 +35,7 @@ from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.batch_request import BatchRequest, check_batching_options
 from specheads.inference.chunked_prefill import ChunkedPrefill
+from specheads.inference.draft_model_drafting import start_sequence
 from specheads.inference.drafting import Drafter, constrain_drafts, eagle_drafter_in
 from specheads.inference.kv_cache import (
     cache_length,
@@ -303,7 +304,7 @@ class BatchEngine:
         if context is not None:
             context.commit(root)
         drafter = lm.drafter.fork()
-        drafter.reset()
+        start_sequence(drafter, prompt)
         if request.prediction:  # OpenAI's Predicted Outputs: guessed from like the context
             drafter = with_prediction(drafter, request.prediction)
         constrain_drafts(drafter, context, lm.heads.config.vocab_size)  # processors that ban: allowed drafts only

@@ -20,6 +20,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from specheads.atomic_files import write_atomically
+from specheads.drafting_options import add_drafting_options, drafting_kwargs, drafting_name
 from specheads.inference.autotune import autotune_tree, save_tuned_heads
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
 from specheads.inference.constraints import IndexConstraint, constraint_from_options
@@ -51,7 +52,7 @@ SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-p
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specheads bench", description=__doc__)
     p.add_argument("--target", default="stories260K", help="target path, Hub id, alias or peft adapter")
-    p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
+    add_drafting_options(p)  # --heads | --draft-model | --early-exit-layers
     p.add_argument("--prompts", required=True, help="MT-bench style JSONL (first turn) or a text file, one prompt a line")
     p.add_argument("--turns", type=int, default=1,
                    help="turns of each multi-turn record to run (MT-bench: 2): turn k+1 is the chat template over the "
@@ -377,7 +378,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
-    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, device=device, dtype=dtype,
+    if getattr(args, "save_tree", None) and not getattr(args, "heads", None):
+        raise ValueError("--save-tree writes a copy of the heads with the chosen tree; a draft model has no heads "
+                         "checkpoint: give the chosen tree as --tree instead")
+    lm = SpeculativeLM.from_pretrained(target=args.target, **drafting_kwargs(args), device=device, dtype=dtype,
                                        graphed_rounds=SWITCH[getattr(args, "graphed_rounds", "auto")],
                                        graphed_prefill=getattr(args, "graphed_prefill", "off") == "on",
                                        max_round_nodes=getattr(args, "max_round_nodes", None))
@@ -456,7 +460,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 new = outputs["baseline"][0, asked.input_ids.shape[-1]:]
                 answers.append(lm.tokenizer.decode(new, skip_special_tokens=True))
     results: dict[str, Any] = {
-        "target": args.target, "heads": str(args.heads), "head_type": lm.heads.config.head_type,
+        "target": args.target, "heads": drafting_name(args), "head_type": lm.heads.config.head_type,
         "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens, "turns": turns,
         "batch_size": batch_size, "max_round_nodes": lm.max_round_nodes,
         **({"verification_ms_by_tokens": lm.verification_ms_by_tokens()} if lm.max_round_nodes == "auto" else {}),

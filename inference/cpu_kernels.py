@@ -70,6 +70,10 @@ class CpuKernels:
         """
         from specheads.inference.int8_linear import use_int8_linears
 
+        if getattr(self.heads, "shares_target_weights", False):
+            raise ValueError(f"int8 draft layers: this draft model ({self.heads.config.draft_model_name_or_path}) is "
+                             "made of the target's own layers, which int8 would change for verification too; draft "
+                             "with the default layers (--draft-linear default)")
         return use_int8_linears(self.heads, keep=self.heads.float32_linears)
 
     def use_certified_argmax(self) -> None:

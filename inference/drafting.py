@@ -178,19 +178,33 @@ class EagleDrafter:
         scores, ids = torch.topk(log_probs, self.top_k, dim=-1)
         return scores, self.heads.draft_to_target_ids(ids)
 
-    @torch.no_grad()
-    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
-        heads, k, device = self.heads, self.top_k, features.device
-        crop_cache(self.cache, self.committed)
+    def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Feed the L newly committed positions into the head's cache (position p reads (f_p, x_{p+1}); causal over
+        the cache and the chain). Returns f^ at the root's position (h,): its logits rank the depth-1 tokens."""
+        crop_cache(self.cache, self.committed)  # drops last round's draft entries
         start, length = self.committed, features.shape[0]
+        mask = self.causal_mask(start, length, features.device)
+        positions = torch.arange(start, start + length, device=features.device)[None]
+        predicted = self.heads(features[None], next_tokens[None], positions, mask, self.cache)[0]  # (L, h)
+        self.committed = start + length
+        return predicted[-1]
 
-        # 1. Commit the new positions: position p reads (f_p, x_{p+1}); causal over the cache and the chain.
+    def causal_mask(self, start: int, length: int, device: torch.device) -> torch.Tensor:
+        """(1, 1, length, start + length) additive mask: `length` new entries after `start` cached ones, causal."""
         mask = torch.zeros(1, 1, length, start + length, dtype=self.dtype, device=device)
         mask[0, 0, :, start:] = torch.full((length, length), self.neg, dtype=self.dtype, device=device).triu(1)
-        positions = torch.arange(start, start + length, device=device)[None]
-        predicted = heads(features[None], next_tokens[None], positions, mask, self.cache)[0]  # (L, h)
-        self.committed = start + length
-        last = predicted[-1]  # f^ at the root's position: its logits rank the depth-1 tokens
+        return mask
+
+    def feed_frontier(self, pool: DraftPool, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One head forward over the pool's k frontier nodes (each reading its parent's predicted feature and its own
+        token) at (1, k) `positions` under `mask`; returns their predicted features (k, h)."""
+        return self.heads(pool.frontier_features[None], pool.frontier_tokens[None], positions, mask, self.cache)[0]
+
+    @torch.no_grad()
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        k, device = self.top_k, next_tokens.device
+        # 1. Commit the new positions.
+        last = self.commit(features, next_tokens)
 
         # 2. Depth 1: the top-k children of the root.
         allowed = None if self.allowed_after is None else self.allowed_after(next_tokens.new_zeros(1, 0))[0]
@@ -206,7 +220,7 @@ class EagleDrafter:
             mask = torch.zeros(1, 1, k, self.committed + fed + k, dtype=self.dtype, device=device)
             mask[0, 0, :, self.committed :].masked_fill_(~rows, self.neg)
             positions = torch.full((1, k), self.committed + level - 2, device=device)
-            out = heads(pool.frontier_features[None], pool.frontier_tokens[None], positions, mask, self.cache)[0]
+            out = self.feed_frontier(pool, positions, mask)  # (k, h)
             allowed = None if self.allowed_after is None else self.allowed_after(pool.frontier_paths())  # (k, V)
             pool.expand(out, *self.top_children(out, allowed))
 

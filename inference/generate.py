@@ -18,6 +18,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specheads.heads.base import DraftHeads
+from specheads.heads.draft_model import DraftModelHeads, draft_model_heads
 from specheads.heads.eagle import EagleHeads
 from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.loading import load_heads
@@ -33,6 +34,7 @@ from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.corpus_lookup import CorpusLookup, corpus_for_target
 from specheads.inference.cpu_kernels import CpuKernels
+from specheads.inference.draft_model_drafting import DraftModelDrafter, start_sequence
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, constrain_drafts
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.generate_inputs import (
@@ -167,14 +169,16 @@ class SpeculativeLM(CpuKernels):
             if tree is None and static.max_depth > heads.config.num_heads:
                 static = truncate_static_tree(static, heads.config.num_heads)  # the default tree, cut to the heads we have
             self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
-        elif isinstance(heads, (EagleHeads, Eagle3Heads)):
+        elif isinstance(heads, (EagleHeads, Eagle3Heads, DraftModelHeads)):
             if tree is not None:
                 raise ValueError(
-                    "EAGLE heads draft dynamic trees: use tree_depth / tree_top_k / tree_num_nodes (/ tree_stop_prob / "
-                    "tree_min_prob), not tree"
+                    f"{'a draft model' if isinstance(heads, DraftModelHeads) else 'EAGLE heads'} drafts dynamic trees: "
+                    "use tree_depth / tree_top_k / tree_num_nodes (/ tree_stop_prob / tree_min_prob), not tree"
                 )
             parallel = isinstance(heads, Eagle3Heads) and heads.config.parallel_depth  # P-EAGLE: one forward a round
-            self.drafter = (ParallelDrafter if parallel else EagleDrafter)(
+            drafter_class = (DraftModelDrafter if isinstance(heads, DraftModelHeads) else ParallelDrafter if parallel
+                             else EagleDrafter)
+            self.drafter = drafter_class(
                 heads,
                 depth=defaults["tree_depth"] if tree_depth is None else tree_depth,
                 top_k=defaults["tree_top_k"] if tree_top_k is None else tree_top_k,
@@ -225,6 +229,8 @@ class SpeculativeLM(CpuKernels):
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
                     "depth": drafter.tree.max_depth, **lookup}
         parallel = {"parallel": True} if isinstance(drafter, ParallelDrafter) else {}  # P-EAGLE: one forward a round
+        if isinstance(drafter, DraftModelDrafter):
+            parallel = {"draft_model": self.heads.config.draft_model_name_or_path}
         return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes,
                 "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob, **parallel, **lookup}
 
@@ -232,20 +238,32 @@ class SpeculativeLM(CpuKernels):
     def from_pretrained(
         cls,
         target: str | os.PathLike,
-        heads: str | os.PathLike,
+        heads: str | os.PathLike | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        draft_model: str | os.PathLike | None = None,
+        early_exit_layers: int | None = None,
         **kwargs: Any,
     ) -> SpeculativeLM:
-        """Load a target (path, Hub id or alias) and heads (folder or Hub id), then build the model.
+        """Load a target (path, Hub id or alias) and what drafts for it, then build the model: `heads` (folder or Hub
+        id), or a `draft_model` sharing the target's tokenizer (path, Hub id or alias; no training), or the target's
+        own first `early_exit_layers` layers (self-speculation); exactly one of the three (heads/draft_model.py).
 
         Heads trained jointly with a LoRA adapter on the target (Medusa-2) get it merged into the target first.
         """
         from specheads.heads.adapter import apply_target_adapter
 
+        given = [name for name, value in (("heads", heads), ("draft_model", draft_model),
+                                          ("early_exit_layers", early_exit_layers)) if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"SpeculativeLM.from_pretrained: give exactly one of heads, draft_model and "
+                             f"early_exit_layers (what drafts for the target); got {given or 'none'}")
         if dtype is None and device is not None and torch.device(device).type == "cuda":
             dtype = torch.bfloat16  # on GPUs the target (and the heads, which follow it) run in bf16; fp32 on CPU
         target_model, tokenizer = load_target(target, dtype=dtype, device=device)
+        if heads is None:
+            drafting = draft_model_heads(target_model, tokenizer, draft_model, early_exit_layers, dtype, device)
+            return cls(target_model, drafting, tokenizer=tokenizer, **kwargs)
         target_model = apply_target_adapter(target_model, heads)  # unchanged for heads without an adapter
         return cls(target_model, load_heads(heads, target=target_model), tokenizer=tokenizer, **kwargs)
 
@@ -505,7 +523,7 @@ class SpeculativeLM(CpuKernels):
         stats["prefill_seconds"] += time.perf_counter() - prefill_start
         next_tokens = torch.cat([prompt[1:], root[None]])  # the token that followed each feature
         prefix_length = prompt.shape[0]
-        drafter.reset()
+        start_sequence(drafter, prompt)
         if prediction:  # OpenAI's Predicted Outputs: guessed from like the context
             drafter = with_prediction(drafter, prediction)
         constrain_drafts(drafter, context, self.heads.config.vocab_size)  # processors that ban: allowed drafts only

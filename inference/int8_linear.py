@@ -111,4 +111,6 @@ def wants_int8_drafting(choice: str, heads: nn.Module) -> bool:
         raise ValueError(f"--draft-linear {choice!r}; expected one of {DRAFT_LINEAR_CHOICES}")
     if choice != "auto":
         return choice == "int8"
+    if getattr(heads, "shares_target_weights", False):  # an early-exit draft: its layers are the target's
+        return False
     return is_float32_on_cpu(heads) and large_enough_for_cpu_kernels(heads) and int8_engine() is not None

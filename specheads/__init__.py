@@ -5,13 +5,20 @@
 
 __version__ = "0.1.0"
 
-from specheads.heads import HEAD_TYPES, HeadsConfig, create_heads, load_heads  # noqa: E402
+from specheads.heads import (  # noqa: E402
+    HEAD_TYPES,
+    DraftModelHeads,
+    HeadsConfig,
+    create_heads,
+    early_exit_model,
+    load_heads,
+)
 from specheads.targets import load_target  # noqa: E402
 
 __all__ = [
-    "HEAD_TYPES", "BatchEngine", "ChatSession", "CorpusLookup", "HeadsConfig", "PromptCache", "ServingLoop",
-    "SpeculativeLM",
-    "__version__", "create_heads", "load_heads", "load_target",
+    "HEAD_TYPES", "BatchEngine", "ChatSession", "CorpusLookup", "DraftModelHeads", "HeadsConfig", "PromptCache",
+    "ServingLoop", "SpeculativeLM",
+    "__version__", "create_heads", "early_exit_model", "load_heads", "load_target",
 ]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     """The model, decoding and CPU-kernel options `generate`, `chat` and `serve` share."""
     # torch is loaded by now (the package imports it)
+    from specheads.drafting_options import add_drafting_options
     from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES
     from specheads.inference.corpus_gate import MIN_GAIN, PROBE_EVERY
     from specheads.inference.corpus_lookup import SAVE_EVERY
@@ -22,7 +23,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     from specheads.inference.round_budget import parse_max_round_nodes
 
     p.add_argument("--target", default="stories260K", help="target path, Hub id, alias or peft adapter (default: stories260K)")
-    p.add_argument("--heads", required=True, help="heads checkpoint folder or Hub id")
+    add_drafting_options(p)  # --heads | --draft-model | --early-exit-layers
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--temperature", type=float, default=None, help="default: the target's generation config")
@@ -234,6 +235,7 @@ def _load_lm(args: argparse.Namespace):
     """The SpeculativeLM the decoding options ask for, on the CPU kernels they choose: (lm, kernel choices)."""
     import torch
 
+    from specheads.drafting_options import drafting_kwargs
     from specheads.inference.corpus_lookup import corpus_from_options
     from specheads.inference.generate import SpeculativeLM
     from specheads.inference.lookup import check_lookup_settings
@@ -249,7 +251,7 @@ def _load_lm(args: argparse.Namespace):
     torch.manual_seed(args.seed)
     if args.prefill_chunk < 0:
         raise ValueError(f"--prefill-chunk {args.prefill_chunk}: expected 0 (off) or a number of tokens")
-    lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
+    lm = SpeculativeLM.from_pretrained(target=args.target, **drafting_kwargs(args), lookup_tokens=args.lookup_tokens,
                                       lookup_max_tokens=args.lookup_max_tokens, lookup_corpus=corpus,
                                       corpus_tokens=args.corpus_tokens, max_round_nodes=args.max_round_nodes,
                                       prefill_chunk=args.prefill_chunk or None)

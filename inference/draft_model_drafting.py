@@ -1,0 +1,73 @@
+"""Dynamic trees drafted by a draft model (heads/draft_model.py): EAGLE-2's expansion over tokens instead of features.
+
+`DraftModelDrafter` is `EagleDrafter` with the head forward replaced by the draft model's: each round it feeds the
+tokens committed since the last round into the draft model's own KV cache (the first round: the whole prompt, from
+its first token on, which `begin` hands it), ranks the root's children from the last position's logits, then feeds
+each level's k best nodes in one forward under a tree mask, exactly as EAGLE heads are fed. The best `num_nodes` of
+the pool make the tree (`stop_prob`, `min_prob`, constrained drafting, `node_probs`: all as `EagleDrafter`).
+
+The draft model never sees the target's features, so the verifier's features (the target's last hidden state)
+are not read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specheads.heads.draft_model import DraftModelHeads
+from specheads.inference.drafting import Drafter, DraftPool, EagleDrafter
+from specheads.inference.kv_cache import crop_cache
+
+
+class DraftModelDrafter(EagleDrafter):
+    """EAGLE-2 dynamic trees from a draft model's next-token distributions (see the module docstring).
+
+    Args are `EagleDrafter`'s, with `DraftModelHeads` as the heads; masks follow the draft model's dtype.
+    """
+
+    def __init__(self, heads: DraftModelHeads, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(heads, DraftModelHeads):
+            raise TypeError(f"DraftModelDrafter drafts with a draft model (DraftModelHeads), got {type(heads).__name__}")
+        super().__init__(heads, *args, **kwargs)
+        self.dtype = heads.draft_model.dtype  # its attention's dtype, which may differ from the target's
+        self.neg = torch.finfo(self.dtype).min
+        self.first_token: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.first_token = None
+
+    def begin(self, first_token: torch.Tensor) -> None:
+        """The (1,) first token of the new sequence (after `reset`): no feature precedes it, so the first `propose`
+        carries the prompt from its second token on, but a language model reads the first one too."""
+        self.first_token = first_token
+
+    def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Feed the committed tokens since the last round (the first round: the first token, then `next_tokens`),
+        causal over the draft cache; returns the draft model's hidden state at the root (h_draft,)."""
+        crop_cache(self.cache, self.committed)  # drops last round's draft entries
+        tokens = next_tokens
+        if self.committed == 0:
+            if self.first_token is None:
+                raise RuntimeError("DraftModelDrafter: call begin(prompt[:1]) after reset() (start_sequence does both)")
+            tokens = torch.cat([self.first_token.to(next_tokens.device), next_tokens])
+        start, length = self.committed, tokens.shape[0]
+        positions = torch.arange(start, start + length, device=tokens.device)[None]
+        hidden = self.heads(tokens[None], positions, self.causal_mask(start, length, tokens.device), self.cache)
+        self.committed = start + length
+        return hidden[0, -1]
+
+    def feed_frontier(self, pool: DraftPool, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The draft model over the k frontier tokens (each below its own path under `mask`): (k, h_draft)."""
+        return self.heads(pool.frontier_tokens[None], positions, mask, self.cache)[0]
+
+
+def start_sequence(drafter: Drafter, prompt: torch.Tensor) -> None:
+    """Reset `drafter` for a new sequence with the (n,) `prompt`; a draft model's drafter (itself, or the one prompt
+    lookup wraps) is also told the prompt's first token (`DraftModelDrafter.begin`)."""
+    drafter.reset()
+    inner = getattr(drafter, "drafter", drafter)
+    if isinstance(inner, DraftModelDrafter):
+        inner.begin(prompt[:1])

@@ -1,0 +1,31 @@
+"""The command line's choice of what drafts: trained heads, a draft model, or the target's own first layers."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_drafting_options(p: argparse.ArgumentParser) -> None:
+    """`--heads` | `--draft-model` | `--early-exit-layers`: exactly one (`SpeculativeLM.from_pretrained`'s three)."""
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--heads", help="heads checkpoint folder or Hub id")
+    group.add_argument("--draft-model", default=None, metavar="MODEL",
+                       help="draft with a small causal LM sharing the target's tokenizer (path, Hub id or alias; no "
+                       "training): it drafts the same dynamic trees as EAGLE heads (--tree depth,top_k,nodes)")
+    group.add_argument("--early-exit-layers", type=int, default=None, metavar="N",
+                       help="self-speculation: the target's own first N layers (+ its norm and lm_head) draft")
+
+
+def drafting_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`SpeculativeLM.from_pretrained` keywords for the drafting option given (`heads=`, `draft_model=` or
+    `early_exit_layers=`)."""
+    chosen = {name: getattr(args, name, None) for name in ("heads", "draft_model", "early_exit_layers")}
+    return {name: value for name, value in chosen.items() if value is not None}
+
+
+def drafting_name(args: argparse.Namespace) -> str:
+    """What drafts, for logs and reports: the heads' or draft model's name, or 'early-exit:N'."""
+    if getattr(args, "early_exit_layers", None) is not None:
+        return f"early-exit:{args.early_exit_layers}"
+    return str(getattr(args, "heads", None) or args.draft_model)
