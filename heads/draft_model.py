@@ -7,6 +7,9 @@ trees as EAGLE heads (top-k children per level, the best nodes kept; inference/d
 target verifies in one forward, so the output is the target's whatever the draft model (greedy identical, sampling
 exact); only the speed depends on how often it guesses right.
 
+A draft model of ANOTHER tokenizer drafts too, from the tokens both vocabularies share (Token-Level Intersection,
+heads/vocab_mapping.py); `from_pretrained` sets that up when the tokenizers differ.
+
 `DraftModelHeads` wraps the draft model as a `DraftHeads`, so that `SpeculativeLM` and everything built on it
 (batches, the server, `bench`, constraints, prompt lookup) takes it where it takes heads. It is not a checkpoint:
 it is not trained, saved or exported (the draft model is used as it is).
@@ -19,6 +22,7 @@ memory). Targets not trained to exit early guess poorly from few layers; LayerSk
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from typing import Any
 
@@ -30,6 +34,9 @@ from transformers.cache_utils import Cache
 from specheads.heads.base import DraftHeads
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.config import DRAFT_MODEL_HEAD_TYPE, HeadsConfig
+from specheads.heads.vocab_mapping import VocabMapping
+
+logger = logging.getLogger(__name__)
 
 EARLY_EXIT_PREFIX = "early-exit:"  # `draft_model_name_or_path` of an early-exit draft: "early-exit:N"
 # Default trees: a draft model's level costs a forward of a whole (small) LM, far more than a head's, so its trees
@@ -43,14 +50,17 @@ class DraftModelHeads(DraftHeads):
 
     Args:
         config: from `DraftModelHeads.config_for(target, name)`: the target's sizes, `head_type="draft_model"`.
-        draft_model: a causal LM whose token ids are the target's (`check_same_tokenizer`); its vocabulary may be
-            padded to another size than the target's (only ids both have are drafted; target ids it lacks are fed
-            to it as id 0, which can only cost acceptance).
+        draft_model: a causal LM whose token ids are the target's, or with `vocab_mapping` another tokenizer's.
+            Without a mapping its vocabulary may be padded to another size than the target's (only ids both have
+            are drafted; target ids it lacks are fed to it as id 0, which can only cost acceptance).
         shares_target_weights: it is made of the target's own modules (`early_exit_model`): then only that target
             is accepted, and nothing may change its layers (int8 drafting is refused).
+        vocab_mapping: for a draft model of another tokenizer: the tokens both share (heads/vocab_mapping.py); it
+            drafts only those, and reads the committed text through it.
     """
 
-    def __init__(self, config: HeadsConfig, draft_model: PreTrainedModel, shares_target_weights: bool = False) -> None:
+    def __init__(self, config: HeadsConfig, draft_model: PreTrainedModel, shares_target_weights: bool = False,
+                 vocab_mapping: VocabMapping | None = None) -> None:
         if config.head_type != DRAFT_MODEL_HEAD_TYPE:
             raise ValueError(f"DraftModelHeads needs head_type={DRAFT_MODEL_HEAD_TYPE!r}, got {config.head_type!r}")
         super().__init__(config)  # no post_init: it would re-initialise the draft model's weights
@@ -59,6 +69,7 @@ class DraftModelHeads(DraftHeads):
         self.input_rows = draft_model.get_input_embeddings().num_embeddings
         # ids it can draft: its output rows, and only target ids (a vocabulary padded past the target's drafts none)
         self.output_rows = min(draft_model.get_output_embeddings().weight.shape[0], config.vocab_size)
+        self.vocab_mapping = None if vocab_mapping is None else vocab_mapping.to(draft_model.device)
 
     @staticmethod
     def config_for(target: PreTrainedModel, draft_model_name_or_path: str) -> HeadsConfig:
@@ -73,23 +84,38 @@ class DraftModelHeads(DraftHeads):
         )
 
     @classmethod
-    def around(cls, draft_model: PreTrainedModel, target: PreTrainedModel, name: str | None = None) -> DraftModelHeads:
-        """`draft_model` as heads for `target` (named `name` in logs; default: its own name or path). A draft model
-        built from `target`'s modules (`early_exit_model`) is recognised as such."""
+    def around(cls, draft_model: PreTrainedModel, target: PreTrainedModel, name: str | None = None,
+               vocab_mapping: VocabMapping | None = None) -> DraftModelHeads:
+        """`draft_model` as heads for `target` (named `name` in logs; default: its own name or path; `vocab_mapping`:
+        see the class). A draft model built from `target`'s modules (`early_exit_model`) is recognised as such."""
         shares = draft_model.get_input_embeddings() is target.get_input_embeddings()
         if name is None:
             name = str(draft_model.config.name_or_path or type(draft_model).__name__)
             if shares:
                 name = f"{EARLY_EXIT_PREFIX}{draft_model.config.get_text_config().num_hidden_layers}"
-        return cls(cls.config_for(target, name), draft_model, shares_target_weights=shares)
+        return cls(cls.config_for(target, name), draft_model, shares_target_weights=shares, vocab_mapping=vocab_mapping)
 
     @property
     def draft_vocab_size(self) -> int:
-        return self.output_rows
+        return self.output_rows if self.vocab_mapping is None else self.vocab_mapping.num_shared
 
     def draft_to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Draft ids are target ids (one tokenizer)."""
-        return ids
+        """Target ids of drafted ids: the same ids (one tokenizer), or the shared tokens' (a vocabulary mapping)."""
+        return ids if self.vocab_mapping is None else self.vocab_mapping.target_ids[ids]
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """The draft model's input ids (m,) for committed target ids (n,): the same ids (those past its vocabulary read
+        as 0), or through the vocabulary mapping (m may differ from n)."""
+        if self.vocab_mapping is not None:
+            return self.vocab_mapping.to_draft(target_ids)
+        return target_ids.masked_fill(target_ids >= self.input_rows, 0) if self.input_rows < self.config.vocab_size \
+            else target_ids
+
+    def drafted_to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """`to_draft_ids` for drafted tokens (always shared ones): one for one, no host sync."""
+        if self.vocab_mapping is None:
+            return self.to_draft_ids(target_ids)
+        return self.vocab_mapping.target_to_draft[target_ids]
 
     def attach_target(self, target: PreTrainedModel) -> None:
         """Check that this draft model fits `target` (an early-exit draft: that it is made of this very target)."""
@@ -101,19 +127,21 @@ class DraftModelHeads(DraftHeads):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Cache
     ) -> torch.Tensor:
-        """The draft model's final (post-norm) hidden states (1, T, h_draft) for the (1, T) target `input_ids` at
-        `position_ids`, under the 4-D additive `attention_mask` over `cache` + these tokens; appends to `cache`."""
-        if self.input_rows < self.config.vocab_size:  # target ids past the draft's vocabulary: read as id 0
-            input_ids = input_ids.masked_fill(input_ids >= self.input_rows, 0)
+        """The draft model's final (post-norm) hidden states (1, T, h_draft) for its (1, T) `input_ids` (draft ids:
+        `to_draft_ids`) at `position_ids`, under the 4-D additive `attention_mask` over `cache` + these tokens;
+        appends to `cache`."""
         decoder = self.draft_model.base_model
         out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                       **cache_kwargs(decoder, cache), use_cache=True)
         return out.last_hidden_state
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., V') logits over the ids both vocabularies have, from the draft model's (..., h_draft) hidden states.
-        The draft model's own logit scaling or soft-capping (Gemma 2, Cohere) is not applied: it keeps the order."""
+        """(..., V') logits over the tokens it drafts (the ids both vocabularies have, or the shared tokens of a
+        mapping, by draft id), from the draft model's (..., h_draft) hidden states. Its own logit scaling or
+        soft-capping (Gemma 2, Cohere) is not applied: it keeps the order."""
         logits = self.draft_model.get_output_embeddings()(hidden)
+        if self.vocab_mapping is not None:
+            return logits[..., self.vocab_mapping.draft_ids]
         return logits[..., : self.output_rows]
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
@@ -161,18 +189,9 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
     return draft.eval()
 
 
-def check_same_tokenizer(target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase,
-                         draft_name: str) -> None:
-    """Raise a ValueError when the draft model's tokenizer maps tokens to other ids than the target's: its drafts
-    would be ids of another vocabulary (right only by accident)."""
-    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-    if target_vocab == draft_vocab:
-        return
-    differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda item: item[1])[:3]
-    raise ValueError(
-        f"draft model {draft_name!r} has another tokenizer than the target ({len(draft_vocab)} tokens against "
-        f"{len(target_vocab)}; e.g. {differing}); a draft model must share the target's token ids (a smaller model "
-        "of the same family)")
+def same_vocabulary(target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether both tokenizers map every token to the same id."""
+    return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 
 
 def draft_model_heads(
@@ -185,7 +204,8 @@ def draft_model_heads(
 ) -> DraftModelHeads:
     """`DraftModelHeads` for `target`: the `draft_model` (a path, Hub id or alias, loaded as targets are, in the
     target's dtype and device; its tokenizer checked against `target_tokenizer`), or the target's first
-    `early_exit_layers` layers (one of the two)."""
+    `early_exit_layers` layers (one of the two). A draft model of another tokenizer drafts the tokens both
+    vocabularies share (`VocabMapping`; a warning says how many)."""
     from specheads.targets import load_target
 
     if (draft_model is None) == (early_exit_layers is None):
@@ -194,6 +214,11 @@ def draft_model_heads(
     if early_exit_layers is not None:
         return DraftModelHeads.around(early_exit_model(target, early_exit_layers), target)
     model, tokenizer = load_target(draft_model, dtype=dtype or target.dtype, device=device or target.device)
-    if target_tokenizer is not None:
-        check_same_tokenizer(target_tokenizer, tokenizer, str(draft_model))
-    return DraftModelHeads.around(model, target, name=str(draft_model))
+    mapping = None
+    if target_tokenizer is not None and not same_vocabulary(target_tokenizer, tokenizer):
+        rows = model.get_output_embeddings().weight.shape[0]
+        mapping = VocabMapping(target_tokenizer, tokenizer, target.config.get_text_config().vocab_size, rows)
+        logger.warning("draft model %r has another tokenizer than the target: it drafts the %d tokens both "
+                       "vocabularies share (of the target's %d)", str(draft_model), mapping.num_shared,
+                       len(target_tokenizer))
+    return DraftModelHeads.around(model, target, name=str(draft_model), vocab_mapping=mapping)

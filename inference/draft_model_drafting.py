@@ -34,10 +34,11 @@ class DraftModelDrafter(EagleDrafter):
         self.dtype = heads.draft_model.dtype  # its attention's dtype, which may differ from the target's
         self.neg = torch.finfo(self.dtype).min
         self.first_token: torch.Tensor | None = None
+        self.root_hidden: torch.Tensor | None = None  # the draft model's last committed state (h_draft,)
 
     def reset(self) -> None:
         super().reset()
-        self.first_token = None
+        self.first_token = self.root_hidden = None
 
     def begin(self, first_token: torch.Tensor) -> None:
         """The (1,) first token of the new sequence (after `reset`): no feature precedes it, so the first `propose`
@@ -53,15 +54,22 @@ class DraftModelDrafter(EagleDrafter):
             if self.first_token is None:
                 raise RuntimeError("DraftModelDrafter: call begin(prompt[:1]) after reset() (start_sequence does both)")
             tokens = torch.cat([self.first_token.to(next_tokens.device), next_tokens])
+        tokens = self.heads.to_draft_ids(tokens)  # (m,): another tokenizer's ids may be more or fewer
+        if tokens.shape[0] == 0:  # nothing the draft model reads (tokens with no text for it): its last state
+            if self.root_hidden is not None:
+                return self.root_hidden
+            tokens = tokens.new_zeros(1)  # a prompt of such tokens alone: any start will do
         start, length = self.committed, tokens.shape[0]
         positions = torch.arange(start, start + length, device=tokens.device)[None]
         hidden = self.heads(tokens[None], positions, self.causal_mask(start, length, tokens.device), self.cache)
         self.committed = start + length
-        return hidden[0, -1]
+        self.root_hidden = hidden[0, -1]
+        return self.root_hidden
 
     def feed_frontier(self, pool: DraftPool, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The draft model over the k frontier tokens (each below its own path under `mask`): (k, h_draft)."""
-        return self.heads(pool.frontier_tokens[None], positions, mask, self.cache)[0]
+        tokens = self.heads.drafted_to_draft_ids(pool.frontier_tokens)
+        return self.heads(tokens[None], positions, mask, self.cache)[0]
 
 
 def start_sequence(drafter: Drafter, prompt: torch.Tensor) -> None:

@@ -229,8 +229,10 @@ class SpeculativeLM(CpuKernels):
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
                     "depth": drafter.tree.max_depth, **lookup}
         parallel = {"parallel": True} if isinstance(drafter, ParallelDrafter) else {}  # P-EAGLE: one forward a round
-        if isinstance(drafter, DraftModelDrafter):
-            parallel = {"draft_model": self.heads.config.draft_model_name_or_path}
+        if isinstance(drafter, DraftModelDrafter):  # and, for another tokenizer, the tokens it can draft
+            mapping = self.heads.vocab_mapping
+            parallel = {"draft_model": self.heads.config.draft_model_name_or_path,
+                        **({"shared_vocab": mapping.num_shared} if mapping is not None else {})}
         return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes,
                 "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob, **parallel, **lookup}
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from specheads import SpeculativeLM
-from specheads.heads.draft_model import DraftModelHeads, check_same_tokenizer, early_exit_model
+from specheads.heads.draft_model import DraftModelHeads, early_exit_model
 from specheads.inference.draft_model_drafting import DraftModelDrafter
 from specheads.inference.prompt_cache import PromptCache
 
@@ -148,11 +148,6 @@ def test_bad_draft_models_are_refused_by_name(stories260k):
         lm.heads.save_pretrained("anywhere")
     with pytest.raises(ValueError, match="a draft model drafts dynamic trees"):
         lm.configure_tree(tree="medusa_default")
-    changed = copy.deepcopy(tokenizer)
-    changed.add_tokens(["<extra_token>"])
-    with pytest.raises(ValueError, match="draft model 'other' has another tokenizer than the target .513 tokens against 512"):
-        check_same_tokenizer(tokenizer, changed, "other")
-    check_same_tokenizer(tokenizer, copy.deepcopy(tokenizer), "same")
 
 
 def test_a_padded_draft_vocabulary_drafts_only_target_ids(tiny_target_factory):
@@ -197,13 +192,8 @@ def test_generate_and_bench_commands_draft_with_a_draft_model(tmp_path, capfd):
         bench_main([*base, "--draft-model", "stories260K", "--tree", "auto", "--save-tree", str(tmp_path / "t")])
 
 
-def test_a_draft_model_from_a_hub_id_and_one_with_another_tokenizer(tmp_path, offline_hub_cache):
-    """A Hub id resolves through the (offline) Hub cache; a draft model whose tokenizer has other ids is refused
-    before any drafting, naming it."""
-    import shutil
-
-    from transformers import AutoTokenizer
-
+def test_a_draft_model_from_a_hub_id(offline_hub_cache):
+    """A Hub id resolves through the (offline) Hub cache."""
     from specheads.targets import resolve_target_path
 
     stories = resolve_target_path("stories260K")
@@ -211,13 +201,6 @@ def test_a_draft_model_from_a_hub_id_and_one_with_another_tokenizer(tmp_path, of
     lm = SpeculativeLM.from_pretrained("stories260K", draft_model="test-org/stories-draft")
     ids = lm.tokenizer(STORY, return_tensors="pt").input_ids
     assert torch.equal(lm.generate(ids, max_new_tokens=20), hf_greedy(lm.target, ids, 20))
-    other = tmp_path / "other-tokenizer"
-    shutil.copytree(stories, other)
-    tokenizer = AutoTokenizer.from_pretrained(other)
-    tokenizer.add_tokens(["<tool>"])
-    tokenizer.save_pretrained(other)
-    with pytest.raises(ValueError, match=f"draft model '{other}' has another tokenizer than the target"):
-        SpeculativeLM.from_pretrained("stories260K", draft_model=str(other))
 
 
 def test_the_server_batches_requests_drafted_by_an_early_exit(stories260k):
