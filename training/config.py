@@ -79,6 +79,9 @@ class LossSection:
     ttt_steps: int = 7  # EAGLE-3: training-time test steps (draft depths trained on the head's own outputs)
     ttt_decay: float = 0.8  # EAGLE-3: loss weight of TTT step i (0-based) is ttt_decay**i
     ttt_attention: str = "auto"  # EAGLE-3: chain (each query scores its own chain) | dense (one masked SDPA) | auto (chain on the CPU)
+    # P-EAGLE (parallel_depth heads): share of the roots training depth d that also train depth d+1, drawn per batch
+    # (COD sampling: nested subsets, depth d+1 trains ~ n * ratio^d roots; 1 = every root trains every depth)
+    parallel_slot_ratio: float = 1.0
 
 
 @dataclass
@@ -207,6 +210,9 @@ class RunConfig:
                 f"loss.argmax_label_weight={self.loss.argmax_label_weight!r} mixes into the target's distribution; "
                 f"it needs loss.labels='target', got {self.loss.labels!r}"
             )
+        if not 0 < self.loss.parallel_slot_ratio <= 1:
+            raise ValueError(f"loss.parallel_slot_ratio={self.loss.parallel_slot_ratio!r} is invalid; expected a share "
+                             "in (0, 1] of the roots that train each next parallel depth")
         if self.eval_steps < 0:
             raise ValueError(f"eval_steps={self.eval_steps!r} is invalid; expected steps >= 0 (0: evaluate at the end)")
         if self.early_stopping_patience < 0:

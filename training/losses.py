@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from specheads.training.chain_attention import uses_ttt_chain_attention
 from specheads.training.config import LossSection
 from specheads.training.target_labels import TargetLabels, as_target_labels, label_cross_entropy
-from specheads.training.ttt import shift_left, unroll_ttt
+from specheads.training.ttt import cod_slot_roots, shift_left, unroll_ttt
 
 
 @dataclass
@@ -276,18 +276,30 @@ def eagle3_loss(
     chain = uses_ttt_chain_attention(plain_heads)
     parallel = plain_heads.config.parallel_depth  # P-EAGLE: its depths, each a parallel slot
     steps, token = (parallel, plain_heads.config.parallel_slot_token) if parallel else (config.ttt_steps, None)
-    outputs = unroll_ttt(heads, features, input_ids, attention_mask, steps, noise, chain, token)
+    slot_roots = cod_roots(input_ids, parallel, config.parallel_slot_ratio)  # None: every root trains every depth
+    outputs = unroll_ttt(heads, features, input_ids, attention_mask, steps, noise, chain and slot_roots is None,
+                         token, slot_roots)
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     correct: list[torch.Tensor] = []
+    every_depth = torch.ones(n, dtype=torch.bool, device=input_ids.device)  # (n,) roots that train every depth
     for step, hidden in enumerate(outputs):
         # Only the M trained rows go through the draft lm_head and the softmaxes (prompt tokens and padding,
         # about half of a batch, never reach them): rows (b, t) where x_{t+2+step} is trained.
-        rows_b, rows_t = shift_left(loss_mask, 2 + step, n, fill=0).bool().nonzero(as_tuple=True)  # (M,), (M,)
+        trained = shift_left(loss_mask, 2 + step, n, fill=0).bool()  # (B, n)
+        row_of_root = None
+        if step and slot_roots is not None:  # COD: only the sampled roots' slots ran; hidden is (B, m, h)
+            roots = slot_roots[step - 1].to(input_ids.device)
+            every_depth = torch.zeros_like(every_depth).index_fill_(0, roots, True)  # nested: the last is the deepest
+            trained = trained & every_depth[None]
+            row_of_root = torch.full((n,), -1, dtype=torch.long, device=roots.device).index_copy_(
+                0, roots, torch.arange(roots.shape[0], device=roots.device))
+        rows_b, rows_t = trained.nonzero(as_tuple=True)  # (M,), (M,)
         label_rows = labels.row_of[rows_b, rows_t + 1 + step]  # (M,): the target at t+1+step
         tokens = input_ids[rows_b, rows_t + 2 + step]  # (M,): x_{t+2+step}
         draft_ids = torch.searchsorted(d2t, tokens).clamp(max=d2t.shape[0] - 1)  # (M,): read with labels="tokens"
-        ce, draft_top1 = label_cross_entropy(heads.logits(hidden[rows_b, rows_t]), labels, label_rows, draft_ids)
+        rows = hidden[rows_b, rows_t if row_of_root is None else row_of_root[rows_t]]
+        ce, draft_top1 = label_cross_entropy(heads.logits(rows), labels, label_rows, draft_ids)
         # with labels="tokens", labels outside the draft vocabulary are left out
         step_loss = rows_mean(ce) if labels.probs is not None else masked_mean(ce, in_draft[tokens])
         total = total + config.ttt_decay**step * step_loss
@@ -296,12 +308,23 @@ def eagle3_loss(
         metrics[f"acc_depth{step + 1}"] = float(rows_mean(hit_rows.float()))
         # the chain at index t is the draft path rooted at t: no shift; untrained rows count as misses
         correct.append(hits_at(hit_rows, (rows_b, rows_t), (batch, n)))
-    first_valid = shift_left(loss_mask, 2, n, fill=0).bool()  # (B, n)
+    # the chains a draft could run: with COD, those of the roots that trained every depth
+    first_valid = shift_left(loss_mask, 2, n, fill=0).bool() & every_depth[None]  # (B, n)
     metrics["loss"] = float(total.detach())
     metrics["acc"] = metrics["acc_depth1"]
     metrics["sim_tau"] = chain_acceptance(correct, first_valid)
     metrics["draft_vocab_coverage"] = float(masked_mean(in_draft[shift_left(input_ids, 2, n, fill=0)].float(), first_valid))
     return LossOutput(total, metrics)
+
+
+def cod_roots(input_ids: torch.Tensor, parallel_depth: int, ratio: float) -> list[torch.Tensor] | None:
+    """P-EAGLE COD sampling of this batch's slot roots (training/ttt.py `cod_slot_roots`), or None (autoregressive
+    heads, or ratio 1: every root). Drawn from a generator seeded with the batch's tokens, so a resumed run, or any
+    number of processes, draws the same roots for the same batch."""
+    if not parallel_depth or ratio >= 1:
+        return None
+    seed = int(input_ids.long().sum()) * 1_000_003 + input_ids.shape[0] * 1009 + input_ids.shape[1]
+    return cod_slot_roots(input_ids.shape[1] - 1, parallel_depth, ratio, torch.Generator().manual_seed(seed))
 
 
 def uniform_noise(shape: tuple[int, ...], scale: float, seeds: list[int]) -> torch.Tensor:

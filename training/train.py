@@ -320,7 +320,8 @@ def evaluate_during_training(
 ) -> dict[str, float]:
     """The held-out metrics, with the trained module in eval mode and no input noise (each process scores all of
     them: the same numbers everywhere, no collective calls)."""
-    quiet = dataclasses.replace(config, loss=dataclasses.replace(config.loss, input_noise=0.0))
+    # every root scores every depth (no COD sampling of P-EAGLE slots): the held-out metrics of all of them
+    quiet = dataclasses.replace(config, loss=dataclasses.replace(config.loss, input_noise=0.0, parallel_slot_ratio=1.0))
     model.eval()
     try:
         metrics = evaluate(

@@ -17,9 +17,9 @@ from specheads.cli import main
 from specheads.training.chain_attention import use_ttt_chain_attention
 from specheads.training.config import LossSection, load_run_config
 from specheads.training.features import online_features
-from specheads.training.losses import eagle3_loss
+from specheads.training.losses import cod_roots, eagle3_loss
 from specheads.training.train import initial_heads
-from specheads.training.ttt import unroll_ttt
+from specheads.training.ttt import cod_slot_roots, unroll_ttt
 
 from .conftest import CONFIGS, depth1_accuracy, overrides
 from .test_eagle3_training import random_batch
@@ -102,6 +102,57 @@ def test_slots_see_nothing_past_the_roots_token_and_mask_hidden_learns(tiny_targ
     features, target_logits = online_features(target, ids, mask, heads.select_features)
     eagle3_loss(heads, features, target_logits, ids, mask, batch["loss_mask"], LossSection()).loss.backward()
     assert heads.mask_hidden.grad is not None and heads.mask_hidden.grad.abs().sum() > 0
+
+
+def test_cod_roots_are_nested_shrinking_and_drawn_from_the_batch():
+    roots = cod_slot_roots(40, 5, 0.5, torch.Generator().manual_seed(0))
+    assert [r.shape[0] for r in roots] == [20, 10, 5, 3]
+    for shallower, deeper in zip(roots, roots[1:]):
+        assert set(deeper.tolist()) <= set(shallower.tolist()) and torch.equal(deeper, deeper.sort().values)
+    assert [r.shape[0] for r in cod_slot_roots(3, 4, 0.1, torch.Generator().manual_seed(0))] == [1, 1, 1]  # >= 1
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(1))
+    same = [torch.equal(a, b) for a, b in zip(cod_roots(ids, 4, 0.5), cod_roots(ids.clone(), 4, 0.5))]
+    assert all(same) and cod_roots(ids, 4, 1.0) is None and cod_roots(ids, 0, 0.5) is None
+
+
+def test_cod_slots_equal_the_full_unroll_at_their_roots(tiny_target_factory):
+    """COD runs the sampled roots' slots only, each seeing the same keys as in the full unroll (its prefix and its own
+    chain's earlier slots, which nesting keeps): their outputs are the full unroll's at those roots."""
+    target, heads = tiny_parallel(tiny_target_factory, depth=4)
+    batch = random_batch(target.config.vocab_size, [14, 9], seed=6)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    features = torch.randn(2, 14, 3 * target.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    token = heads.config.parallel_slot_token
+    roots = cod_slot_roots(13, 4, 0.6, torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = unroll_ttt(heads, features, ids, mask, 4, parallel_slot_token=token)
+        sampled = unroll_ttt(heads, features, ids, mask, 4, parallel_slot_token=token, slot_roots=roots)
+    torch.testing.assert_close(sampled[0], full[0])
+    for step in range(1, 4):
+        assert sampled[step].shape[1] == roots[step - 1].shape[0] < 13
+        torch.testing.assert_close(sampled[step], full[step][:, roots[step - 1]], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="slot_roots .COD sampling. need parallel slots, dense masks"):
+        unroll_ttt(heads, features, ids, mask, 4, parallel_slot_token=token, slot_roots=roots[:2])
+
+
+def test_cod_loss_scores_the_sampled_roots_and_trains(tiny_target_factory):
+    """With loss.parallel_slot_ratio < 1 each depth's metrics are the full loss's over the sampled roots (chain
+    attention heads fall back to dense masks for it), and the slots get gradients; the ratio is validated."""
+    target, heads = tiny_parallel(tiny_target_factory, depth=4)
+    use_ttt_chain_attention(heads)
+    batch = random_batch(target.config.vocab_size, [16, 12], seed=8)
+    ids, mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    features, target_logits = online_features(target, ids, mask, heads.select_features)
+    full = eagle3_loss(heads, features, target_logits, ids, mask, loss_mask, LossSection())
+    sampled = eagle3_loss(heads, features, target_logits, ids, mask, loss_mask, LossSection(parallel_slot_ratio=0.5))
+    assert sampled.metrics["loss_depth1"] == pytest.approx(full.metrics["loss_depth1"], rel=1e-5)
+    assert sampled.metrics["loss_depth4"] != pytest.approx(full.metrics["loss_depth4"], rel=1e-6)  # a subset
+    heads.train()
+    sampled.loss.backward()
+    assert heads.mask_hidden.grad is not None and heads.mask_hidden.grad[2].abs().sum() > 0  # the deepest slot too
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=f"loss.parallel_slot_ratio={bad!r} is invalid"):
+            load_run_config(CONFIGS / "eagle3_stories260k.yaml", [f"loss.parallel_slot_ratio={bad}"])
 
 
 def test_init_heads_become_parallel_heads_to_train(tmp_path, stories_file, target_and_tokenizer):
