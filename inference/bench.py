@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "JSON object, inference/json_object.py, without it)")
     constraint.add_argument("--regex", default=None, help="constrain every run to text matching this regex")
     p.add_argument("--prompt-lookup", type=int, default=10, help="peer: transformers prompt-lookup tokens (0: skip)")
-    p.add_argument("--assistant", default=None, help="peer: a draft model for transformers assisted generation")
+    p.add_argument("--assistant", default=None, help="peer: a draft model for transformers assisted generation (with "
+                   "--early-exit-layers N and no --assistant: transformers' assistant_early_exit=N is the peer)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -243,6 +244,11 @@ def run_prompt(
         row["prompt_lookup_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
     if assistant is not None and not images:  # (a text draft model cannot read the images)
         out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
+                                                **gen_kwargs, **constrained()))
+        row["assisted_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
+    early_exit = getattr(args, "early_exit_layers", None)
+    if early_exit is not None and assistant is None and not images:  # transformers' own self-speculation: the peer
+        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_early_exit=early_exit,
                                                 **gen_kwargs, **constrained()))
         row["assisted_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
     return row
