@@ -131,6 +131,7 @@ class DraftModelHeads(DraftHeads):
         `to_draft_ids`) at `position_ids`, under the 4-D additive `attention_mask` over `cache` + these tokens;
         appends to `cache`."""
         decoder = self.draft_model.base_model
+        attention_mask = attention_mask.to(self.draft_model.dtype)  # masks come in the target's dtype
         out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                       **cache_kwargs(decoder, cache), use_cache=True)
         return out.last_hidden_state

@@ -19,26 +19,46 @@ import torch
 from specheads.heads.draft_model import DraftModelHeads
 from specheads.inference.drafting import Drafter, DraftPool, EagleDrafter
 from specheads.inference.kv_cache import crop_cache
+from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
 
 class DraftModelDrafter(EagleDrafter):
     """EAGLE-2 dynamic trees from a draft model's next-token distributions (see the module docstring).
 
-    Args are `EagleDrafter`'s, with `DraftModelHeads` as the heads; masks follow the draft model's dtype.
+    Args are `EagleDrafter`'s, with `DraftModelHeads` as the heads (`dtype`: the target's, for the trees; the draft
+    model's masks are cast to its own dtype). Once the sequence would run past the draft model's context
+    (`max_position_embeddings`), rounds propose the root alone: the target decodes on by itself.
     """
 
     def __init__(self, heads: DraftModelHeads, *args: Any, **kwargs: Any) -> None:
         if not isinstance(heads, DraftModelHeads):
             raise TypeError(f"DraftModelDrafter drafts with a draft model (DraftModelHeads), got {type(heads).__name__}")
         super().__init__(heads, *args, **kwargs)
-        self.dtype = heads.draft_model.dtype  # its attention's dtype, which may differ from the target's
-        self.neg = torch.finfo(self.dtype).min
+        self.context = getattr(heads.draft_model.config.get_text_config(), "max_position_embeddings", None)
+        self.root_only = build_tree_buffers(torch.tensor([-1], device=heads.draft_model.device), dtype=self.dtype)
         self.first_token: torch.Tensor | None = None
         self.root_hidden: torch.Tensor | None = None  # the draft model's last committed state (h_draft,)
+        self.pending: torch.Tensor | None = None  # the draft ids `commit` feeds this round
+        self.out_of_context = False
 
     def reset(self) -> None:
         super().reset()
-        self.first_token = self.root_hidden = None
+        self.first_token = self.root_hidden = self.pending = None
+        self.out_of_context = False
+
+    @torch.no_grad()
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        tokens = next_tokens
+        if self.committed == 0:
+            if self.first_token is None:
+                raise RuntimeError("DraftModelDrafter: call begin(prompt[:1]) after reset() (start_sequence does both)")
+            tokens = torch.cat([self.first_token.to(next_tokens.device), next_tokens])
+        self.pending = self.heads.to_draft_ids(tokens)  # (m,): another tokenizer's ids may be more or fewer
+        if self.context is not None and self.committed + self.pending.shape[0] + self.depth > self.context:
+            self.out_of_context = True  # the draft model's context is full: no drafts for the rest of the sequence
+        if self.out_of_context:
+            return next_tokens[-1:], self.root_only
+        return super().propose(features, next_tokens)
 
     def begin(self, first_token: torch.Tensor) -> None:
         """The (1,) first token of the new sequence (after `reset`): no feature precedes it, so the first `propose`
@@ -46,15 +66,11 @@ class DraftModelDrafter(EagleDrafter):
         self.first_token = first_token
 
     def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """Feed the committed tokens since the last round (the first round: the first token, then `next_tokens`),
-        causal over the draft cache; returns the draft model's hidden state at the root (h_draft,)."""
+        """Feed the committed tokens since the last round (the first round: the first token, then `next_tokens`; as
+        draft ids, `propose` made them), causal over the draft cache; returns the draft model's hidden state at the
+        root (h_draft,)."""
         crop_cache(self.cache, self.committed)  # drops last round's draft entries
-        tokens = next_tokens
-        if self.committed == 0:
-            if self.first_token is None:
-                raise RuntimeError("DraftModelDrafter: call begin(prompt[:1]) after reset() (start_sequence does both)")
-            tokens = torch.cat([self.first_token.to(next_tokens.device), next_tokens])
-        tokens = self.heads.to_draft_ids(tokens)  # (m,): another tokenizer's ids may be more or fewer
+        tokens = self.pending
         if tokens.shape[0] == 0:  # nothing the draft model reads (tokens with no text for it): its last state
             if self.root_hidden is not None:
                 return self.root_hidden

@@ -237,3 +237,19 @@ def test_the_server_batches_requests_drafted_by_an_early_exit(stories260k):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         expected = tokenizer.decode(hf_greedy(target, ids, 12)[0, ids.shape[1]:], skip_special_tokens=True)
         assert body["choices"][0]["text"] == expected, prompt
+
+
+def test_a_short_context_draft_stops_drafting_and_a_draft_in_another_dtype_drafts(tiny_target_factory):
+    """A draft model of 16 positions (GPT-2: learned positions, which cannot run past them) drafts until the sequence
+    would outgrow it, then the target goes on alone; a bfloat16 draft model drafts for a float32 target (its masks
+    are cast). Both: the target's output."""
+    target = tiny_target_factory("llama")
+    ids = torch.tensor([TINY_PROMPT])
+    short = tiny_target_factory("gpt2", seed=4, max_position_embeddings=16)
+    lm = SpeculativeLM(target, DraftModelHeads.around(short, target), tree_depth=3, tree_top_k=2, tree_num_nodes=4)
+    assert torch.equal(lm.generate(ids, max_new_tokens=40), hf_greedy(target, ids, 40))
+    assert 20 < lm.last_stats["rounds"] < 40  # drafted at first (some accepted), then one token a round
+    assert lm.drafter.out_of_context
+    half = copy.deepcopy(tiny_target_factory("qwen2", seed=3)).to(torch.bfloat16)
+    lm = SpeculativeLM(target, DraftModelHeads.around(half, target), tree_depth=3, tree_top_k=3, tree_num_nodes=8)
+    assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
