@@ -35,8 +35,7 @@ from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.batch_request import BatchRequest, check_batching_options
 from specheads.inference.chunked_prefill import ChunkedPrefill
-from specheads.inference.draft_model_drafting import start_sequence
-from specheads.inference.drafting import Drafter, constrain_drafts, eagle_drafter_in
+from specheads.inference.drafting import Drafter, constrain_drafts, eagle_drafter_in, start_sequence
 from specheads.inference.kv_cache import (
     cache_length,
     compact_rows,

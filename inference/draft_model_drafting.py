@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from specheads.heads.draft_model import DraftModelHeads
-from specheads.inference.drafting import Drafter, DraftPool, EagleDrafter
+from specheads.inference.drafting import DraftPool, EagleDrafter
 from specheads.inference.kv_cache import crop_cache
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
@@ -51,7 +51,7 @@ class DraftModelDrafter(EagleDrafter):
         tokens = next_tokens
         if self.committed == 0:
             if self.first_token is None:
-                raise RuntimeError("DraftModelDrafter: call begin(prompt[:1]) after reset() (start_sequence does both)")
+                raise RuntimeError("DraftModelDrafter: call begin(prompt[:1]) after reset() (drafting.start_sequence does both)")
             tokens = torch.cat([self.first_token.to(next_tokens.device), next_tokens])
         self.pending = self.heads.to_draft_ids(tokens)  # (m,): another tokenizer's ids may be more or fewer
         if self.context is not None and self.committed + self.pending.shape[0] + self.depth > self.context:
@@ -87,11 +87,3 @@ class DraftModelDrafter(EagleDrafter):
         tokens = self.heads.drafted_to_draft_ids(pool.frontier_tokens)
         return self.heads(tokens[None], positions, mask, self.cache)[0]
 
-
-def start_sequence(drafter: Drafter, prompt: torch.Tensor) -> None:
-    """Reset `drafter` for a new sequence with the (n,) `prompt`; a draft model's drafter (itself, or the one prompt
-    lookup wraps) is also told the prompt's first token (`DraftModelDrafter.begin`)."""
-    drafter.reset()
-    inner = getattr(drafter, "drafter", drafter)
-    if isinstance(inner, DraftModelDrafter):
-        inner.begin(prompt[:1])

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 class Drafter(Protocol):
     """The proposer interface. Optionally, `fork()` returns an independent drafter for another row of a
-    batch (sharing the heads); drafters without it make batches run row by row."""
+    batch (sharing the heads); drafters without it make batches run row by row. Optionally, `begin(first_token)`
+    receives the (1,) first token of each new sequence after `reset()` (no feature precedes it, so `propose` never
+    sees it; a draft model reads it: `start_sequence`)."""
 
     def reset(self) -> None: ...
 
@@ -239,6 +241,15 @@ class EagleDrafter:
         if self.log_min is not None:  # as `best_subtree`: the best node always
             scores = scores[: max(1, int((scores >= self.log_min).sum()))]
         return scores.exp().tolist()
+
+
+def start_sequence(drafter: Drafter, prompt: torch.Tensor) -> None:
+    """Reset `drafter` for a new sequence with the (n,) `prompt`; a drafter with `begin` (itself, or the one prompt
+    lookup wraps) is also handed the prompt's first token."""
+    drafter.reset()
+    begin = getattr(getattr(drafter, "drafter", drafter), "begin", None)
+    if begin is not None:
+        begin(prompt[:1])
 
 
 def eagle_drafter_in(drafter: Drafter) -> EagleDrafter | None:

@@ -34,8 +34,14 @@ from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.corpus_lookup import CorpusLookup, corpus_for_target
 from specheads.inference.cpu_kernels import CpuKernels
-from specheads.inference.draft_model_drafting import DraftModelDrafter, start_sequence
-from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter, constrain_drafts
+from specheads.inference.draft_model_drafting import DraftModelDrafter
+from specheads.inference.drafting import (
+    Drafter,
+    EagleDrafter,
+    MedusaDrafter,
+    constrain_drafts,
+    start_sequence,
+)
 from specheads.inference.fast_path import FastPathRunner, fast_path_runner
 from specheads.inference.generate_inputs import (
     assemble,
@@ -192,6 +198,15 @@ class SpeculativeLM(CpuKernels):
         if isinstance(lookup, LookupDrafter):  # prompt lookup stays on, around the new heads' drafter
             self.drafter = lookup.around(self.drafter)
 
+    def use_drafter(self, drafter: Drafter) -> None:
+        """Draft with your own `drafter` (the `Drafter` protocol of inference/drafting.py: `reset()`, `propose(features,
+        next_tokens) -> (tokens, TreeBuffers)`, optionally `fork()` for batches and `begin(first_token)`): any tree it
+        proposes is verified as the heads' are, so outputs stay the target's. Prompt lookup, when on, stays grafted
+        onto its trees; `configure_tree` puts the heads' drafter back."""
+        lookup = self.drafter if isinstance(self.drafter, LookupDrafter) else None
+        self.drafter = drafter if lookup is None else lookup.around(drafter)
+        self._round_budget = None  # measured for the old drafter's trees
+
     def configure_lookup(
         self,
         lookup_tokens: int,
@@ -228,6 +243,8 @@ class SpeculativeLM(CpuKernels):
         if isinstance(drafter, MedusaDrafter):
             return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
                     "depth": drafter.tree.max_depth, **lookup}
+        if not isinstance(drafter, EagleDrafter):  # a caller's own (`use_drafter`)
+            return {"kind": "custom", "drafter": type(drafter).__name__, **lookup}
         parallel = {"parallel": True} if isinstance(drafter, ParallelDrafter) else {}  # P-EAGLE: one forward a round
         if isinstance(drafter, DraftModelDrafter):  # and, for another tokenizer, the tokens it can draft
             mapping = self.heads.vocab_mapping

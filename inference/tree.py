@@ -232,6 +232,8 @@ def tree_spec(description: dict[str, Any]) -> str:
     depth,top_k,nodes,stop_prob,min_prob), with the prompt-lookup branch after it: what a command prints it uses."""
     if description["kind"] == "static":
         spec = description["name"]
+    elif description["kind"] == "custom":
+        spec = f"custom drafter {description['drafter']}"
     else:
         spec = ",".join(f"{description[key]:g}" for key in ("depth", "top_k", "nodes", "stop_prob", "min_prob"))
     if description.get("parallel"):
