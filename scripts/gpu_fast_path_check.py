@@ -4,7 +4,8 @@
 
 Sections (each runs even if an earlier one failed; failures are printed and recorded):
   1. identity, stories260K fp32: plain_greedy_static, fast-path speculative decoding (untrained Medusa,
-     EAGLE, EAGLE-3 and P-EAGLE heads, the EAGLE-3 ones also with the padded, graphed prompt forward, and a drafter that
+     EAGLE, EAGLE-3 and P-EAGLE heads, draft models (an early exit, a copy of the target), the EAGLE-3 heads also
+     with the padded, graphed prompt forward, and a drafter that
      knows the greedy continuation: real acceptance, KV compaction), our plain decoding with and without the
      graphed prompt forward, vs target.generate. Any difference is a FAILURE (exit code 1).
   2. the same in bf16: differences are REPORTED, not failures (bf16 kernels may legitimately differ between a
@@ -20,6 +21,7 @@ Runs in well under 3 minutes on an H100.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -32,7 +34,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specheads import SpeculativeLM, create_heads, load_target
+from specheads import DraftModelHeads, SpeculativeLM, create_heads, early_exit_model, load_target
 from specheads.inference.fast_path import StaticGreedyDecoder, TreeVerifier, plain_greedy_static
 from specheads.inference.static_cache import StaticTreeCache, prefill_static
 from specheads.inference.static_drafting import StaticEagleDrafter
@@ -131,6 +133,9 @@ def identity_section(dtype: torch.dtype, max_new_tokens: int = 64) -> dict[str, 
         lms[head_type] = SpeculativeLM(target, create_heads(target, head_type))
     torch.manual_seed(0)  # P-EAGLE: every depth from one (eager) head forward
     lms["eagle3_parallel"] = SpeculativeLM(target, create_heads(target, "eagle3", parallel_depth=5))
+    # draft models (session 41): the target's first 3 layers, and a copy of the target (every drafted token accepted)
+    lms["early_exit_3"] = SpeculativeLM(target, DraftModelHeads.around(early_exit_model(target, 3), target))
+    lms["draft_model_copy"] = SpeculativeLM(target, DraftModelHeads.around(copy.deepcopy(target), target, name="copy"))
     torch.manual_seed(0)  # the same heads again, with the padded, graphed prompt forward (GraphedPrefill)
     lms["eagle3_graphed_prefill"] = SpeculativeLM(target, create_heads(target, "eagle3"), graphed_prefill=True)
     torch.manual_seed(0)
