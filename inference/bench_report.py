@@ -9,7 +9,9 @@ from typing import Any
 def markdown_table(results: dict[str, Any]) -> str:
     """One table per decoding mode: a row per category, then the overall row."""
     env = results["environment"]
-    lines = [f"Target `{results['target']}`, {results['head_type']} heads, tree {results['tree']}, "
+    drafting = (f"draft model `{results['heads']}`" if results["head_type"] == "draft_model"
+                else f"{results['head_type']} heads")
+    lines = [f"Target `{results['target']}`, {drafting}, tree {results['tree']}, "
              f"{env['device']}, {env['dtype']}, {env['threads']} threads, max_new_tokens={results['max_new_tokens']}", ""]
     for mode in ("greedy", "sample"):
         if mode not in results:

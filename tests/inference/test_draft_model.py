@@ -189,6 +189,7 @@ def test_generate_and_bench_commands_draft_with_a_draft_model(tmp_path, capfd):
     assert results["greedy_identical"] is True and results["heads"] == "early-exit:4"
     assert results["head_type"] == "draft_model" and results["tree"]["draft_model"] == "early-exit:4"
     assert results["greedy"]["overall"]["assisted_speedup"] > 0  # the peer: transformers' assistant_early_exit=4
+    assert "draft model `early-exit:4`" in (out_file.parent / "results.md").read_text()
     with pytest.raises(ValueError, match="--save-tree writes a copy of the heads"):
         bench_main([*base, "--draft-model", "stories260K", "--tree", "auto", "--save-tree", str(tmp_path / "t")])
 
