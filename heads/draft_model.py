@@ -63,6 +63,11 @@ class DraftModelHeads(DraftHeads):
                  vocab_mapping: VocabMapping | None = None) -> None:
         if config.head_type != DRAFT_MODEL_HEAD_TYPE:
             raise ValueError(f"DraftModelHeads needs head_type={DRAFT_MODEL_HEAD_TYPE!r}, got {config.head_type!r}")
+        from specheads.inference.target_support import tree_verification_problem
+
+        problem = tree_verification_problem(draft_model)  # a tree of drafts needs what a tree forward needs
+        if problem is not None:
+            raise ValueError(f"this draft model cannot draft token trees: {problem}")
         super().__init__(config)  # no post_init: it would re-initialise the draft model's weights
         self.draft_model = draft_model.eval().requires_grad_(False)
         self.shares_target_weights = shares_target_weights

@@ -150,6 +150,15 @@ def test_bad_draft_models_are_refused_by_name(stories260k):
         lm.configure_tree(tree="medusa_default")
 
 
+@pytest.mark.parametrize(("family", "reason"), [("mamba", "keeps a recurrent state"),
+                                               ("mpt", "forward takes no position_ids")])
+def test_draft_models_that_cannot_draft_trees_are_refused(tiny_target_factory, family, reason):
+    """A recurrent draft model (its state cannot be cut back after a tree) or an ALiBi one is refused by name."""
+    target, draft = tiny_target_factory("llama"), tiny_target_factory(family)
+    with pytest.raises(ValueError, match=f"this draft model cannot draft token trees: .*{reason}"):
+        DraftModelHeads.around(draft, target)
+
+
 def test_a_padded_draft_vocabulary_drafts_only_target_ids(tiny_target_factory):
     """A draft model whose vocabulary is padded past the target's drafts target ids only; one smaller than the
     target's reads the ids it lacks as 0. Both: the target's output."""
