@@ -78,6 +78,9 @@ class LossSection:
     depth_decay: float = 0.8  # EAGLE: loss weight of unrolled depth d is depth_decay**(d-1)
     ttt_steps: int = 7  # EAGLE-3: training-time test steps (draft depths trained on the head's own outputs)
     ttt_decay: float = 0.8  # EAGLE-3: loss weight of TTT step i (0-based) is ttt_decay**i
+    # EAGLE-3: progressive depth (EDSD): the unroll runs 1 step at optimizer step 0, growing linearly to ttt_steps at
+    # this step (cheaper early steps, a curriculum); 0 = ttt_steps from the start
+    ttt_steps_warmup: int = 0
     ttt_attention: str = "auto"  # EAGLE-3: chain (each query scores its own chain) | dense (one masked SDPA) | auto (chain on the CPU)
     # P-EAGLE (parallel_depth heads): share of the roots training depth d that also train depth d+1, drawn per batch
     # (COD sampling: nested subsets, depth d+1 trains ~ n * ratio^d roots; 1 = every root trains every depth)
@@ -210,6 +213,9 @@ class RunConfig:
                 f"loss.argmax_label_weight={self.loss.argmax_label_weight!r} mixes into the target's distribution; "
                 f"it needs loss.labels='target', got {self.loss.labels!r}"
             )
+        if not isinstance(self.loss.ttt_steps_warmup, int) or self.loss.ttt_steps_warmup < 0:
+            raise ValueError(f"loss.ttt_steps_warmup={self.loss.ttt_steps_warmup!r} is invalid; expected optimizer steps "
+                             ">= 0 (0: the whole unroll from the start)")
         if not 0 < self.loss.parallel_slot_ratio <= 1:
             raise ValueError(f"loss.parallel_slot_ratio={self.loss.parallel_slot_ratio!r} is invalid; expected a share "
                              "in (0, 1] of the roots that train each next parallel depth")

@@ -153,6 +153,17 @@ def flat_hparams(config: RunConfig) -> dict[str, Any]:
 
 
 # --- one step -------------------------------------------------------------------------------------------
+def loss_config_at(config: RunConfig, step: int) -> RunConfig:
+    """`config` with the training-time-test depth of optimizer step `step`: under `loss.ttt_steps_warmup` = W, 1 + (K-1)
+    step // W unrolled steps (K = `loss.ttt_steps`) until step W; `config` itself from then on, or without a warmup.
+    A function of the step alone, so resumed and multi-process runs unroll alike."""
+    warmup = config.loss.ttt_steps_warmup
+    if not warmup or step >= warmup:
+        return config
+    steps = 1 + (config.loss.ttt_steps - 1) * step // warmup
+    return dataclasses.replace(config, loss=dataclasses.replace(config.loss, ttt_steps=steps))
+
+
 def compute_loss(
     config: RunConfig,
     model: torch.nn.Module,
@@ -461,6 +472,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     last: dict[str, float] = {}
     early_stopped = False
     for step in range(start_step, config.max_steps):
+        step_config = loss_config_at(config, step)  # progressive TTT depth (loss.ttt_steps_warmup), else config
         micro_batches = micro_batches_for_process(order.global_batch(step), config.micro_batch_size, rank, world)
         sums: dict[str, float] = {}
         for indices in micro_batches:
@@ -470,7 +482,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             # accumulate: gradients are all-reduced and the optimizer steps only on the last micro-batch,
             # and backward divides the loss by the accumulation steps (DeepSpeed handles it the same way)
             with accelerator.accumulate(model):
-                out = compute_loss(config, model, heads, target, batch, seeds, accelerator.autocast)
+                out = compute_loss(step_config, model, heads, target, batch, seeds, accelerator.autocast)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients and config.optim.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)

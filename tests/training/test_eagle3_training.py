@@ -397,3 +397,29 @@ def test_eagle3_heads_fusing_four_layers_train_online_and_offline(tmp_path, stor
     assert json.loads((tmp_path / "f4" / "index.json").read_text())["tapped_layers"] == [0, 1, 3, 4]
     with pytest.raises(SystemExit, match="expected 2 or more"):
         main([*dump, "--out", str(tmp_path / "f1"), "--feature-layers", "2"])
+
+
+def test_progressive_ttt_depth_grows_with_the_optimizer_step(tmp_path, stories_file, monkeypatch):
+    """`loss.ttt_steps_warmup`: 1 unrolled step at step 0, growing linearly to `ttt_steps` at the warmup's end (a
+    function of the step: resumes unroll alike); a real run hands each step's depth to the loss."""
+    import specheads.training.train as train_module
+
+    config = load_run_config(CONFIGS / "eagle3_stories260k.yaml", ["loss.ttt_steps=7", "loss.ttt_steps_warmup=10"])
+    depths = [train_module.loss_config_at(config, step).loss.ttt_steps for step in (0, 1, 5, 9, 10, 500)]
+    assert depths == [1, 1, 4, 6, 7, 7]
+    assert train_module.loss_config_at(config, 10) is config
+    with pytest.raises(ValueError, match="loss.ttt_steps_warmup=-1 is invalid"):
+        load_run_config(CONFIGS / "eagle3_stories260k.yaml", ["loss.ttt_steps_warmup=-1"])
+    seen: list[int] = []
+    compute_loss = train_module.compute_loss
+
+    def recording(run_config, *args, **kwargs):
+        seen.append(run_config.loss.ttt_steps)
+        return compute_loss(run_config, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "compute_loss", recording)
+    extra = {"max_steps": 8, "save_steps": 8, "head.options.draft_vocab_size": 128, "loss.ttt_steps": 3,
+             "loss.ttt_steps_warmup": 4}
+    assert main(["train", str(CONFIGS / "eagle3_stories260k.yaml"), *overrides(stories_file, tmp_path / "run", **extra)]) == 0
+    assert seen == [1, 1, 1, 1, 2, 2, 2, 2] + [3] * 8  # two micro-batches a step
+    assert "acc_depth3" in json.loads((tmp_path / "run" / "metrics.json").read_text())
