@@ -195,6 +195,15 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
     return draft.eval()
 
 
+def check_drafting_source(heads: Any, draft_model: Any, early_exit_layers: Any) -> None:
+    """Raise a ValueError unless exactly one of heads, draft_model and early_exit_layers is given (not None)."""
+    given = [name for name, value in (("heads", heads), ("draft_model", draft_model),
+                                      ("early_exit_layers", early_exit_layers)) if value is not None]
+    if len(given) != 1:
+        raise ValueError("SpeculativeLM.from_pretrained: give exactly one of heads, draft_model and early_exit_layers "
+                         f"(what drafts for the target); got {given or 'none'}")
+
+
 def same_vocabulary(target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether both tokenizers map every token to the same id."""
     return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
@@ -215,8 +224,8 @@ def draft_model_heads(
     from specheads.targets import load_target
 
     if (draft_model is None) == (early_exit_layers is None):
-        raise ValueError("give either draft_model (a model sharing the target's tokenizer) or early_exit_layers (the "
-                         "target's first N layers draft)")
+        raise ValueError("give either draft_model (a small causal LM) or early_exit_layers (the target's first N "
+                         "layers draft)")
     if early_exit_layers is not None:
         return DraftModelHeads.around(early_exit_model(target, early_exit_layers), target)
     model, tokenizer = load_target(draft_model, dtype=dtype or target.dtype, device=device or target.device)

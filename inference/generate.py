@@ -18,7 +18,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specheads.heads.base import DraftHeads
-from specheads.heads.draft_model import DraftModelHeads, draft_model_heads
+from specheads.heads.draft_model import DraftModelHeads, check_drafting_source, draft_model_heads
 from specheads.heads.eagle import EagleHeads
 from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.loading import load_heads
@@ -265,18 +265,15 @@ class SpeculativeLM(CpuKernels):
         **kwargs: Any,
     ) -> SpeculativeLM:
         """Load a target (path, Hub id or alias) and what drafts for it, then build the model: `heads` (folder or Hub
-        id), or a `draft_model` sharing the target's tokenizer (path, Hub id or alias; no training), or the target's
-        own first `early_exit_layers` layers (self-speculation); exactly one of the three (heads/draft_model.py).
+        id), or a `draft_model` (path, Hub id or alias; no training; best one of the target's tokenizer, another
+        one drafts the tokens both share), or the target's own first `early_exit_layers` layers (self-speculation);
+        exactly one of the three (heads/draft_model.py).
 
         Heads trained jointly with a LoRA adapter on the target (Medusa-2) get it merged into the target first.
         """
         from specheads.heads.adapter import apply_target_adapter
 
-        given = [name for name, value in (("heads", heads), ("draft_model", draft_model),
-                                          ("early_exit_layers", early_exit_layers)) if value is not None]
-        if len(given) != 1:
-            raise ValueError(f"SpeculativeLM.from_pretrained: give exactly one of heads, draft_model and "
-                             f"early_exit_layers (what drafts for the target); got {given or 'none'}")
+        check_drafting_source(heads, draft_model, early_exit_layers)
         if dtype is None and device is not None and torch.device(device).type == "cuda":
             dtype = torch.bfloat16  # on GPUs the target (and the heads, which follow it) run in bf16; fp32 on CPU
         target_model, tokenizer = load_target(target, dtype=dtype, device=device)

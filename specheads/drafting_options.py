@@ -11,8 +11,9 @@ def add_drafting_options(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--heads", help="heads checkpoint folder or Hub id")
     group.add_argument("--draft-model", default=None, metavar="MODEL",
-                       help="draft with a small causal LM sharing the target's tokenizer (path, Hub id or alias; no "
-                       "training): it drafts the same dynamic trees as EAGLE heads (--tree depth,top_k,nodes)")
+                       help="draft with a small causal LM (path, Hub id or alias; no training), best one sharing the "
+                       "target's tokenizer (another one drafts the tokens both share): it drafts the same dynamic "
+                       "trees as EAGLE heads (--tree depth,top_k,nodes)")
     group.add_argument("--early-exit-layers", type=int, default=None, metavar="N",
                        help="self-speculation: the target's own first N layers (+ its norm and lm_head) draft")
 

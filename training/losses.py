@@ -323,7 +323,7 @@ def cod_roots(input_ids: torch.Tensor, parallel_depth: int, ratio: float) -> lis
     number of processes, draws the same roots for the same batch."""
     if not parallel_depth or ratio >= 1:
         return None
-    seed = int(input_ids.long().sum()) * 1_000_003 + input_ids.shape[0] * 1009 + input_ids.shape[1]
+    seed = (int(input_ids.long().sum()) * 1_000_003 + input_ids.shape[0] * 1009 + input_ids.shape[1]) % 2**63
     return cod_slot_roots(input_ids.shape[1] - 1, parallel_depth, ratio, torch.Generator().manual_seed(seed))
 
 
