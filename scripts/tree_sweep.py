@@ -25,9 +25,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from typing import Any
 
 import torch
 
+from specheads.heads.base import DraftHeads
+from specheads.heads.draft_model import draft_model_heads
 from specheads.heads.loading import load_heads
 from specheads.inference.bench import aggregate, run_prompt
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES, wants_certified_argmax
@@ -65,12 +68,30 @@ def parse_lookup(value: str) -> tuple[int, int | None]:
     return lookup
 
 
+def drafting_source(item: str) -> dict[str, Any]:
+    """`SpeculativeLM.from_pretrained` keywords for one --heads item: 'draft:MODEL', 'early-exit:N' or heads."""
+    if item.startswith("draft:"):
+        return {"draft_model": item.removeprefix("draft:")}
+    if item.startswith("early-exit:"):
+        return {"early_exit_layers": int(item.removeprefix("early-exit:"))}
+    return {"heads": item}
+
+
+def heads_for(item: str, lm: SpeculativeLM) -> DraftHeads:
+    """What drafts for one --heads item, on `lm`'s target: loaded heads, or a draft model wrapped as heads."""
+    source = drafting_source(item)
+    if "heads" in source:
+        return load_heads(item, target=lm.target)
+    return draft_model_heads(lm.target, lm.tokenizer, source.get("draft_model"), source.get("early_exit_layers"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trees", nargs="+", help="depth,top_k,nodes[,stop_prob[,min_prob]]")
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-eagle3",
-                   help="heads folder or Hub id, or a comma list of them (compared side by side on the one target)")
+                   help="heads folder or Hub id, or a comma list of them (compared side by side on the one target); "
+                   "an item 'draft:MODEL' drafts with a draft model, 'early-exit:N' with the target's first N layers")
     p.add_argument("--prompts", default="configs/prompts/mt_bench_questions.jsonl")
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -103,14 +124,13 @@ def main() -> None:
         name = name if len(argmaxes) == 1 else f"{name} ({argmax} argmax)"
         trees[name] = (parse_eagle_tree(spec), parse_lookup(lookup), (heads, draft_linear), attention, argmax)
     torch.set_num_threads(args.threads)
-    lm = SpeculativeLM.from_pretrained(args.target, heads_list[0])
+    lm = SpeculativeLM.from_pretrained(args.target, **drafting_source(heads_list[0]))
     # what each --cpu-attention choice means, decided before any switch ('auto' reads the target's attention)
     grouped = {choice: wants_gqa_attention(choice, lm.target) for choice in attentions}
     certified = {choice: wants_certified_argmax(choice, lm.target) for choice in argmaxes}
     # one SpeculativeLM per (heads, draft-linear choice) on the one target, each with its own copy of the heads (the
     # first one's swaps the target's layers to oneDNN; the others find them swapped already)
-    lms = {variant: lm if i == 0 else SpeculativeLM(lm.target, load_heads(variant[0], target=lm.target),
-                                                    tokenizer=lm.tokenizer)
+    lms = {variant: lm if i == 0 else SpeculativeLM(lm.target, heads_for(variant[0], lm), tokenizer=lm.tokenizer)
            for i, variant in enumerate(itertools.product(heads_list, draft_linears))}
     scorer = None  # greedy verification's certified argmax, built before the target's layers go to oneDNN
     if any(certified.values()):

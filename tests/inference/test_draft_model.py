@@ -263,3 +263,24 @@ def test_a_short_context_draft_stops_drafting_and_a_draft_in_another_dtype_draft
     half = copy.deepcopy(tiny_target_factory("qwen2", seed=3)).to(torch.bfloat16)
     lm = SpeculativeLM(target, DraftModelHeads.around(half, target), tree_depth=3, tree_top_k=3, tree_num_nodes=8)
     assert torch.equal(lm.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
+
+
+def test_tree_sweep_compares_heads_and_draft_models_side_by_side(tmp_path, monkeypatch):
+    """scripts/tree_sweep.py --heads early-exit:3,draft:stories260K: draft models are compared on the one target."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat\n")
+    out = tmp_path / "sweep.json"
+    script = Path(__file__).parents[2] / "scripts" / "tree_sweep.py"
+    monkeypatch.setattr(sys, "argv", [
+        str(script), "--target", "stories260K", "--heads", "early-exit:3,draft:stories260K", "--prompts", str(prompts),
+        "--per-category", "2", "--max-new-tokens", "10", "--threads", "1", "--out", str(out), "3,2,4",
+    ])
+    runpy.run_path(str(script), run_name="__main__")
+    results = json.loads(out.read_text())["trees"]
+    assert set(results) == {"3,2,4 (heads early-exit:3)", "3,2,4 (heads draft:stories260K)"}
+    assert all(r["prompts"] == 2 and r["greedy_identical"] for r in results.values())
+    assert results["3,2,4 (heads draft:stories260K)"]["tau"] > results["3,2,4 (heads early-exit:3)"]["tau"]
