@@ -242,14 +242,13 @@ def run_prompt(
         out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **images,
                                                 prompt_lookup_num_tokens=args.prompt_lookup, **gen_kwargs, **constrained()))
         row["prompt_lookup_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
-    if assistant is not None and not images:  # (a text draft model cannot read the images)
-        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
-                                                **gen_kwargs, **constrained()))
-        row["assisted_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
+    # transformers' assisted generation: with --assistant's draft model, else with --early-exit-layers' own layers
     early_exit = getattr(args, "early_exit_layers", None)
-    if early_exit is not None and assistant is None and not images:  # transformers' own self-speculation: the peer
-        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), assistant_early_exit=early_exit,
-                                                **gen_kwargs, **constrained()))
+    assisted = ({"assistant_model": assistant} if assistant is not None
+                else {"assistant_early_exit": early_exit} if early_exit is not None else None)
+    if assisted is not None and not images:  # (a text draft model cannot read the images)
+        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **assisted, **gen_kwargs,
+                                                **constrained()))
         row["assisted_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
     return row
 

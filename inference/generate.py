@@ -245,13 +245,13 @@ class SpeculativeLM(CpuKernels):
                     "depth": drafter.tree.max_depth, **lookup}
         if not isinstance(drafter, EagleDrafter):  # a caller's own (`use_drafter`)
             return {"kind": "custom", "drafter": type(drafter).__name__, **lookup}
-        parallel = {"parallel": True} if isinstance(drafter, ParallelDrafter) else {}  # P-EAGLE: one forward a round
+        extra = {"parallel": True} if isinstance(drafter, ParallelDrafter) else {}  # P-EAGLE: one forward a round
         if isinstance(drafter, DraftModelDrafter):  # and, for another tokenizer, the tokens it can draft
             mapping = self.heads.vocab_mapping
-            parallel = {"draft_model": self.heads.config.draft_model_name_or_path,
-                        **({"shared_vocab": mapping.num_shared} if mapping is not None else {})}
+            extra = {"draft_model": self.heads.config.draft_model_name_or_path,
+                     **({"shared_vocab": mapping.num_shared} if mapping is not None else {})}
         return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes,
-                "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob, **parallel, **lookup}
+                "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob, **extra, **lookup}
 
     @classmethod
     def from_pretrained(

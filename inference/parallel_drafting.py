@@ -57,8 +57,7 @@ class ParallelDrafter(EagleDrafter):
         # 1. One forward: the L new committed positions, then the parallel slots, causal over the cache and all of them.
         total = length + slots
         tokens = torch.cat([next_tokens, self.slot_tokens])  # (L+S,)
-        mask = torch.zeros(1, 1, total, start + total, dtype=self.dtype, device=device)
-        mask[0, 0, :, start:] = torch.full((total, total), self.neg, dtype=self.dtype, device=device).triu(1)
+        mask = self.causal_mask(start, total, device)
         positions = torch.arange(start, start + total, device=device)[None]
         anchors = features[-1:].expand(slots, -1)[None]  # (1, S, n*h): every slot drafts for the root at the last one
         out = heads(features[None], tokens[None], positions, mask, self.cache, parallel_slots=(anchors, self.slot_depths))[0]

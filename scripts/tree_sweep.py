@@ -25,10 +25,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from typing import Any
 
 import torch
 
+from specheads.drafting_options import parse_drafting_source
 from specheads.heads.base import DraftHeads
 from specheads.heads.draft_model import draft_model_heads
 from specheads.heads.loading import load_heads
@@ -68,18 +68,9 @@ def parse_lookup(value: str) -> tuple[int, int | None]:
     return lookup
 
 
-def drafting_source(item: str) -> dict[str, Any]:
-    """`SpeculativeLM.from_pretrained` keywords for one --heads item: 'draft:MODEL', 'early-exit:N' or heads."""
-    if item.startswith("draft:"):
-        return {"draft_model": item.removeprefix("draft:")}
-    if item.startswith("early-exit:"):
-        return {"early_exit_layers": int(item.removeprefix("early-exit:"))}
-    return {"heads": item}
-
-
 def heads_for(item: str, lm: SpeculativeLM) -> DraftHeads:
     """What drafts for one --heads item, on `lm`'s target: loaded heads, or a draft model wrapped as heads."""
-    source = drafting_source(item)
+    source = parse_drafting_source(item)
     if "heads" in source:
         return load_heads(item, target=lm.target)
     return draft_model_heads(lm.target, lm.tokenizer, source.get("draft_model"), source.get("early_exit_layers"))
@@ -124,7 +115,7 @@ def main() -> None:
         name = name if len(argmaxes) == 1 else f"{name} ({argmax} argmax)"
         trees[name] = (parse_eagle_tree(spec), parse_lookup(lookup), (heads, draft_linear), attention, argmax)
     torch.set_num_threads(args.threads)
-    lm = SpeculativeLM.from_pretrained(args.target, **drafting_source(heads_list[0]))
+    lm = SpeculativeLM.from_pretrained(args.target, **parse_drafting_source(heads_list[0]))
     # what each --cpu-attention choice means, decided before any switch ('auto' reads the target's attention)
     grouped = {choice: wants_gqa_attention(choice, lm.target) for choice in attentions}
     certified = {choice: wants_certified_argmax(choice, lm.target) for choice in argmaxes}

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specheads.heads.draft_model import EARLY_EXIT_PREFIX
+
+DRAFT_PREFIX = "draft:"  # a draft model in a comma list of heads (scripts/tree_sweep.py --heads)
+
 
 def add_drafting_options(p: argparse.ArgumentParser) -> None:
     """`--heads` | `--draft-model` | `--early-exit-layers`: exactly one (`SpeculativeLM.from_pretrained`'s three)."""
@@ -28,5 +32,15 @@ def drafting_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def drafting_name(args: argparse.Namespace) -> str:
     """What drafts, for logs and reports: the heads' or draft model's name, or 'early-exit:N'."""
     if getattr(args, "early_exit_layers", None) is not None:
-        return f"early-exit:{args.early_exit_layers}"
+        return f"{EARLY_EXIT_PREFIX}{args.early_exit_layers}"
     return str(getattr(args, "heads", None) or args.draft_model)
+
+
+def parse_drafting_source(item: str) -> dict[str, Any]:
+    """`SpeculativeLM.from_pretrained` keywords for one drafting string (scripts' comma lists): 'draft:MODEL',
+    'early-exit:N' (as `drafting_name` writes it), or a heads folder / Hub id."""
+    if item.startswith(DRAFT_PREFIX):
+        return {"draft_model": item.removeprefix(DRAFT_PREFIX)}
+    if item.startswith(EARLY_EXIT_PREFIX):
+        return {"early_exit_layers": int(item.removeprefix(EARLY_EXIT_PREFIX))}
+    return {"heads": item}
