@@ -469,7 +469,8 @@ def _dispatch(argv: list[str] | None) -> int:
     demo.add_argument("--out", default="demo_out", help="output folder (heads/ and results.json)")
     demo.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
 
-    train = sub.add_parser("train", help="train heads: specheads train [CONFIG.yaml] [key=value ...]")
+    train = sub.add_parser("train", help="train heads (or distil a draft model: head.type=draft_model): "
+                                            "specheads train [CONFIG.yaml] [key=value ...]")
     train.add_argument("config", help="run config YAML (see configs/train/); or start with key=value overrides to "
                                       "train from the defaults, e.g. specheads train head.type=eagle3 data.source=D")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=100")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,22 @@ from torch import nn
 
 BEST_DIR, BEST_FILE = "best", "best.json"
 BEST_METRIC = "eval_sim_tau"  # higher is better
+# (module, folder, metrics, extra files) -> None: writes the folder atomically (`save_heads`, distill.save_draft_model)
+Saver = Callable[[nn.Module, Path, dict[str, Any], dict[str, str]], None]
+
+
+def replace_folder_atomically(folder: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` fills a hidden folder beside `folder`, which then takes `folder`'s place (the old one moved aside
+    first, then removed), so a crash leaves the previous complete folder or the new one, never a mix."""
+    folder = Path(folder)
+    tmp, old = folder.with_name(f".tmp-{folder.name}"), folder.with_name(f".old-{folder.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_heads(module: nn.Module, folder: str | os.PathLike, metrics: dict[str, Any], extra_files: dict[str, str] | None = None) -> None:
@@ -32,18 +49,14 @@ def save_heads(module: nn.Module, folder: str | os.PathLike, metrics: dict[str, 
         metrics: shown on the model card (floats rounded to 4 digits).
         extra_files: {file name: text} written into the folder with the weights.
     """
-    folder = Path(folder)
-    tmp, old = folder.with_name(f".tmp-{folder.name}"), folder.with_name(f".old-{folder.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
     module.model_card_metrics = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()}
-    module.save_pretrained(tmp)
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
+        module.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+
+    replace_folder_atomically(folder, write)
 
 
 class BestHeads:
@@ -53,10 +66,12 @@ class BestHeads:
         output_dir: the run's folder.
         fresh_run: True when the run starts from step 0: a `best` folder left there is a previous run's and is
             removed. A resumed run keeps it and must beat its score (steps it re-runs score the same: exact resume).
+        save: writes the folder (default `save_heads`; a distilled draft model: `distill.save_draft_model`).
     """
 
-    def __init__(self, output_dir: str | os.PathLike, fresh_run: bool) -> None:
+    def __init__(self, output_dir: str | os.PathLike, fresh_run: bool, save: Saver | None = None) -> None:
         self.folder = Path(output_dir) / BEST_DIR
+        self.save = save or save_heads
         if fresh_run:
             shutil.rmtree(self.folder, ignore_errors=True)
         record = self.folder / BEST_FILE
@@ -72,6 +87,6 @@ class BestHeads:
         if self.record is not None and score <= self.record[BEST_METRIC]:
             return False
         record = {"step": step, BEST_METRIC: score}
-        save_heads(module, self.folder, {**metrics, "step": step}, {BEST_FILE: json.dumps(record)})
+        self.save(module, self.folder, {**metrics, "step": step}, {BEST_FILE: json.dumps(record)})
         self.record = record
         return True

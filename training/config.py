@@ -18,7 +18,11 @@ from typing import Any
 
 import yaml
 
+from specheads.heads.config import DRAFT_MODEL_HEAD_TYPE  # head.type of a distilled draft model (distill.py)
+
 TTT_ATTENTION_CHOICES = ("auto", "chain", "dense")  # loss.ttt_attention (training/chain_attention.py)
+# distill.divergence: forward KL(p || q), reverse KL(q || p), total variation (1 - the acceptance rate, DistillSpec)
+DIVERGENCES = ("fkl", "rkl", "tvd")
 
 
 @dataclass
@@ -135,6 +139,34 @@ class JointSection:
 
 
 @dataclass
+class DistillSection:
+    """head.type=draft_model: distil a small causal LM into a draft model for the target (training/distill.py)."""
+
+    # the model to train: a folder, Hub id or alias with the target's tokenizer, or "early-exit:N" for a standalone
+    # copy of the target's own first N layers (+ its norm and lm_head)
+    draft_model: str = ""
+    divergence: str = "fkl"  # one of DIVERGENCES, between the target's distribution p and the draft's q
+    freeze_embeddings: bool = False  # keep the input embedding and lm_head as they are (train the layers only)
+
+    def check(self, head_type: str, feature_mode: str, head_options: dict[str, Any], joint: bool) -> None:
+        """Raise a ValueError naming the first value a draft-model run cannot take."""
+        if head_type != DRAFT_MODEL_HEAD_TYPE:
+            if self.draft_model:
+                raise ValueError(f"distill.draft_model={self.draft_model!r} is set but head.type={head_type!r}; "
+                                 f"distilling a draft model needs head.type={DRAFT_MODEL_HEAD_TYPE!r}")
+            return
+        if not self.draft_model:
+            raise ValueError(f"head.type={DRAFT_MODEL_HEAD_TYPE!r} needs distill.draft_model: a causal LM with the target's "
+                             "tokenizer (folder, Hub id or alias), or early-exit:N (a copy of the target's first N layers)")
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"distill.divergence={self.divergence!r} is invalid; expected one of {DIVERGENCES}")
+        if feature_mode != "online" or head_options or joint:
+            raise ValueError(f"head.type={DRAFT_MODEL_HEAD_TYPE!r} runs the target online and takes no head.options or "
+                             f"joint training; got feature_mode={feature_mode!r}, head.options={head_options}, "
+                             f"joint.enabled={joint}")
+
+
+@dataclass
 class RunConfig:
     """One training run. Every key can be overridden as `key=value` or `section.key=value`."""
 
@@ -163,6 +195,7 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     loss: LossSection = field(default_factory=LossSection)
     joint: JointSection = field(default_factory=JointSection)
+    distill: DistillSection = field(default_factory=DistillSection)
 
     def gradient_accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per process per optimizer step, so that micro * accumulation * world == global."""
@@ -250,6 +283,7 @@ class RunConfig:
         if self.feature_mode == "online" and not self.data.source:
             raise ValueError("data.source is empty; set it to a JSON/JSONL/Parquet file, a dataset folder or a Hub dataset id")
         self.joint.check(self.head.type, self.feature_mode)
+        self.distill.check(self.head.type, self.feature_mode, self.head.options, self.joint.enabled)
 
 
 def _type_name(tp: Any) -> str:

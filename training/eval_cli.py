@@ -10,7 +10,10 @@ own answers. Per-depth top-1 accuracy (the head's argmax equals the target's), s
 answer tokens inside the draft vocabulary (EAGLE-3).
 
 `--heads A,B,...` scores several heads (of one target) on the same rows, answered once: the output is then a JSON
-list of reports in that order, and a table of the main figures goes to stderr.
+list of reports in that order, and a table of the main figures goes to stderr. Draft models score beside heads as
+`draft:MODEL` or `early-exit:N` items (their tokenizer the target's): `acc_depth1` (their argmax is the target's),
+`accept` (sum min(p, q): a sampled draft accepted at temperature 1) and `sim_tau` over chains of `--ttt-steps` drafts
+(default 4), the metrics a distillation run logs (training/distill_loss.py).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specheads eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="stories260K", help="target path, Hub id, alias or peft adapter (default: stories260K)")
     p.add_argument("--heads", required=True,
-                   help="heads checkpoint folder or Hub id; a comma list scores each on the same rows")
+                   help="heads checkpoint folder or Hub id, or a draft model as draft:MODEL or early-exit:N; a comma "
+                   "list scores each on the same rows")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="conversations in the training formats (JSON/JSONL/Parquet, a dataset folder, or a Hub dataset id[:split])")
     source.add_argument("--prompts", help="prompts (MT-bench JSONL or text lines): the target answers them first")
@@ -41,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="score the first N examples / prompts only")
     p.add_argument("--max-length", type=int, default=768, help="--data: tokens per example (longer ones are cut)")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--ttt-steps", type=int, default=None, help="EAGLE-3: depths scored (default: the training default)")
+    p.add_argument("--ttt-steps", type=int, default=None, help="EAGLE-3 and draft models: depths scored (default: the "
+                   "training default; 4 for draft models)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, help="cpu or cuda (default: where load_target puts the target)")
     p.add_argument("--out", default=None, help="also write the metrics as JSON here")
@@ -73,11 +78,25 @@ def score_heads(
 ) -> dict[str, float]:
     """The training loss's metrics of `heads` on `rows` (eval mode, no input noise), floats rounded to 4 places; rows
     with images (a vision-language target's data) are read with the target's `processor`."""
+    from specheads.heads.draft_model import DraftModelHeads
+    from specheads.training.distill_loss import distill_loss
     from specheads.training.evaluate import evaluate
     from specheads.training.image_records import collate_for
     from specheads.training.train import compute_loss
 
     config = RunConfig(target=args.target)
+    if isinstance(heads, DraftModelHeads):  # scored as distillation scores it: the two next-token distributions
+        if heads.vocab_mapping is not None:
+            raise ValueError(f"eval scores draft models of the target's tokenizer; {heads.config.draft_model_name_or_path} "
+                             "has another one (benchmark it instead: specheads bench --draft-model)")
+        if args.ttt_steps is not None:
+            config.loss.eval_depth = args.ttt_steps
+        draft = heads.draft_model
+        metrics = evaluate(lambda batch: distill_loss(draft, draft, target, batch, config.distill, config.loss),
+                           rows, lambda batch_rows: collate_for(rows, processor)(batch_rows, pad_id), args.batch_size,
+                           target.device)
+        metrics["acc_depth1"] = metrics["acc"]
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}
     config.head.type = heads.config.head_type
     config.loss.input_noise = 0.0
     if args.ttt_steps is not None:
@@ -102,6 +121,8 @@ def comparison_table(reports: list[dict[str, Any]]) -> str:
 def eval_main(argv: list[str] | None = None) -> int:
     """Entry point of `specheads eval`: prints (and with --out writes) the held-out metrics as JSON."""
     from specheads import load_heads, load_target
+    from specheads.drafting_options import parse_drafting_source
+    from specheads.heads.draft_model import draft_model_heads
     from specheads.inference.multimodal import image_processor_for, takes_images
     from specheads.training.data import build_dataset
 
@@ -116,8 +137,9 @@ def eval_main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--heads {args.heads!r}: an empty name in the comma list; expected folders or Hub ids")
     target, tokenizer = load_target(args.target, device=args.device)
     # all loaded (and checked against the target) before the minutes the target's answers may take
-    heads_models = [load_heads(name, target=target).to(device=target.device, dtype=target.dtype).eval()
-                    for name in heads_list]
+    sources = [parse_drafting_source(name) for name in heads_list]
+    heads_models = [load_heads(source["heads"], target=target).to(device=target.device, dtype=target.dtype).eval()
+                    if "heads" in source else draft_model_heads(target, tokenizer, **source) for source in sources]
     processor = None
     if args.prompts:
         rows: Any = answer_prompts(target, tokenizer, args.prompts, args)

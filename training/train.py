@@ -37,7 +37,7 @@ from specheads.targets import logit_transforms
 from specheads.training.best_heads import BEST_DIR, BEST_METRIC, BestHeads, save_heads
 from specheads.training.chain_attention import use_ttt_chain_attention, wants_ttt_chain_attention
 from specheads.training.checkpoints import STATE_FILE, latest_checkpoint, save_checkpoint
-from specheads.training.config import RunConfig, config_to_dict, load_run_config
+from specheads.training.config import DRAFT_MODEL_HEAD_TYPE, RunConfig, config_to_dict, load_run_config
 from specheads.training.data import BatchOrder, batch_to, build_dataset, micro_batches_for_process
 from specheads.training.draft_vocab import (
     build_draft_vocab,
@@ -352,6 +352,10 @@ def train(config: RunConfig) -> dict[str, Any]:
         Final metrics (also written to output_dir/final/README.md and output_dir/metrics.json); with periodic
         held-out evaluation and `save_best`, the best heads are in output_dir/best (best_step, best_eval_sim_tau).
     """
+    if config.head.type == DRAFT_MODEL_HEAD_TYPE:  # a draft model, not heads: training/distill.py
+        from specheads.training.distill import distill
+
+        return distill(config)
     # setup (output_dir is checked first: an unwritable folder fails now, not at the first save)
     check_writable_dir(config.output_dir, "output_dir")
     accelerator = make_accelerator(config)
