@@ -2,6 +2,7 @@
 
     specheads data regenerate --target stories260K --stories 2048 --output stories.jsonl
     specheads data regenerate --target T --input prompts.jsonl --output regenerated.jsonl
+    specheads data regenerate --server http://localhost:8000/v1 --input prompts.jsonl --output regenerated.jsonl
     specheads data regenerate --target MY_VLM --input llava_instruct.jsonl --output answers.jsonl   # with images
     specheads data synth-prompts --target T --count 20000 --output synth.jsonl --exclude bench.jsonl   # new prompts
     specheads data dump-features --target T --data regenerated.jsonl --out features/
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,6 +122,17 @@ def answers(
     return new_tokens
 
 
+def prompt_turns(messages: list[dict[str, Any]]) -> list[int] | None:
+    """Indices of a conversation's turns that prompt its first answer: its system turns, then from the first user turn
+    up to the next assistant turn; None without a user turn. An assistant turn before any user turn (ShareGPT's split
+    conversations often open with one) is left out, not the record."""
+    start = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if start is None:
+        return None
+    first = next((i for i in range(start, len(messages)) if messages[i]["role"] == "assistant"), len(messages))
+    return [i for i in range(start) if messages[i]["role"] == "system"] + list(range(start, first))
+
+
 def story_jobs(count: int, seed: int) -> Iterator[dict[str, Any]]:
     """`count` story prompts cycling through short seed openings, with stable ids."""
     for i in range(count):
@@ -189,13 +202,9 @@ def regenerate(
             messages = to_messages(record, fmt)
             if exclude and asks_any(messages, exclude):
                 continue
-            # the prompt: system turns, then from the first user turn to the next assistant turn; an assistant turn
-            # before any user turn (ShareGPT's split conversations often open with one) is left out, not the record
-            start = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
-            if start is None:
+            keep = prompt_turns(messages)
+            if keep is None:
                 continue
-            first = next((i for i in range(start, len(messages)) if messages[i]["role"] == "assistant"), len(messages))
-            keep = [i for i in range(start) if messages[i]["role"] == "system"] + list(range(start, first))
             prompt = [messages[i] for i in keep]
             template_kwargs = record_template_kwargs(record, chat_template_kwargs)  # the record's tools too
             tools = {"tools": record["tools"]} if record.get("tools") else {}  # kept in the output record
@@ -266,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "paths are read from (default: the input file's folder)")
     add_chat_template_kwargs(regen)
     regen.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
+    regen.add_argument("--server", default=None, metavar="URL",
+                       help="an OpenAI-compatible server running the target (vLLM, SGLang, TGI, specheads serve; e.g. "
+                       "http://localhost:8000/v1) answers the --input prompts instead of an in-process target")
+    regen.add_argument("--model", default=None, help="--server: the model name to ask (default: the one it serves)")
+    regen.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                       help="--server: bearer token (default: $OPENAI_API_KEY)")
+    regen.add_argument("--concurrency", type=int, default=8, help="--server: requests in flight at once")
     dump = sub.add_parser("dump-features", help="write the target's features as safetensors shards + index")
     dump.add_argument("--target", default="stories260K")
     dump.add_argument("--data", required=True, help="training data (JSON/JSONL/Parquet, a dataset folder, or a Hub dataset id[:split])")
@@ -381,6 +397,18 @@ def data_main(argv: list[str]) -> int:
         check_writable_file(args.output, f"{args.tool} --output")
     else:
         check_writable_dir(args.out, f"{args.tool} --out")
+    if args.tool == "regenerate" and args.server:  # the server runs the target: nothing to load here
+        from specheads.training.server_answers import ServerClient, regenerate_with_server
+
+        if not args.input or args.stories:
+            raise ValueError("specheads data regenerate --server: give --input FILE (conversations); stories are "
+                             "written in-process (--stories without --server)")
+        written = regenerate_with_server(ServerClient(args.server, args.api_key), args.output, args.input, args.model,
+                                         args.max_new_tokens, args.temperature, args.seed, args.concurrency, args.limit,
+                                         benchmark_prompts(args.exclude) if args.exclude else None,
+                                         args.chat_template_kwargs)
+        print(json.dumps({"output": args.output, "written": written, "server": args.server}))
+        return 0
     if args.tool == "lookup-corpus":
         print(json.dumps(write_lookup_corpus(args.target, args.data, args.out, args.format, args.max_length,
                                              args.chat_template_kwargs)))
