@@ -133,6 +133,24 @@ def prompt_turns(messages: list[dict[str, Any]]) -> list[int] | None:
     return [i for i in range(start) if messages[i]["role"] == "system"] + list(range(start, first))
 
 
+def record_prompt(record: dict[str, Any], source: str | Path, exclude: set[str] | None,
+                  ) -> tuple[str, list[dict[str, Any]], list[int]] | None:
+    """(format, messages, `prompt_turns`) of one conversation record of `source`, or None when it is skipped (it asks
+    an `exclude`d prompt, or has no user turn).
+
+    Raises:
+        ValueError: a plain-text record (regeneration answers conversations).
+    """
+    fmt = detect_format(record)
+    if fmt == "text":
+        raise ValueError(f"{source}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
+    messages = to_messages(record, fmt)
+    if exclude and asks_any(messages, exclude):
+        return None
+    keep = prompt_turns(messages)
+    return None if keep is None else (fmt, messages, keep)
+
+
 def story_jobs(count: int, seed: int) -> Iterator[dict[str, Any]]:
     """`count` story prompts cycling through short seed openings, with stable ids."""
     for i in range(count):
@@ -193,18 +211,13 @@ def regenerate(
         for n, record in enumerate(preparing):
             if limit is not None and len(jobs) >= limit:
                 break
-            fmt = detect_format(record)
-            if fmt == "text":
-                raise ValueError(f"{input_path}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
             if has_images(record) and processor is None:  # answered blind, the target would make up what they show
                 raise ValueError(f"{input_path}, record {n}: holds images, but the target takes none (regenerate the "
                                  "image records with a vision-language target, whose processor reads them)")
-            messages = to_messages(record, fmt)
-            if exclude and asks_any(messages, exclude):
+            prompted = record_prompt(record, input_path, exclude)
+            if prompted is None:
                 continue
-            keep = prompt_turns(messages)
-            if keep is None:
-                continue
+            fmt, messages, keep = prompted
             prompt = [messages[i] for i in keep]
             template_kwargs = record_template_kwargs(record, chat_template_kwargs)  # the record's tools too
             tools = {"tools": record["tools"]} if record.get("tools") else {}  # kept in the output record

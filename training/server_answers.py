@@ -25,8 +25,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specheads.training.conversations import asks_any, to_messages
-from specheads.training.data import detect_format, read_records
+from specheads.training.data import read_records
 from specheads.training.image_records import has_images
 from specheads.training.preflight import check_writable_file
 
@@ -36,24 +35,19 @@ RETRY_STATUS = (408, 429, 500, 502, 503, 504)  # worth another try: overloaded, 
 def server_jobs(input_path: str | Path, limit: int | None = None, exclude: set[str] | None = None,
                 ) -> list[dict[str, Any]]:
     """The prompts of `input_path`'s conversations: [{"id", "messages", "tools"?}] (the turns `prompt_turns` keeps)."""
-    from specheads.training.data_cli import prompt_turns  # data_cli imports this module
+    from specheads.training.data_cli import record_prompt  # data_cli imports this module
 
     jobs: list[dict[str, Any]] = []
     for n, record in enumerate(read_records(input_path)):
         if limit is not None and len(jobs) >= limit:
             break
-        fmt = detect_format(record)
-        if fmt == "text":
-            raise ValueError(f"{input_path}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
         if has_images(record):
             raise ValueError(f"{input_path}, record {n}: holds images, which --server regeneration does not send; "
                              "answer image records in-process (specheads data regenerate --target YOUR_VLM)")
-        messages = to_messages(record, fmt)
-        if exclude and asks_any(messages, exclude):
+        prompted = record_prompt(record, input_path, exclude)
+        if prompted is None:
             continue
-        keep = prompt_turns(messages)
-        if keep is None:
-            continue
+        _, messages, keep = prompted
         job = {"id": str(record.get("id", n)), "messages": [messages[i] for i in keep]}
         if record.get("tools"):
             job["tools"] = record["tools"]

@@ -67,6 +67,7 @@ from specheads.training.losses import (
 )
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 from specheads.training.sharegpt import benchmark_prompts
+from specheads.training.steps import any_process, mean_over_processes, optimizer_step
 from specheads.training.target_labels import TargetLabels
 
 
@@ -487,21 +488,12 @@ def train(config: RunConfig) -> dict[str, Any]:
             # and backward divides the loss by the accumulation steps (DeepSpeed handles it the same way)
             with accelerator.accumulate(model):
                 out = compute_loss(step_config, model, heads, target, batch, seeds, accelerator.autocast)
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients and config.optim.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer_step(accelerator, model, optimizer, scheduler, out.loss, config.optim.max_grad_norm)
             for key, value in out.metrics.items():
                 sums[key] = sums.get(key, 0.0) + value / len(micro_batches)
             tokens_seen += int(batch["attention_mask"].sum()) * world
         done = step + 1
-        keys = sorted(sums)
-        averaged = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=accelerator.device), "mean")
-        last = {k: float(v) for k, v in zip(keys, averaged.tolist())}
-        last["lr"] = scheduler.get_last_lr()[0]
+        last = {**mean_over_processes(accelerator, sums), "lr": scheduler.get_last_lr()[0]}
         bar.update(1)
         bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tau=f"{last['sim_tau']:.2f}")
         if config.trackers and (done % config.log_steps == 0 or done == config.max_steps):
@@ -517,13 +509,10 @@ def train(config: RunConfig) -> dict[str, Any]:
             if best is not None and best.offer(accelerator.unwrap_model(model), done, {**last, **held_out}):
                 accelerator.print(f"[specheads] best held-out sim_tau so far: saved to {Path(config.output_dir) / BEST_DIR}")
             if config.early_stopping_patience:  # decided on the main process (it tracks the best), applied by all
-                stale = best is not None and best.evaluations_since_best(done, config.eval_steps) >= config.early_stopping_patience
-                flags = accelerator.reduce(torch.tensor([float(stale)], device=accelerator.device), "sum")
-                early_stopped = float(flags) > 0
-        out_of_time = False
-        if config.time_limit_minutes is not None:  # decided together: every process must stop at the same step
-            late = float(time.time() - started > 60 * config.time_limit_minutes)
-            out_of_time = float(accelerator.reduce(torch.tensor([late], device=accelerator.device), "sum")) > 0
+                early_stopped = any_process(accelerator, best is not None and best.evaluations_since_best(
+                    done, config.eval_steps) >= config.early_stopping_patience)
+        out_of_time = any_process(accelerator, config.time_limit_minutes is not None
+                                  and time.time() - started > 60 * config.time_limit_minutes)
         if done % config.save_steps == 0 or done == config.max_steps or out_of_time or early_stopped:
             save_checkpoint(accelerator, config.output_dir, done, config.save_total_limit)
         if early_stopped:
