@@ -44,6 +44,10 @@ FIELD_HELP: dict[str, str] = {
     "parallel_depth": "EAGLE-3: draft this many depths in ONE head forward (P-EAGLE parallel drafting: the depths past "
     "the first read the root's features plus a learned offset per depth (`mask_hidden`) and the embedding of "
     "`parallel_slot_token` instead of the head's own outputs); 0 = autoregressive drafting, one head forward per depth. Training runs these depths (not `loss.ttt_steps`).",
+    "eagle3_fc_norm": "EAGLE-3.1: each fused target layer passes its own RMSNorm (`fc_norm.<i>`) before `fc`, so "
+    "layers of any scale weigh alike (vLLM's and SGLang's `fc_norm`).",
+    "eagle3_norm_output": "EAGLE-3.1: the head's output passes its final norm before it is the next draft step's "
+    "feature (and the lm_head's input), against the feature scale drifting over the depths (vLLM's `norm_output`).",
     "parallel_slot_token": "EAGLE-3 with parallel_depth: the target token whose embedding the parallel slots read "
     "(vLLM's `ptd_token_id`).",
     "tree_depth": "Default draft tree depth (EAGLE dynamic trees).",
@@ -109,6 +113,8 @@ class HeadsConfig(PretrainedConfig):
         eagle_draft_vocab_size: int = 0,
         parallel_depth: int = 0,
         parallel_slot_token: int = 0,
+        eagle3_fc_norm: bool = False,
+        eagle3_norm_output: bool = False,
         tree_depth: int = 6,
         tree_top_k: int = 8,
         tree_num_nodes: int = 32,
@@ -151,6 +157,8 @@ class HeadsConfig(PretrainedConfig):
         self.eagle_draft_vocab_size = eagle_draft_vocab_size
         self.parallel_depth = parallel_depth
         self.parallel_slot_token = parallel_slot_token
+        self.eagle3_fc_norm = eagle3_fc_norm
+        self.eagle3_norm_output = eagle3_norm_output
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_num_nodes = tree_num_nodes
@@ -233,6 +241,13 @@ class HeadsConfig(PretrainedConfig):
                 "eagle heads only (eagle3 heads use draft_vocab_size)"
             )
         self.validate_parallel_drafting()
+        for name in ("eagle3_fc_norm", "eagle3_norm_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"HeadsConfig.{name}={value!r} is invalid; expected true or false ({FIELD_HELP[name]})")
+            if value and self.head_type != "eagle3":
+                raise ValueError(f"HeadsConfig.{name}=True is set for head_type={self.head_type!r}; EAGLE-3.1's norms "
+                                 "apply to eagle3 heads only")
         if self.head_type == "eagle3" and len(self.feature_layers) < 2:
             raise ValueError(
                 f"HeadsConfig.feature_layers={self.feature_layers!r}; EAGLE-3 heads fuse at least 2 target layers "

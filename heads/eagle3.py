@@ -1,5 +1,6 @@
 """EAGLE-3 head: fc(n fused target layers, 3 by default) -> one decoder layer reading [embed(x_{t+1}); feature] -> norm
--> draft lm_head."""
+-> draft lm_head. EAGLE-3.1 (arXiv 2605.09992) adds two opt-in norms: `eagle3_fc_norm` (one RMSNorm per fused layer
+before fc) and `eagle3_norm_output` (the next step reads the final norm's output, not the raw residual stream)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ class Eagle3Heads(DraftHeads):
     K-1 "parallel slots" after them, the slot of depth d reading (the root's target features + mask_hidden[d-2],
     `parallel_slot_token`), and the one forward returns the logits of all K depths (`forward(..., parallel_slots=)`;
     inference/parallel_drafting.py).
+
+    EAGLE-3.1 options (config, default off): `eagle3_fc_norm` gives each of the n fused target layers its own RMSNorm
+    (`fc_norm[i]`, the family's norm class) before `fc`; `eagle3_norm_output` makes `forward` return norm(a_{t+1}) (the
+    next step's feature, and `logits` applies no second norm), so deeper draft steps read features of one scale.
     """
 
     float32_linears = ("fc",)  # fuses the target features (outlier dimensions): float32 under int8 drafting
@@ -70,6 +75,9 @@ class Eagle3Heads(DraftHeads):
         widen_attention_inputs(self.layer.self_attn, 2 * h)
         self.hidden_norm = copy.deepcopy(self.layer.input_layernorm)
         self.norm = copy.deepcopy(self.layer.input_layernorm)
+        # EAGLE-3.1: one norm per fused target layer (vLLM's fc_norm.<i>), or None
+        self.fc_norm = nn.ModuleList([copy.deepcopy(self.layer.input_layernorm) for _ in config.feature_layers]) \
+            if config.eagle3_fc_norm else None
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary_emb = rotary_class(config=layer_config)
         draft_vocab = torch.arange(config.draft_vocab_size)
@@ -149,7 +157,8 @@ class Eagle3Heads(DraftHeads):
             attention_kwargs: passed on to the attention function (the TTT unroll's `ttt_chain`).
 
         Returns:
-            (B, T, h) the pre-norm hidden state: `logits` reads it, and it is the next step's input feature.
+            (B, T, h) the hidden state `logits` reads, also the next step's input feature: pre-norm, or with
+            `eagle3_norm_output` (EAGLE-3.1) the final norm's output.
         """
         h, fused = self.config.hidden_size, self.fc.in_features
         if parallel_slots is not None:
@@ -163,6 +172,8 @@ class Eagle3Heads(DraftHeads):
             slots = anchors + self.mask_hidden[depths - 2].to(anchors.dtype)  # (B, S, n*h)
             features = torch.cat([features, slots.to(features.dtype)], dim=1)  # (B, T, n*h)
         if features.shape[-1] == fused:
+            if self.fc_norm is not None:  # EAGLE-3.1: each fused layer's (B, T, h) slice normalised on its own
+                features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, features.split(h, dim=-1))], -1)
             features = self.fc(features)  # (B, T, h)
         elif features.shape[-1] != h:
             raise ValueError(
@@ -186,11 +197,13 @@ class Eagle3Heads(DraftHeads):
             **attention_kwargs,
         )
         hidden = residual + attn_out
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # (B, T, h)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # (B, T, h)
+        return self.norm(hidden) if self.config.eagle3_norm_output else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of the head's output. (..., h) -> (..., draft_vocab_size)"""
-        return self.lm_head(self.norm(hidden))
+        """Draft-vocabulary logits of the head's output (`forward`'s, normalised here unless it already is). (..., h)
+        -> (..., draft_vocab_size)"""
+        return self.lm_head(hidden if self.config.eagle3_norm_output else self.norm(hidden))
 
     draft_logits = logits  # drafting scores the draft vocabulary, as training does
 

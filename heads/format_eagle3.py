@@ -190,7 +190,13 @@ def layer_ids(value: Any, where: str, field: str) -> list[int]:
 
 
 def check_three_layers(config: HeadsConfig, format_name: str) -> None:
-    """SafeAILab's and SGLang's EAGLE-3 code builds its fc for exactly 3 tapped layers: refuse other heads by name."""
+    """SafeAILab's and SGLang's EAGLE-3 code builds its fc for exactly 3 tapped layers and neither EAGLE-3.1 norm:
+    refuse other heads by name."""
+    variants = [name for name in ("eagle3_fc_norm", "eagle3_norm_output") if getattr(config, name)]
+    if variants:
+        raise ValueError(f"format {format_name!r} holds EAGLE-3 heads without EAGLE-3.1's norms, but these heads set "
+                         f"{', '.join(variants)}; export to 'speculators' (vLLM reads fc_norm / norm_output) or keep "
+                         "the specheads format")
     if len(config.feature_layers) != 3:
         raise ValueError(
             f"format {format_name!r} fuses exactly 3 target layers, but these heads read feature_layers="

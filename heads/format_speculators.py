@@ -32,6 +32,8 @@ Algorithm ``eagle3`` (``Eagle3DraftModel``, served by vLLM as ``Eagle3LlamaForCa
   embedding, ``hidden_norm`` for the feature, q/k/v reading 2h inputs, ``o_proj``, ``post_attention_layernorm``,
   ``mlp``), ``norm.weight``, ``lm_head.weight`` (draft_vocab_size, h), ``d2t`` (offsets: target id = draft id +
   d2t[draft id]) and ``t2d``. ``embed_tokens.weight`` and ``verifier_*`` tensors are ignored on import.
+- EAGLE-3.1 (vLLM's config fields, both ways): ``fc_norm`` (tensors ``fc_norm.<i>.weight``, a norm per fused layer)
+  and ``norm_output`` <-> specheads' ``eagle3_fc_norm`` / ``eagle3_norm_output``.
 
 Refused on import, as specheads' heads compute otherwise: ``norm_before_residual`` true (the residual would be the
 normalised feature) or missing (speculators reads false, vLLM true), ``norm_before_fc`` true, a
@@ -114,6 +116,8 @@ def _eagle3_config(config: HeadsConfig) -> dict[str, Any]:
         "norm_before_residual": False,  # the residual is the un-normalised feature (explicit: vLLM defaults to true)
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
+        "fc_norm": config.eagle3_fc_norm,  # EAGLE-3.1 (vLLM's fields): a norm per fused layer, tensors fc_norm.<i>.*
+        "norm_output": config.eagle3_norm_output,  # EAGLE-3.1: the next step reads the final norm's output
         "speculators_config": _speculators_config(config, "eagle3"),
     }
 
@@ -233,6 +237,11 @@ def _read_eagle3(folder: Path, config: dict[str, Any], allow_pickle: bool) -> Fo
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
         fields["feature_layers"] = format_eagle3.layer_ids(ids, where, "eagle_aux_hidden_state_layer_ids")
+    for ours, theirs in (("eagle3_fc_norm", "fc_norm"), ("eagle3_norm_output", "norm_output")):  # EAGLE-3.1
+        value = config.get(theirs, False)
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {theirs}={value!r}; expected true or false")
+        fields[ours] = value
     spec = config.get("speculators_config") or {}
     depth = _speculative_tokens(spec)
     if depth is not None:
