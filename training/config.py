@@ -147,6 +147,8 @@ class DistillSection:
     draft_model: str = ""
     divergence: str = "fkl"  # one of DIVERGENCES, between the target's distribution p and the draft's q
     freeze_embeddings: bool = False  # keep the input embedding and lm_head as they are (train the layers only)
+    # both distributions at this temperature (softmax(logits / T)): match the draft to the target as it is sampled
+    temperature: float = 1.0
 
     def check(self, head_type: str, feature_mode: str, head_options: dict[str, Any], joint: bool) -> None:
         """Raise a ValueError naming the first value a draft-model run cannot take."""
@@ -160,6 +162,9 @@ class DistillSection:
                              "tokenizer (folder, Hub id or alias), or early-exit:N (a copy of the target's first N layers)")
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"distill.divergence={self.divergence!r} is invalid; expected one of {DIVERGENCES}")
+        if not self.temperature > 0:
+            raise ValueError(f"distill.temperature={self.temperature!r} is invalid; expected a temperature > 0 (the one "
+                             "you will sample at; 1 = the distributions as they are)")
         if feature_mode != "online" or head_options or joint:
             raise ValueError(f"head.type={DRAFT_MODEL_HEAD_TYPE!r} runs the target online and takes no head.options or "
                              f"joint training; got feature_mode={feature_mode!r}, head.options={head_options}, "

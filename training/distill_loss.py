@@ -70,15 +70,15 @@ def distill_loss(
         draft: the draft model being trained (its first V output rows are the ids it drafts).
         target: the frozen target (no gradients).
         batch: input_ids, attention_mask, loss_mask (B, T): the data the target wrote (or any text).
-        distill: which divergence.
+        distill: which divergence, at which temperature (`accept` is then the acceptance of a draft sampled at it).
         loss: `labels` (target: distil the distributions | tokens: the data's next tokens) and `eval_depth` (the
             greedy chain length sim_tau counts).
 
     Returns:
         The loss to minimise and metrics: loss, acc (the draft's argmax is the target's: a greedy draft is accepted),
-        accept (sum min(p, q): the chance one sampled draft is accepted at temperature 1), sim_tau (accepted length
-        of a greedy draft chain of `eval_depth` tokens, as heads report it; exact when the data is the target's own
-        greedy text).
+        accept (sum min(p, q): the chance one sampled draft is accepted, at `distill.temperature`), sim_tau
+        (accepted length of a greedy draft chain of `eval_depth` tokens, as heads report it; exact when the data is
+        the target's own greedy text).
     """
     ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     positions = labelled_positions(loss_mask)  # (R,), (R,): position p predicts the trained token x_{p+1}
@@ -86,8 +86,10 @@ def distill_loss(
         target_logits = logits_at(target, ids, attention, positions).float()  # (R, V_target)
     draft_logits = logits_at(model, ids, attention, positions, draft)
     vocab = min(draft_logits.shape[-1], target_logits.shape[-1])
-    log_q = F.log_softmax(draft_logits[:, :vocab].float(), dim=-1)  # (R, V)
-    log_p = F.log_softmax(target_logits, dim=-1)[:, :vocab]  # the target's whole distribution, cut to the draft's ids
+    temperature = distill.temperature  # both distributions as they are sampled (argmaxes are unchanged)
+    log_q = F.log_softmax(draft_logits[:, :vocab].float() / temperature, dim=-1)  # (R, V)
+    # the target's whole distribution, cut to the draft's ids
+    log_p = F.log_softmax(target_logits / temperature, dim=-1)[:, :vocab]
     if loss.labels == "tokens":
         per_row = F.nll_loss(log_q, ids[positions[0], positions[1] + 1], reduction="none")
     else:

@@ -91,6 +91,28 @@ def test_a_copy_of_the_target_scores_perfectly_and_a_fresh_model_does_not(target
     assert 0 < tokens["loss"] < scored["loss"]
 
 
+def test_a_temperature_tempers_both_distributions(target_and_tokenizer, stories_file):
+    """distill.temperature=T: the loss and `accept` are those of softmax(logits / T) on both sides; argmaxes (acc,
+    sim_tau) are unchanged."""
+    target, tokenizer = target_and_tokenizer
+    batch = stories_batch(tokenizer, stories_file, rows=4)
+    draft = copy.deepcopy(target)
+    # another distribution with the same ranking in each row (a new weight: the embedding may be tied to it)
+    draft.lm_head.weight = torch.nn.Parameter(draft.lm_head.weight.detach() * 1.5)
+    cold, warm = (distill_loss(draft, draft, target, batch, DistillSection(divergence="tvd", temperature=t),
+                               LossSection()).metrics for t in (0.5, 1.0))
+    positions = labelled_positions(batch["loss_mask"])
+    with torch.no_grad():
+        p_logits = logits_at(target, batch["input_ids"], batch["attention_mask"], positions)
+        q_logits = logits_at(draft, batch["input_ids"], batch["attention_mask"], positions)
+    expected = (1 - torch.minimum(F.softmax(p_logits / 0.5, -1), F.softmax(q_logits / 0.5, -1)).sum(-1)).mean()
+    assert cold["loss"] == pytest.approx(float(expected), rel=1e-4) and cold["loss"] != pytest.approx(warm["loss"])
+    assert cold["acc"] == warm["acc"] == 1.0 and cold["sim_tau"] == warm["sim_tau"]
+    with pytest.raises(ValueError, match="distill.temperature=0"):
+        load_run_config(None, ["data.source=x", "head.type=draft_model", "distill.draft_model=early-exit:2",
+                               "distill.temperature=0"])
+
+
 def test_config_errors_name_the_value():
     base = ["data.source=x.jsonl"]
     with pytest.raises(ValueError, match="needs distill.draft_model"):
