@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from specheads import SpeculativeLM, create_heads, load_heads
 from specheads.heads import HeadsConfig
+from specheads.heads.describe import describe_heads
 from specheads.heads.interop import export_heads, import_heads
 from specheads.training.config import LossSection
 from specheads.training.losses import eagle3_loss
@@ -105,6 +106,7 @@ def test_the_checkpoint_and_speculators_keep_the_norms_and_the_other_formats_ref
     heads.save_pretrained(tmp_path / "heads")
     reloaded = load_heads(tmp_path / "heads", target=target)
     assert reloaded.config.eagle3_fc_norm and reloaded.config.eagle3_norm_output
+    assert describe_heads(tmp_path / "heads")["eagle3_1_norms"] == ["eagle3_fc_norm", "eagle3_norm_output"]
     torch.testing.assert_close(reloaded.fc_norm[1].weight, heads.fc_norm[1].weight)
     export_heads(tmp_path / "heads", "speculators", tmp_path / "vllm")
     written = json.loads((tmp_path / "vllm" / "config.json").read_text())
@@ -119,6 +121,7 @@ def test_the_checkpoint_and_speculators_keep_the_norms_and_the_other_formats_ref
     # plain heads export fc_norm / norm_output false, and a speculators file without the fields imports as plain
     plain, _ = perturbed_pair(target)
     plain.save_pretrained(tmp_path / "plain")
+    assert "eagle3_1_norms" not in describe_heads(tmp_path / "plain")
     export_heads(tmp_path / "plain", "speculators", tmp_path / "plain-vllm")
     written = json.loads((tmp_path / "plain-vllm" / "config.json").read_text())
     assert written["fc_norm"] is False and written["norm_output"] is False
