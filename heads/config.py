@@ -13,6 +13,8 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 # `DraftModelHeads` (heads/draft_model.py): a draft model wrapped to stand where heads stand; never a checkpoint
 DRAFT_MODEL_HEAD_TYPE = "draft_model"
+# EAGLE-3 variants' norms (heads/eagle3.py): EAGLE-3.1's two, and two of vLLM speculators' drafters
+EAGLE3_NORM_FIELDS = ("eagle3_fc_norm", "eagle3_norm_output", "eagle3_norm_before_fc", "eagle3_norm_before_residual")
 # the fields of the default draft tree (`HeadsConfig.cpu_tree` may replace any of them on CPUs)
 TREE_FIELDS = ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "tree_min_prob", "static_tree")
 
@@ -48,6 +50,10 @@ FIELD_HELP: dict[str, str] = {
     "layers of any scale weigh alike (vLLM's and SGLang's `fc_norm`).",
     "eagle3_norm_output": "EAGLE-3.1: the head's output passes its final norm before it is the next draft step's "
     "feature (and the lm_head's input), against the feature scale drifting over the depths (vLLM's `norm_output`).",
+    "eagle3_norm_before_fc": "EAGLE-3 variant (gpt-oss drafters, speculators' default): one RMSNorm (`input_norm`) over "
+    "the concatenated target layers before `fc` (vLLM's `norm_before_fc`; not with eagle3_fc_norm).",
+    "eagle3_norm_before_residual": "EAGLE-3 variant (vLLM's `norm_before_residual`): the decoder layer's residual is the "
+    "normalised feature (hidden_norm's output) instead of the feature itself.",
     "parallel_slot_token": "EAGLE-3 with parallel_depth: the target token whose embedding the parallel slots read "
     "(vLLM's `ptd_token_id`).",
     "tree_depth": "Default draft tree depth (EAGLE dynamic trees).",
@@ -115,6 +121,8 @@ class HeadsConfig(PretrainedConfig):
         parallel_slot_token: int = 0,
         eagle3_fc_norm: bool = False,
         eagle3_norm_output: bool = False,
+        eagle3_norm_before_fc: bool = False,
+        eagle3_norm_before_residual: bool = False,
         tree_depth: int = 6,
         tree_top_k: int = 8,
         tree_num_nodes: int = 32,
@@ -159,6 +167,8 @@ class HeadsConfig(PretrainedConfig):
         self.parallel_slot_token = parallel_slot_token
         self.eagle3_fc_norm = eagle3_fc_norm
         self.eagle3_norm_output = eagle3_norm_output
+        self.eagle3_norm_before_fc = eagle3_norm_before_fc
+        self.eagle3_norm_before_residual = eagle3_norm_before_residual
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_num_nodes = tree_num_nodes
@@ -241,13 +251,16 @@ class HeadsConfig(PretrainedConfig):
                 "eagle heads only (eagle3 heads use draft_vocab_size)"
             )
         self.validate_parallel_drafting()
-        for name in ("eagle3_fc_norm", "eagle3_norm_output"):
+        for name in EAGLE3_NORM_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"HeadsConfig.{name}={value!r} is invalid; expected true or false ({FIELD_HELP[name]})")
             if value and self.head_type != "eagle3":
-                raise ValueError(f"HeadsConfig.{name}=True is set for head_type={self.head_type!r}; EAGLE-3.1's norms "
+                raise ValueError(f"HeadsConfig.{name}=True is set for head_type={self.head_type!r}; these norms "
                                  "apply to eagle3 heads only")
+        if self.eagle3_fc_norm and self.eagle3_norm_before_fc:
+            raise ValueError("HeadsConfig.eagle3_fc_norm and eagle3_norm_before_fc are both set; expected one: a norm "
+                             "per fused layer (EAGLE-3.1) or one over their concatenation")
         if self.head_type == "eagle3" and len(self.feature_layers) < 2:
             raise ValueError(
                 f"HeadsConfig.feature_layers={self.feature_layers!r}; EAGLE-3 heads fuse at least 2 target layers "

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from specheads.heads.config import EAGLE3_NORM_FIELDS
 from specheads.heads.loading import WEIGHTS_NAME, _resolve_folder, load_heads
 
 METRICS_BLOCK = re.compile(r"## Metrics[^\n]*\n\s*```json\s*(\{.*?\})\s*```", re.DOTALL)  # "## Metrics (...)" too
@@ -55,9 +56,9 @@ def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:
                            ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "tree_min_prob")}
     if getattr(config, "parallel_depth", 0):  # P-EAGLE: every depth in one head forward
         summary["parallel_drafting"] = {"depth": config.parallel_depth, "slot_token": config.parallel_slot_token}
-    norms = [name for name in ("eagle3_fc_norm", "eagle3_norm_output") if getattr(config, name, False)]
-    if norms:  # EAGLE-3.1
-        summary["eagle3_1_norms"] = norms
+    norms = [name for name in EAGLE3_NORM_FIELDS if getattr(config, name, False)]
+    if norms:  # EAGLE-3.1's and other EAGLE-3 variants' norms
+        summary["eagle3_norms"] = norms
     if config.cpu_tree:
         summary["cpu_tree"] = dict(config.cpu_tree)  # what replaces those on a CPU target
     summary["target_adapter"] = config.target_adapter or None  # Medusa-2: merged into the target when loading

@@ -60,6 +60,8 @@ class Eagle3Heads(DraftHeads):
     EAGLE-3.1 options (config, default off): `eagle3_fc_norm` gives each of the n fused target layers its own RMSNorm
     (`fc_norm[i]`, the family's norm class) before `fc`; `eagle3_norm_output` makes `forward` return norm(a_{t+1}) (the
     next step's feature, and `logits` applies no second norm), so deeper draft steps read features of one scale.
+    Two more variants of vLLM speculators' drafters: `eagle3_norm_before_fc` (one norm, `input_norm`, over the n*h
+    concatenation before `fc`) and `eagle3_norm_before_residual` (the layer's residual is hidden_norm(feature)).
     """
 
     float32_linears = ("fc",)  # fuses the target features (outlier dimensions): float32 under int8 drafting
@@ -78,6 +80,10 @@ class Eagle3Heads(DraftHeads):
         # EAGLE-3.1: one norm per fused target layer (vLLM's fc_norm.<i>), or None
         self.fc_norm = nn.ModuleList([copy.deepcopy(self.layer.input_layernorm) for _ in config.feature_layers]) \
             if config.eagle3_fc_norm else None
+        # norm_before_fc drafters: one norm over the n*h concatenation (the family's norm class, n*h wide), or None
+        norm_class = type(self.layer.input_layernorm)
+        self.input_norm = norm_class(self.fc.in_features, eps=getattr(layer_config, "rms_norm_eps", 1e-6)) \
+            if config.eagle3_norm_before_fc else None
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary_emb = rotary_class(config=layer_config)
         draft_vocab = torch.arange(config.draft_vocab_size)
@@ -174,6 +180,8 @@ class Eagle3Heads(DraftHeads):
         if features.shape[-1] == fused:
             if self.fc_norm is not None:  # EAGLE-3.1: each fused layer's (B, T, h) slice normalised on its own
                 features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, features.split(h, dim=-1))], -1)
+            elif self.input_norm is not None:  # norm_before_fc: the (B, T, n*h) concatenation normalised whole
+                features = self.input_norm(features)
             features = self.fc(features)  # (B, T, h)
         elif features.shape[-1] != h:
             raise ValueError(
@@ -182,10 +190,9 @@ class Eagle3Heads(DraftHeads):
             )
         layer = self.layer
         embeds = self.target_parts.embed_tokens(input_ids).to(features.dtype)  # (B, T, h)
-        residual = features
-        attn_input = torch.cat(
-            [layer.input_layernorm(embeds), self.hidden_norm(features)], dim=-1
-        )  # (B, T, 2h)
+        normalised = self.hidden_norm(features)
+        residual = normalised if self.config.eagle3_norm_before_residual else features
+        attn_input = torch.cat([layer.input_layernorm(embeds), normalised], dim=-1)  # (B, T, 2h)
         position_embeddings = self.rotary_emb(features, position_ids)
         attn_out, _ = layer.self_attn(
             hidden_states=attn_input,

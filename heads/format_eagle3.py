@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specheads.heads.config import HeadsConfig
+from specheads.heads.config import EAGLE3_NORM_FIELDS, HeadsConfig
 from specheads.heads.format_eagle import layer_config_for_export, layer_config_from_foreign, model_type_of
 from specheads.heads.interop import ForeignHeads, read_config, read_tensors, require_field
 
@@ -190,13 +190,13 @@ def layer_ids(value: Any, where: str, field: str) -> list[int]:
 
 
 def check_three_layers(config: HeadsConfig, format_name: str) -> None:
-    """SafeAILab's and SGLang's EAGLE-3 code builds its fc for exactly 3 tapped layers and neither EAGLE-3.1 norm:
-    refuse other heads by name."""
-    variants = [name for name in ("eagle3_fc_norm", "eagle3_norm_output") if getattr(config, name)]
+    """SafeAILab's and SGLang's EAGLE-3 code builds its fc for exactly 3 tapped layers and none of the variants' norms
+    (`EAGLE3_NORM_FIELDS`): refuse other heads by name."""
+    variants = [name for name in EAGLE3_NORM_FIELDS if getattr(config, name)]
     if variants:
-        raise ValueError(f"format {format_name!r} holds EAGLE-3 heads without EAGLE-3.1's norms, but these heads set "
-                         f"{', '.join(variants)}; export to 'speculators' (vLLM reads fc_norm / norm_output) or keep "
-                         "the specheads format")
+        raise ValueError(f"format {format_name!r} holds EAGLE-3 heads without the variants' norms, but these heads set "
+                         f"{', '.join(variants)}; export to 'speculators' (vLLM reads fc_norm, norm_output, "
+                         "norm_before_fc, norm_before_residual) or keep the specheads format")
     if len(config.feature_layers) != 3:
         raise ValueError(
             f"format {format_name!r} fuses exactly 3 target layers, but these heads read feature_layers="

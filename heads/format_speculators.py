@@ -32,13 +32,14 @@ Algorithm ``eagle3`` (``Eagle3DraftModel``, served by vLLM as ``Eagle3LlamaForCa
   embedding, ``hidden_norm`` for the feature, q/k/v reading 2h inputs, ``o_proj``, ``post_attention_layernorm``,
   ``mlp``), ``norm.weight``, ``lm_head.weight`` (draft_vocab_size, h), ``d2t`` (offsets: target id = draft id +
   d2t[draft id]) and ``t2d``. ``embed_tokens.weight`` and ``verifier_*`` tensors are ignored on import.
-- EAGLE-3.1 (vLLM's config fields, both ways): ``fc_norm`` (tensors ``fc_norm.<i>.weight``, a norm per fused layer)
-  and ``norm_output`` <-> specheads' ``eagle3_fc_norm`` / ``eagle3_norm_output``.
 
-Refused on import, as specheads' heads compute otherwise: ``norm_before_residual`` true (the residual would be the
-normalised feature) or missing (speculators reads false, vLLM true), ``norm_before_fc`` true, a
-``target_hidden_size`` other than hidden_size, a non-zero ``fc.bias`` (older speculators releases; a zero one is
-dropped), and more than one decoder layer (``layers.1.*`` is an unknown tensor).
+The variants' norms map both ways to specheads' EAGLE-3 options: ``fc_norm`` (EAGLE-3.1, tensors
+``fc_norm.<i>.weight``), ``norm_output`` (EAGLE-3.1), ``norm_before_fc`` (tensor ``input_norm.weight``, one norm over the
+concatenation) and ``norm_before_residual`` (the residual is the normalised feature).
+
+Refused on import, as specheads' heads compute otherwise: ``norm_before_residual`` missing (speculators reads false,
+vLLM true), a ``target_hidden_size`` other than hidden_size, a non-zero ``fc.bias`` (older speculators releases; a
+zero one is dropped), and more than one decoder layer (``layers.1.*`` is an unknown tensor).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ EAGLE3_IGNORED_TENSORS = ("embed_tokens.weight", "verifier_norm.weight", "verifi
 EAGLE3_LAYER_PREFIX = "layers.0."
 SPECULATORS_VERSION = "0.1.0"  # the speculators config layout these files follow
 RENAMES = (("fc.", "fusion_fc."), ("layer.", "transformer."))  # specheads prefix -> speculators prefix
+# eagle3 variants: specheads field <-> speculators / vLLM config field (tensors fc_norm.<i>.*, input_norm.*)
+NORM_FIELDS = (("eagle3_fc_norm", "fc_norm"), ("eagle3_norm_output", "norm_output"),
+               ("eagle3_norm_before_fc", "norm_before_fc"), ("eagle3_norm_before_residual", "norm_before_residual"))
 
 
 def foreign_name(name: str, config: HeadsConfig) -> str:
@@ -113,11 +117,10 @@ def _eagle3_config(config: HeadsConfig) -> dict[str, Any]:
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer,
         "draft_vocab_size": config.draft_vocab_size,
-        "norm_before_residual": False,  # the residual is the un-normalised feature (explicit: vLLM defaults to true)
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
-        "fc_norm": config.eagle3_fc_norm,  # EAGLE-3.1 (vLLM's fields): a norm per fused layer, tensors fc_norm.<i>.*
-        "norm_output": config.eagle3_norm_output,  # EAGLE-3.1: the next step reads the final norm's output
+        # the variants' norms, always explicit (vLLM reads a missing norm_before_residual as true)
+        **{theirs: getattr(config, ours) for ours, theirs in NORM_FIELDS},
         "speculators_config": _speculators_config(config, "eagle3"),
     }
 
@@ -210,12 +213,6 @@ def _read_eagle3(folder: Path, config: dict[str, Any], allow_pickle: bool) -> Fo
             f"{where}: missing field 'norm_before_residual' (speculators reads a missing value as false, vLLM as "
             "true); add the value the heads were trained with"
         )
-    if config["norm_before_residual"]:
-        raise ValueError(
-            f"{where}: norm_before_residual=true (the residual is the normalised feature) has no specheads equivalent"
-        )
-    if config.get("norm_before_fc"):
-        raise ValueError(f"{where}: norm_before_fc=true (an RMSNorm before fc) has no specheads equivalent")
     layer_raw = require_field(config, "transformer_layer_config", dict, where)
     hidden_size = require_field(layer_raw, "hidden_size", int, f"{where} transformer_layer_config")
     vocab_size = require_field(layer_raw, "vocab_size", int, f"{where} transformer_layer_config")
@@ -237,7 +234,7 @@ def _read_eagle3(folder: Path, config: dict[str, Any], allow_pickle: bool) -> Fo
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
         fields["feature_layers"] = format_eagle3.layer_ids(ids, where, "eagle_aux_hidden_state_layer_ids")
-    for ours, theirs in (("eagle3_fc_norm", "fc_norm"), ("eagle3_norm_output", "norm_output")):  # EAGLE-3.1
+    for ours, theirs in NORM_FIELDS:  # the variants' norms (missing: off, but norm_before_residual is required)
         value = config.get(theirs, False)
         if not isinstance(value, bool):
             raise ValueError(f"{where}: {theirs}={value!r}; expected true or false")

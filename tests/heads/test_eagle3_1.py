@@ -106,7 +106,7 @@ def test_the_checkpoint_and_speculators_keep_the_norms_and_the_other_formats_ref
     heads.save_pretrained(tmp_path / "heads")
     reloaded = load_heads(tmp_path / "heads", target=target)
     assert reloaded.config.eagle3_fc_norm and reloaded.config.eagle3_norm_output
-    assert describe_heads(tmp_path / "heads")["eagle3_1_norms"] == ["eagle3_fc_norm", "eagle3_norm_output"]
+    assert describe_heads(tmp_path / "heads")["eagle3_norms"] == ["eagle3_fc_norm", "eagle3_norm_output"]
     torch.testing.assert_close(reloaded.fc_norm[1].weight, heads.fc_norm[1].weight)
     export_heads(tmp_path / "heads", "speculators", tmp_path / "vllm")
     written = json.loads((tmp_path / "vllm" / "config.json").read_text())
@@ -116,16 +116,16 @@ def test_the_checkpoint_and_speculators_keep_the_norms_and_the_other_formats_ref
     assert back.config.eagle3_fc_norm and back.config.eagle3_norm_output
     torch.testing.assert_close(back.fc_norm[2].weight, heads.fc_norm[2].weight)
     for fmt in ("eagle3", "eagle3-sglang"):
-        with pytest.raises(ValueError, match="without EAGLE-3.1's norms.*eagle3_fc_norm, eagle3_norm_output"):
+        with pytest.raises(ValueError, match="without the variants' norms.*eagle3_fc_norm, eagle3_norm_output"):
             export_heads(tmp_path / "heads", fmt, tmp_path / fmt)
     # plain heads export fc_norm / norm_output false, and a speculators file without the fields imports as plain
     plain, _ = perturbed_pair(target)
     plain.save_pretrained(tmp_path / "plain")
-    assert "eagle3_1_norms" not in describe_heads(tmp_path / "plain")
+    assert "eagle3_norms" not in describe_heads(tmp_path / "plain")
     export_heads(tmp_path / "plain", "speculators", tmp_path / "plain-vllm")
     written = json.loads((tmp_path / "plain-vllm" / "config.json").read_text())
-    assert written["fc_norm"] is False and written["norm_output"] is False
-    del written["fc_norm"], written["norm_output"]
+    assert written["fc_norm"] is False and written["norm_output"] is False and written["norm_before_residual"] is False
+    del written["fc_norm"], written["norm_output"], written["norm_before_fc"]
     (tmp_path / "plain-vllm" / "config.json").write_text(json.dumps(written))
     assert not import_heads(tmp_path / "plain-vllm", target=target, out_dir=tmp_path / "b2").config.eagle3_fc_norm
     written["norm_output"] = "yes"
@@ -135,6 +135,9 @@ def test_the_checkpoint_and_speculators_keep_the_norms_and_the_other_formats_ref
 
 
 def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="eagle3_fc_norm and eagle3_norm_before_fc are both set"):
+        HeadsConfig(head_type="eagle3", draft_layer_config={"model_type": "llama"}, feature_layers=[1, 2],
+                    eagle3_fc_norm=True, eagle3_norm_before_fc=True)
     with pytest.raises(ValueError, match="eagle3_fc_norm=True is set for head_type='eagle'"):
         HeadsConfig(head_type="eagle", draft_layer_config={"model_type": "llama"}, eagle3_fc_norm=True)
     with pytest.raises(ValueError, match="eagle3_norm_output=1 is invalid; expected true or false"):

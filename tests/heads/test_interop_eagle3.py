@@ -46,10 +46,20 @@ def _eagle3_tensors(config: dict, prefix: str, draft_vocab: torch.Tensor, seed: 
     return tensors
 
 
-def _eagle3_reference(config: dict, tensors: dict, prefix: str, target, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written out: x / sqrt(mean(x^2) + eps) * weight."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _eagle3_reference(config: dict, tensors: dict, prefix: str, target, inputs,
+                      variants: frozenset[str] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
     """EAGLE-3's draft step from the raw tensors, as the public definitions write it: fc on the 3 fused layers;
     attention over cat(input_layernorm(embed), hidden_norm(fc_out)) with 2h-wide q/k/v; the residual is the
-    un-normalised fc output; MLP block; then norm -> lm_head. Returns (hidden (B, T, h), logits (B, T, V_draft))."""
+    un-normalised fc output; MLP block; then norm -> lm_head. Returns (hidden (B, T, h), logits (B, T, V_draft)).
+
+    `variants` (vLLM's EAGLE-3 fields): fc_norm (tensors fc_norm.<i>.weight on each fused layer's slice before fc),
+    norm_before_fc (input_norm.weight on the whole concatenation), norm_before_residual (the residual is
+    hidden_norm(fc_out)), norm_output (the returned hidden state is norm(hidden); the lm_head reads it as it is)."""
     from transformers import LlamaConfig
 
     skip = ("architectures", "bias", "torch_dtype", "draft_vocab_size", "eagle_config")
@@ -64,17 +74,27 @@ def _eagle3_reference(config: dict, tensors: dict, prefix: str, target, inputs) 
     hidden_norm.weight.data.copy_(tensors[prefix + "hidden_norm.weight"])
     norm.weight.data.copy_(tensors["norm.weight"])
     rotary = LlamaRotaryEmbedding(config=layer_config)
+    eps = config["rms_norm_eps"]
     with torch.no_grad():
         embeds = target.get_input_embeddings()(inputs["input_ids"])
-        fused = F.linear(inputs["features"], tensors["fc.weight"])
+        features = inputs["features"]
+        if "fc_norm" in variants:
+            features = torch.cat([_rms(part, tensors[f"fc_norm.{i}.weight"], eps)
+                                  for i, part in enumerate(features.split(h, dim=-1))], dim=-1)
+        if "norm_before_fc" in variants:
+            features = _rms(features, tensors["input_norm.weight"], eps)
+        fused = F.linear(features, tensors["fc.weight"])
         attn_input = torch.cat([layer.input_layernorm(embeds), hidden_norm(fused)], dim=-1)
         attn, _ = layer.self_attn(
             hidden_states=attn_input,
             attention_mask=inputs["attention_mask"],
             position_embeddings=rotary(fused, inputs["position_ids"]),
         )
-        hidden = fused + attn
+        hidden = (hidden_norm(fused) if "norm_before_residual" in variants else fused) + attn
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if "norm_output" in variants:
+            hidden = norm(hidden)
+            return hidden, F.linear(hidden, tensors["lm_head.weight"])
         return hidden, F.linear(norm(hidden), tensors["lm_head.weight"])
 
 
@@ -142,6 +162,54 @@ def test_eagle3_folders_import_and_draft_as_their_tensors_say(fmt, stories, tmp_
     assert set(tokens[1:].tolist()) <= set(vocab.tolist())
 
 
+@pytest.mark.parametrize("variants", [
+    ("norm_before_fc", "norm_before_residual", "norm_output"),  # speculators' training defaults (gpt-oss style)
+    ("norm_before_residual",),
+    ("fc_norm", "norm_output"),  # EAGLE-3.1
+])
+def test_speculators_variants_import_and_compute_as_vllm_does(variants, stories, tmp_path, eagle_inputs):
+    """A speculators eagle3 folder with vLLM's norm fields set imports as heads computing its math (the reference
+    written out from the tensors), and exports back with the same fields and tensors."""
+    from specheads.heads.interop import export_heads
+
+    folder, config, tensors, vocab = _eagle3_folder(tmp_path / "vllm", stories, "speculators")
+    written = json.loads((folder / "config.json").read_text())
+    extra = dict(tensors)
+    h = config["hidden_size"]
+    generator = torch.Generator().manual_seed(5)
+    if "fc_norm" in variants:
+        for i in range(3):
+            extra[f"fc_norm.{i}.weight"] = 1 + 0.3 * torch.randn(h, generator=generator)
+    if "norm_before_fc" in variants:
+        extra["input_norm.weight"] = 1 + 0.3 * torch.randn(3 * h, generator=generator)
+    for name in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual"):
+        written[name] = name in variants
+    (folder / "config.json").write_text(json.dumps(written))
+    save_file({**load_file(folder / "model.safetensors"), **{k: v for k, v in extra.items() if k not in tensors}},
+              str(folder / "model.safetensors"))
+    heads = import_heads(folder, target=stories, out_dir=tmp_path / "ours")
+    inputs = eagle3_inputs(stories, eagle_inputs, seed=13)
+    hidden, logits = _eagle3_reference(config, extra, "layers.0.", stories, inputs, frozenset(variants))
+    with torch.no_grad():
+        ours = heads(**inputs)
+        torch.testing.assert_close(ours, hidden)
+        torch.testing.assert_close(heads.logits(ours), logits)
+    # plain EAGLE-3 math differs from every variant's (the reference and the heads really apply them)
+    plain, _ = _eagle3_reference(config, extra, "layers.0.", stories, inputs)
+    assert not torch.allclose(plain, hidden)
+    export_heads(tmp_path / "ours", "speculators", tmp_path / "back")
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert all(back[name] == (name in variants) for name in ("fc_norm", "norm_output", "norm_before_fc",
+                                                             "norm_before_residual"))
+    exported = load_file(tmp_path / "back" / "model.safetensors")
+    for name in ("input_norm.weight", "fc_norm.0.weight"):
+        if name in extra:
+            torch.testing.assert_close(exported[name], extra[name])
+    lm = SpeculativeLM(stories, heads)
+    ids = torch.tensor([[1, 403, 407, 261, 378]])
+    assert torch.equal(lm.generate(ids, max_new_tokens=24), stories.generate(ids, max_new_tokens=24, do_sample=False))
+
+
 def test_pickled_eagle3_release_imports_with_allow_pickle(stories, tmp_path):
     folder, _, tensors, vocab = _eagle3_folder(tmp_path / "e3", stories, "eagle3", weights="pytorch_model.bin")
     assert detect_format(folder) == "eagle3"
@@ -174,7 +242,6 @@ def test_a_llama_layer_eagle3_draft_serves_a_target_of_another_family(tiny_qwen2
         ("eagle3-sglang", "fc_bias", r"tensor 'fc\.bias' is a non-zero fc bias"),
         ("eagle3", "two_layers", "num_hidden_layers=2; specheads EAGLE-3 heads hold one decoder layer"),
         ("eagle3", "target_hidden_size", "target_hidden_size=128 differs from hidden_size=64"),
-        ("speculators", "norm_before_residual", "norm_before_residual=true"),
         ("speculators", "no_norm_before_residual", "missing field 'norm_before_residual'"),
         ("eagle3", "big_draft_vocab", "draft_vocab_size=600 is larger than vocab_size=512"),
     ],
@@ -193,8 +260,6 @@ def test_broken_eagle3_folders_fail_naming_what_is_wrong(fmt, edit, match, stori
         config["num_hidden_layers"] = 2
     elif edit == "target_hidden_size":
         config["target_hidden_size"] = 128
-    elif edit == "norm_before_residual":
-        config["norm_before_residual"] = True
     elif edit == "no_norm_before_residual":
         del config["norm_before_residual"]
     elif edit == "big_draft_vocab":
