@@ -76,8 +76,8 @@ specheads generate --target {target} --draft-model path/to/this/folder --prompt 
 ```
 
 `acc`: the draft's argmax is the target's (a greedy draft accepted); `accept`: sum min(p, q), the chance one sampled
-draft is accepted at temperature 1; `sim_tau`: the accepted length of a greedy chain of drafts; `eval_*`: the same on
-held-out data.
+draft is accepted (at temperature {temperature}); `sim_tau`: the accepted length of a greedy chain of drafts; `eval_*`:
+the same on held-out data.
 """
 
 
@@ -115,14 +115,15 @@ def initial_draft_model(config: RunConfig, target: PreTrainedModel, tokenizer: P
 def save_draft_model(model: PreTrainedModel, folder: Path, metrics: dict[str, Any], extra_files: dict[str, str],
                      tokenizer: PreTrainedTokenizerBase, config: RunConfig) -> None:
     """Write the draft model, its tokenizer and a model card with `metrics` to `folder`, atomically."""
-    how = f"{config.distill.divergence} on the target's distributions" if config.loss.labels == "target" \
-        else "next tokens of text the target wrote"
+    how = f"{config.distill.divergence} on the target's distributions at temperature {config.distill.temperature}" \
+        if config.loss.labels == "target" else "next tokens of text the target wrote"
     shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()}
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        card = MODEL_CARD.format(target=config.target, how=how, metrics=json.dumps(shown, indent=2))
+        card = MODEL_CARD.format(target=config.target, how=how, metrics=json.dumps(shown, indent=2),
+                                 temperature=config.distill.temperature)
         (tmp / "README.md").write_text(card)
         for file_name, text in extra_files.items():
             (tmp / file_name).write_text(text)
