@@ -149,6 +149,10 @@ class DistillSection:
     freeze_embeddings: bool = False  # keep the input embedding and lm_head as they are (train the layers only)
     # both distributions at this temperature (softmax(logits / T)): match the draft to the target as it is sampled
     temperature: float = 1.0
+    # > 0: train a peft LoRA adapter of this rank on the draft model instead of all its weights (merged when saved)
+    lora_r: int = 0
+    lora_alpha: float = 16.0  # LoRA scale is lora_alpha / lora_r
+    target_modules: list[str] | str = "all-linear"  # its Linear modules that get an adapter (peft's names)
 
     def check(self, head_type: str, feature_mode: str, head_options: dict[str, Any], joint: bool) -> None:
         """Raise a ValueError naming the first value a draft-model run cannot take."""
@@ -162,6 +166,9 @@ class DistillSection:
                              "tokenizer (folder, Hub id or alias), or early-exit:N (a copy of the target's first N layers)")
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"distill.divergence={self.divergence!r} is invalid; expected one of {DIVERGENCES}")
+        if self.lora_r < 0 or (self.lora_r and self.lora_alpha <= 0):
+            raise ValueError(f"distill.lora_r={self.lora_r!r}, distill.lora_alpha={self.lora_alpha!r}: expected a rank "
+                             ">= 0 (0: train every weight) and a positive alpha")
         if not self.temperature > 0:
             raise ValueError(f"distill.temperature={self.temperature!r} is invalid; expected a temperature > 0 (the one "
                              "you will sample at; 1 = the distributions as they are)")

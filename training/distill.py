@@ -6,7 +6,8 @@ closely it follows the target; DistillSpec (Zhou et al., ICLR 2024) aligns it by
 (`specheads data regenerate`) with a divergence between both next-token distributions (training/distill_loss.py).
 Where no smaller sibling exists, `distill.draft_model=early-exit:N` starts from a standalone copy of the target's own
 first N layers, its norm and lm_head (self-speculation's draft, LayerSkip-style, but trained and with weights of its
-own, so the target is left exactly as it was).
+own, so the target is left exactly as it was). `distill.lora_r=R` trains a LoRA adapter of the draft model instead of
+all its weights (a 1B draft for a 70B target), merged into the folders it saves.
 
     specheads train configs/train/distill_stories260k.yaml
     specheads generate --target stories260K --draft-model runs/distill_stories260k/final --prompt "Once"
@@ -38,10 +39,11 @@ from specheads.inference.target_support import tree_verification_problem
 from specheads.targets import load_target
 from specheads.training.best_heads import BEST_DIR, BEST_METRIC, BestHeads, replace_folder_atomically
 from specheads.training.checkpoints import STATE_FILE, latest_checkpoint, save_checkpoint
-from specheads.training.config import RunConfig, config_to_dict
+from specheads.training.config import DistillSection, JointSection, RunConfig, config_to_dict
 from specheads.training.data import BatchOrder, batch_to, build_dataset, collate, micro_batches_for_process
 from specheads.training.distill_loss import distill_loss
 from specheads.training.evaluate import evaluate
+from specheads.training.joint_lora import keep_trainable_weights_only, wrap_target_with_lora
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 from specheads.training.sharegpt import benchmark_prompts
 from specheads.training.steps import any_process, mean_over_processes, optimizer_step
@@ -106,10 +108,25 @@ def initial_draft_model(config: RunConfig, target: PreTrainedModel, tokenizer: P
     if problem is not None:
         raise ValueError(f"distill.draft_model={name!r} could not draft token trees: {problem}")
     draft.train().requires_grad_(True)
+    if config.distill.lora_r:  # only a LoRA adapter trains (merged into the saved folders)
+        return wrap_target_with_lora(draft, lora_shape(config.distill), section="distill").train()
     if config.distill.freeze_embeddings:
         draft.get_input_embeddings().requires_grad_(False)
         draft.get_output_embeddings().requires_grad_(False)
     return draft
+
+
+def lora_shape(distill: DistillSection) -> JointSection:
+    """The adapter shape of `distill` in the form `wrap_target_with_lora` takes."""
+    return JointSection(enabled=True, lora_r=distill.lora_r, lora_alpha=distill.lora_alpha,
+                        target_modules=distill.target_modules)
+
+
+def plain_model(model: PreTrainedModel) -> PreTrainedModel:
+    """`model`, or for a peft-wrapped one a copy with its adapter merged in (what a saved draft folder holds)."""
+    if hasattr(model, "merge_and_unload"):
+        return copy.deepcopy(model).merge_and_unload()
+    return model
 
 
 def save_draft_model(model: PreTrainedModel, folder: Path, metrics: dict[str, Any], extra_files: dict[str, str],
@@ -120,7 +137,7 @@ def save_draft_model(model: PreTrainedModel, folder: Path, metrics: dict[str, An
     shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()}
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        plain_model(model).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         card = MODEL_CARD.format(target=config.target, how=how, metrics=json.dumps(shown, indent=2),
                                  temperature=config.distill.temperature)
@@ -181,6 +198,8 @@ def distill(config: RunConfig) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     fill_deepspeed_config(accelerator, config)
     model, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
+    if config.distill.lora_r:
+        keep_trainable_weights_only(accelerator)  # checkpoints: the adapter, not the frozen draft weights
     start_step = 0
     resume = latest_checkpoint(config.output_dir)
     if resume is not None:

@@ -37,11 +37,14 @@ from specheads.training.losses import LossOutput, masked_mean, medusa_loss
 LINEAR_TYPES = (nn.Linear, Conv1D)  # the layers a LoRA adapter can sit on (GPT-2's are Conv1D)
 
 
-def wrap_target_with_lora(target: PreTrainedModel, joint: JointSection) -> Any:
+def wrap_target_with_lora(target: PreTrainedModel, joint: JointSection, section: str = "joint") -> Any:
     """Inject a fresh LoRA adapter into `target` (in place) and return the peft model; only the adapter trains.
 
+    `joint` gives the adapter's shape (lora_r, lora_alpha, lora_dropout, target_modules); `section` is where the run
+    config sets them, for error messages (a distilled draft model's adapter: "distill").
+
     Raises:
-        ValueError: none of `joint.target_modules` exists in the target.
+        ValueError: none of the target modules exists in the model, or one is an input embedding tied to the lm_head.
     """
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
@@ -59,12 +62,12 @@ def wrap_target_with_lora(target: PreTrainedModel, joint: JointSection) -> Any:
     except ValueError as err:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in target.named_modules() if isinstance(m, LINEAR_TYPES)})
         raise ValueError(
-            f"joint.target_modules={joint.target_modules} do not name modules of target "
+            f"{section}.target_modules={joint.target_modules} do not name modules of "
             f"{target.config.name_or_path!r}; its Linear modules are named {linear} ({err})"
         ) from err
     if tied and isinstance(peft_target.get_input_embeddings(), LoraLayer):
         raise ValueError(
-            f"joint.target_modules={joint.target_modules} puts an adapter on the input embedding of "
+            f"{section}.target_modules={joint.target_modules} puts an adapter on the input embedding of "
             f"{target.config.name_or_path!r}, whose lm_head shares that weight: merging it would change the lm_head "
             "too; leave the embedding out of target_modules"
         )

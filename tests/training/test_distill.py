@@ -244,3 +244,31 @@ def test_eval_scores_draft_models_beside_heads(tmp_path, stories_file, target_an
     assert copy_["acc_depth1"] == 1.0 and copy_["accept"] > 0.9999 and copy_["sim_tau"] > 4.5
     assert early["heads"] == "early-exit:2" and early["acc_depth1"] < 0.3 and early["sim_tau"] < copy_["sim_tau"] - 2
     assert "| early-exit:2 |" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_lora_distillation_resumes_exactly_and_saves_a_merged_plain_model(tmp_path, stories_file,
+                                                                             target_and_tokenizer):
+    """distill.lora_r: only the adapter trains and is checkpointed; a stop and a rerun end where an uninterrupted run
+    does; the saved folder is a plain model (the adapter merged in) that drafts exactly."""
+    target, tokenizer = target_and_tokenizer
+    steps = {"max_steps": 8, "save_steps": 4, "distill.lora_r": 4, "optim.learning_rate": 0.01}
+    assert main(["train", RECIPE, *overrides(stories_file, tmp_path / "ref", **steps)]) == 0
+    out = tmp_path / "stopped"
+    assert main(["train", RECIPE, *overrides(stories_file, out, stop_after_steps=4, **steps)]) == 0
+    checkpoint = load_file(next((out / "checkpoints").glob("step-*")) / "model.safetensors")
+    assert checkpoint and all("lora_" in name for name in checkpoint)  # the adapter only
+    assert main(["train", RECIPE, *overrides(stories_file, out, **steps)]) == 0
+    ref, got = load_file(tmp_path / "ref" / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert ref.keys() == got.keys() and not any("lora_" in name for name in ref)
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+    assert not (out / "final" / "adapter_config.json").exists()
+    # merged: the adapted projections moved, the embedding (no adapter) is the target's
+    assert not torch.equal(ref["model.layers.0.self_attn.q_proj.weight"], target.model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(ref["model.embed_tokens.weight"], target.model.embed_tokens.weight)
+    lm = SpeculativeLM.from_pretrained(target="stories260K", draft_model=str(out / "final"))
+    prompt = tokenizer("Tom had a red ball", return_tensors="pt").input_ids
+    assert torch.equal(lm.generate(prompt, max_new_tokens=24), target.generate(prompt, max_new_tokens=24, do_sample=False))
+    with pytest.raises(ValueError, match="distill.lora_r=-1"):
+        load_run_config(RECIPE, ["data.source=x", "distill.lora_r=-1"])
