@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--ttt-steps", type=int, default=None, help="EAGLE-3 and draft models: depths scored (default: the "
                    "training default; 4 for draft models)")
+    p.add_argument("--temperature", type=float, default=1.0, help="draft models: the temperature `accept` (sum "
+                   "min(p, q)) is measured at, both distributions tempered (the one you will sample at)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, help="cpu or cuda (default: where load_target puts the target)")
     p.add_argument("--out", default=None, help="also write the metrics as JSON here")
@@ -91,6 +93,7 @@ def score_heads(
                              "has another one (benchmark it instead: specheads bench --draft-model)")
         if args.ttt_steps is not None:
             config.loss.eval_depth = args.ttt_steps
+        config.distill.temperature = args.temperature
         draft = heads.draft_model
         metrics = evaluate(lambda batch: distill_loss(draft, draft, target, batch, config.distill, config.loss),
                            rows, lambda batch_rows: collate_for(rows, processor)(batch_rows, pad_id), args.batch_size,
@@ -130,6 +133,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     for name in ("max_new_tokens", "max_length", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}; expected a positive integer")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature={args.temperature}; expected a temperature > 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     heads_list = [name.strip() for name in args.heads.split(",")]

@@ -244,6 +244,13 @@ def test_eval_scores_draft_models_beside_heads(tmp_path, stories_file, target_an
     assert copy_["acc_depth1"] == 1.0 and copy_["accept"] > 0.9999 and copy_["sim_tau"] > 4.5
     assert early["heads"] == "early-exit:2" and early["acc_depth1"] < 0.3 and early["sim_tau"] < copy_["sim_tau"] - 2
     assert "| early-exit:2 |" in capsys.readouterr().err
+    # --temperature: accept at that temperature (the copy stays perfect; the early exit's changes)
+    assert main(["eval", "--target", "stories260K", "--heads", f"early-exit:2,draft:{twin}", "--data", str(stories_file),
+                 "--limit", "8", "--temperature", "0.5", "--out", str(out)]) == 0
+    cold_early, cold_copy = json.loads(out.read_text())
+    assert cold_copy["accept"] > 0.9999 and cold_early["accept"] != pytest.approx(early["accept"])
+    assert cold_early["acc_depth1"] == early["acc_depth1"]
+    assert main(["eval", "--heads", "early-exit:2", "--data", str(stories_file), "--temperature", "0"]) == 2
 
 
 @pytest.mark.slow
