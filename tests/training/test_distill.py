@@ -67,6 +67,24 @@ def test_logits_at_the_trained_positions_are_the_forwards(family, tiny_target_fa
     torch.testing.assert_close(logits_at(model, ids, mask, positions), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("draft_vocab", [128, 64])
+def test_a_draft_vocabulary_of_another_size_is_compared_on_the_ids_both_have(draft_vocab, tiny_target_factory):
+    """A draft padded past the target's 97 ids (128) or short of them (64): both distributions over the ids both have;
+    the target's mass past the draft's ids is mass the draft never proposes (accept counts it as lost)."""
+    target = tiny_target_factory("llama")
+    draft = tiny_target_factory("llama", vocab_size=draft_vocab)
+    ids = torch.randint(3, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    out = distill_loss(draft, draft, target, batch, DistillSection(divergence="tvd"), LossSection())
+    positions = labelled_positions(batch["loss_mask"])
+    with torch.no_grad():
+        p = F.softmax(target(input_ids=ids).logits[positions], -1)[:, :min(97, draft_vocab)]
+        q = F.softmax(draft(input_ids=ids).logits[positions][:, :min(97, draft_vocab)], -1)
+    accept = float(torch.minimum(p, q).sum(-1).mean())
+    assert out.metrics["accept"] == pytest.approx(accept, rel=1e-5) and 0 < accept < 1
+    assert out.metrics["loss"] == pytest.approx(float((0.5 * (p - q).abs().sum(-1)).mean()), rel=1e-5)
+
+
 def test_a_copy_of_the_target_scores_perfectly_and_a_fresh_model_does_not(target_and_tokenizer, stories_file):
     target, tokenizer = target_and_tokenizer
     batch = stories_batch(tokenizer, stories_file)
