@@ -7,7 +7,10 @@ OpenAI's). `GET /v1/responses/{id}` returns a stored response, `GET /v1/response
 answered, `DELETE /v1/responses/{id}` forgets it.
 
 Responses live in this process's memory, the least recently used forgotten past `capacity` (`specheads serve
---responses-store N`; 0: none kept, and `previous_response_id` is refused by name). The conversation's prompt is the
+--responses-store N`; 0: none kept, and `previous_response_id` is refused by name). With a `folder` (`specheads serve
+--responses-dir DIR`) each stored response is also a JSON file there, written atomically, touched when used and
+removed when forgotten or deleted, so a restarted server continues the conversations it held (the newest `capacity`
+files are read back; an unreadable one is skipped with a warning). The conversation's prompt is the
 earlier one plus the answer, so where the chat template renders the answer as it was written, the server's prompt
 cache slots (`--cache-slots`) reuse the target's cache of it, as for a chat client that re-sends the conversation.
 """
@@ -15,11 +18,20 @@ cache slots (`--cache-slots`) reuse the target's cache of it, as for a chat clie
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import logging
+import os
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
+from specheads.atomic_files import write_atomically
+
 from .openai_errors import ApiError
+
+logger = logging.getLogger(__name__)
 
 
 def input_items(value: Any) -> list[Any]:
@@ -31,14 +43,41 @@ def input_items(value: Any) -> list[Any]:
 
 class ResponseStore:
     """Finished responses and the input items each answered, by response id; safe to use from several threads (the
-    server's handlers)."""
+    server's handlers). With `folder`, also kept on disk across restarts (see the module docstring)."""
 
-    def __init__(self, capacity: int = 1000) -> None:
+    def __init__(self, capacity: int = 1000, folder: str | os.PathLike | None = None) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"capacity={capacity!r}: expected a number of responses >= 0 (0: none stored)")
         self.capacity = capacity
         self._responses: OrderedDict[str, tuple[dict[str, Any], list[Any]]] = OrderedDict()
         self._lock = threading.Lock()
+        self.folder = None if folder is None else Path(folder)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._read_folder()
+
+    def _file(self, response_id: str) -> Path:
+        """The response's file: named by a hash of its id (any id makes a safe, fixed-length file name)."""
+        return self.folder / f"{hashlib.sha256(response_id.encode()).hexdigest()[:32]}.json"
+
+    def _read_folder(self) -> None:
+        """Load the folder's responses, least recently used first; those past `capacity` are removed."""
+        files = sorted(self.folder.glob("*.json"), key=lambda path: (path.stat().st_mtime_ns, path.name))
+        for path in files:
+            try:
+                record = json.loads(path.read_text())
+                response, items = record["response"], record["input"]
+                self._responses[str(response["id"])] = (response, list(items))
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                logger.warning("responses folder %s: skipping unreadable %s (%s)", self.folder, path.name, err)
+        while len(self._responses) > self.capacity:
+            self._forget(next(iter(self._responses)))
+
+    def _forget(self, response_id: str) -> None:
+        """Drop a response from memory and disk (lock held or not yet shared)."""
+        self._responses.pop(response_id, None)
+        if self.folder is not None:
+            self._file(response_id).unlink(missing_ok=True)
 
     def __len__(self) -> int:
         return len(self._responses)
@@ -68,10 +107,13 @@ class ResponseStore:
         if not self.stores(body):
             return
         with self._lock:
-            self._responses[response["id"]] = (copy.deepcopy(response), input_items(body.get("input")))
+            stored = (copy.deepcopy(response), input_items(body.get("input")))
+            self._responses[response["id"]] = stored
             self._responses.move_to_end(response["id"])
+            if self.folder is not None:
+                write_atomically(self._file(response["id"]), json.dumps({"response": stored[0], "input": stored[1]}))
             while len(self._responses) > self.capacity:
-                self._responses.popitem(last=False)
+                self._forget(next(iter(self._responses)))
 
     def get(self, response_id: str) -> dict[str, Any]:
         """A stored response (an `ApiError` 404 when it is not stored)."""
@@ -84,8 +126,9 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> dict[str, Any]:
         with self._lock:
-            if self._responses.pop(response_id, None) is None:
+            if response_id not in self._responses:
                 raise _not_found(response_id)
+            self._forget(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def _take(self, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list[Any]]:
@@ -93,6 +136,11 @@ class ResponseStore:
             if response_id not in self._responses:
                 raise _not_found(response_id, param)
             self._responses.move_to_end(response_id)
+            if self.folder is not None:  # its file's time is its recency after a restart
+                try:
+                    os.utime(self._file(response_id))
+                except FileNotFoundError:  # removed by hand: it stays in memory until forgotten
+                    pass
             return self._responses[response_id]
 
 

@@ -89,13 +89,14 @@ class CompletionService:
             "auto" (`think` when the chat template knows `</think>`), a parser's name, or None (all content).
         responses_store: `/v1/responses` responses kept for `previous_response_id` and `GET /v1/responses/{id}`
             (inference/response_store.py), the least recently used forgotten past it; 0: none.
+        responses_dir: also keep them as files in this folder, across restarts (None: in memory only).
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
                  chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8,
                  processor: Any = None, chat_template_kwargs: dict[str, Any] | None = None,
                  tool_parser: str | None = "auto", reasoning_parser: str | None = "auto",
-                 responses_store: int = 1000) -> None:
+                 responses_store: int = 1000, responses_dir: str | None = None) -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
@@ -110,7 +111,7 @@ class CompletionService:
         self.reasoning_parser = None if reasoning_parser is None else make_reasoning_parser(reasoning_parser)
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
-        self.responses = ResponseStore(responses_store)
+        self.responses = ResponseStore(responses_store, responses_dir)
         # JSON schema text / regex / "json_object" -> its constraint (compiling takes seconds; the JSON-object one
         # learns the tokens of each state as it meets them)
         self._constraints: dict[str, Any] = {}

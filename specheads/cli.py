@@ -172,6 +172,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--responses-store", type=int, default=1000, metavar="N",
                    help="/v1/responses responses kept in memory for previous_response_id and GET /v1/responses/{id}, "
                         "the least recently used forgotten past N (default: 1000; 0: none)")
+    p.add_argument("--responses-dir", default=None, metavar="DIR",
+                   help="also keep the stored responses as JSON files in DIR: previous_response_id survives a restart")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     # a request without max_tokens runs to the end of the context (OpenAI's default) unless the server sets one
     p.set_defaults(max_new_tokens=None)
@@ -192,7 +194,7 @@ def build_server(args: argparse.Namespace):
                                 args.api_key, args.max_batch, processor, args.chat_template_kwargs,
                                 None if args.tool_call_parser == "none" else args.tool_call_parser,
                                 None if args.reasoning_parser == "none" else args.reasoning_parser,
-                                args.responses_store)
+                                args.responses_store, args.responses_dir)
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]

@@ -380,7 +380,8 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
         [sys.executable, "-m", "specheads", "serve", "--heads", str(stories260k_eagle_dir), "--chat-template",
          str(template), "--port", str(port), "--served-model-name", "tiny", "--max-new-tokens", "12", "--quiet",
          "--max-round-nodes", "auto", "--prefill-chunk", "4", "--corpus-learn", "500", "--corpus-learned",
-         str(tmp_path / "learned.npy"), "--tool-call-parser", "hermes", "--reasoning-parser", "think"],
+         str(tmp_path / "learned.npy"), "--tool-call-parser", "hermes", "--reasoning-parser", "think",
+         "--responses-dir", str(tmp_path / "responses")],
         stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "SPECHEADS_API_KEY"},
         # a suite started in the background inherits SIGINT ignored, and Python keeps it so: Ctrl-C must reach it
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -404,6 +405,12 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
                                     skip_special_tokens=True)
         assert body["model"] == "tiny" and body["usage"]["completion_tokens"] == 12
         assert body["choices"][0]["message"]["content"] == expected
+        request = urllib.request.Request(base + "/v1/responses", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "tiny", "input": "Tom had a dog"}).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            stored = json.loads(response.read())
+        files = list((tmp_path / "responses").glob("*.json"))  # --responses-dir: kept on disk
+        assert len(files) == 1 and json.loads(files[0].read_text())["response"]["id"] == stored["id"]
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
@@ -413,9 +420,9 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
     assert "(OpenAI API; tree 6,8,32,0,0;" in log  # the heads' default tree (no cpu_tree in their config)
     from specheads.inference.corpus_lookup import read_corpus_file
 
-    learned = read_corpus_file(tmp_path / "learned.npy")
-    assert [a.tolist() for a in learned] == [ids[0, -3:].tolist() + target.generate(ids, max_new_tokens=12,
-                                                                                     do_sample=False)[0, -12:].tolist()]
+    learned = read_corpus_file(tmp_path / "learned.npy")  # the chat answer, then the /v1/responses one
+    assert len(learned) == 2 and learned[0].tolist() == ids[0, -3:].tolist() + target.generate(
+        ids, max_new_tokens=12, do_sample=False)[0, -12:].tolist()
 
 
 def test_threads_option_sets_torch_threads_and_is_checked(stories260k_eagle_dir, capfd, tmp_path):

@@ -85,3 +85,39 @@ def test_the_store_forgets_the_least_recently_used_past_its_capacity():
     assert store.stores({}) and not store.stores({"store": False}) and not ResponseStore(0).stores({})
     with pytest.raises(ValueError, match="capacity=-1"):
         ResponseStore(-1)
+
+
+def test_a_responses_folder_keeps_the_store_across_restarts(tmp_path, caplog):
+    """--responses-dir: stored responses come back in a new store (a restarted server), least recently used first
+    past its capacity; forgotten, deleted and store:false responses leave no file; an unreadable file is skipped."""
+    import os
+    import time
+
+    folder = tmp_path / "responses"
+    store = ResponseStore(capacity=2, folder=folder)
+    for name in ("a", "b"):
+        store.keep({"input": name}, {"id": name, "output": [{"type": "message", "role": "assistant",
+                                                             "content": [{"type": "output_text", "text": name}]}]})
+        time.sleep(0.01)  # distinct file times
+    store.keep({"input": "x", "store": False}, {"id": "x", "output": []})
+    assert len(list(folder.glob("*.json"))) == 2
+    time.sleep(0.01)
+    store.get("a")  # used: "b" is now the least recently used, on disk too
+    restarted = ResponseStore(capacity=2, folder=folder)
+    assert len(restarted) == 2 and restarted.get("b")["id"] == "b" and restarted.input_items("a")["data"][0]["content"] == "a"
+    continued = restarted.continued({"input": "more", "previous_response_id": "a"})
+    assert [item.get("content") for item in continued["input"]][0] == "a"
+    time.sleep(0.01)
+    restarted.get("a")
+    restarted.keep({"input": "c"}, {"id": "c", "output": []})  # forgets "b" (least recently used): its file goes
+    assert len(list(folder.glob("*.json"))) == 2
+    with pytest.raises(ApiError, match="no stored response 'b'"):
+        ResponseStore(capacity=2, folder=folder).get("b")
+    restarted.delete("c")
+    assert len(list(folder.glob("*.json"))) == 1
+    # a smaller capacity on restart keeps the newest; an unreadable file is skipped with a warning
+    (folder / "broken.json").write_text("{not json")
+    os.utime(folder / "broken.json", (0, 0))
+    with caplog.at_level("WARNING"):
+        small = ResponseStore(capacity=1, folder=folder)
+    assert len(small) == 1 and small.get("a")["id"] == "a" and "skipping unreadable broken.json" in caplog.text
