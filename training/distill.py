@@ -46,7 +46,7 @@ from specheads.training.evaluate import evaluate
 from specheads.training.joint_lora import keep_trainable_weights_only, wrap_target_with_lora
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 from specheads.training.sharegpt import benchmark_prompts
-from specheads.training.steps import any_process, mean_over_processes, optimizer_step
+from specheads.training.steps import after_evaluation, mean_over_processes, optimizer_step, out_of_time
 from specheads.training.train import (
     fill_deepspeed_config,
     flat_hparams,
@@ -251,21 +251,11 @@ def distill(config: RunConfig) -> dict[str, Any]:
         if config.trackers and (done % config.log_steps == 0 or done == config.max_steps):
             accelerator.log({f"train/{k}": v for k, v in last.items()}, step=done)
         if eval_examples is not None and config.eval_steps and done % config.eval_steps == 0 and done < config.max_steps:
-            scores = held_out()
-            accelerator.print(f"[specheads] step {done} held-out: acc {scores['eval_acc']:.3f}, "
-                              f"sim_tau {scores['eval_sim_tau']:.2f}")
-            if config.trackers:
-                accelerator.log({f"eval/{k[5:]}": v for k, v in scores.items()}, step=done)
-            if best is not None and best.offer(accelerator.unwrap_model(model), done, {**last, **scores}):
-                accelerator.print(f"[specheads] best held-out sim_tau so far: saved to {Path(config.output_dir) / BEST_DIR}")
-            if config.early_stopping_patience:  # decided on the main process (it tracks the best), applied by all
-                early_stopped = any_process(accelerator, best is not None and best.evaluations_since_best(
-                    done, config.eval_steps) >= config.early_stopping_patience)
-        out_of_time = any_process(accelerator, config.time_limit_minutes is not None
-                                  and time.time() - started > 60 * config.time_limit_minutes)
-        if done % config.save_steps == 0 or done == config.max_steps or out_of_time or early_stopped:
+            early_stopped = after_evaluation(accelerator, config, done, held_out(), model, best, last)
+        timed_out = out_of_time(accelerator, config, started)
+        if done % config.save_steps == 0 or done == config.max_steps or timed_out or early_stopped:
             save_checkpoint(accelerator, config.output_dir, done, config.save_total_limit)
-        if early_stopped or (out_of_time and done < config.max_steps):
+        if early_stopped or (timed_out and done < config.max_steps):
             accelerator.print(f"[specheads] {'early stop' if early_stopped else 'time limit'} at step {done}: saving the "
                               "final draft model now")
             break

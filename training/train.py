@@ -67,7 +67,7 @@ from specheads.training.losses import (
 )
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 from specheads.training.sharegpt import benchmark_prompts
-from specheads.training.steps import any_process, mean_over_processes, optimizer_step
+from specheads.training.steps import after_evaluation, mean_over_processes, optimizer_step, out_of_time
 from specheads.training.target_labels import TargetLabels
 
 
@@ -502,25 +502,16 @@ def train(config: RunConfig) -> dict[str, Any]:
         if evaluating and done < config.max_steps:
             held_out = evaluate_during_training(config, model, heads, target, eval_examples, eval_collate, pad_id,
                                                 accelerator.device)
-            accelerator.print(f"[specheads] step {done} held-out: acc {held_out['eval_acc']:.3f}, "
-                              f"sim_tau {held_out['eval_sim_tau']:.2f}")
-            if config.trackers:
-                accelerator.log({f"eval/{k[5:]}": v for k, v in held_out.items()}, step=done)
-            if best is not None and best.offer(accelerator.unwrap_model(model), done, {**last, **held_out}):
-                accelerator.print(f"[specheads] best held-out sim_tau so far: saved to {Path(config.output_dir) / BEST_DIR}")
-            if config.early_stopping_patience:  # decided on the main process (it tracks the best), applied by all
-                early_stopped = any_process(accelerator, best is not None and best.evaluations_since_best(
-                    done, config.eval_steps) >= config.early_stopping_patience)
-        out_of_time = any_process(accelerator, config.time_limit_minutes is not None
-                                  and time.time() - started > 60 * config.time_limit_minutes)
-        if done % config.save_steps == 0 or done == config.max_steps or out_of_time or early_stopped:
+            early_stopped = after_evaluation(accelerator, config, done, held_out, model, best, last)
+        timed_out = out_of_time(accelerator, config, started)
+        if done % config.save_steps == 0 or done == config.max_steps or timed_out or early_stopped:
             save_checkpoint(accelerator, config.output_dir, done, config.save_total_limit)
         if early_stopped:
             accelerator.print(f"[specheads] early stop at step {done}: {config.early_stopping_patience} held-out "
                               "evaluations in a row without a better sim_tau (the best heads are in "
                               f"{Path(config.output_dir) / BEST_DIR})")
             break
-        if out_of_time and done < config.max_steps:
+        if timed_out and done < config.max_steps:
             accelerator.print(f"[specheads] time_limit_minutes={config.time_limit_minutes} reached at step {done}: "
                               "saving final heads now (run the same command again to continue to max_steps)")
             break
