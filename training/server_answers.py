@@ -94,7 +94,10 @@ class ServerClient:
 
     def model_name(self) -> str:
         """The one model the server serves (GET /models); an error lists them when there are several."""
-        listed = [m.get("id") for m in self._request("/models").get("data", [])]
+        try:
+            listed = [m.get("id") for m in self._request("/models").get("data", [])]
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}\n(asked which model it serves: name it with --model)") from err
         if len(listed) != 1:
             raise ValueError(f"{self.base_url} serves {listed or 'no models'}: name the one to ask with --model")
         return str(listed[0])
