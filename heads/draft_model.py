@@ -195,6 +195,20 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
     return draft.eval()
 
 
+def early_exit_layers_of(name: str) -> int | None:
+    """N of an 'early-exit:N' drafting string, or None for any other string.
+
+    Raises:
+        ValueError: 'early-exit:' followed by something else than a number of layers.
+    """
+    if not name.startswith(EARLY_EXIT_PREFIX):
+        return None
+    layers = name.removeprefix(EARLY_EXIT_PREFIX)
+    if not layers.isdigit():
+        raise ValueError(f"{name!r}: expected {EARLY_EXIT_PREFIX}N with N a number of layers")
+    return int(layers)
+
+
 def check_drafting_source(heads: Any, draft_model: Any, early_exit_layers: Any) -> None:
     """Raise a ValueError unless exactly one of heads, draft_model and early_exit_layers is given (not None)."""
     given = [name for name, value in (("heads", heads), ("draft_model", draft_model),

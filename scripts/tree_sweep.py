@@ -28,10 +28,7 @@ import json
 
 import torch
 
-from specheads.drafting_options import parse_drafting_source
-from specheads.heads.base import DraftHeads
-from specheads.heads.draft_model import draft_model_heads
-from specheads.heads.loading import load_heads
+from specheads.drafting_options import drafting_heads, parse_drafting_source
 from specheads.inference.bench import aggregate, run_prompt
 from specheads.inference.certified_argmax import CPU_ARGMAX_CHOICES, wants_certified_argmax
 from specheads.inference.generate import SpeculativeLM
@@ -66,14 +63,6 @@ def parse_lookup(value: str) -> tuple[int, int | None]:
     except ValueError as err:
         raise SystemExit(f"--lookup-tokens {value!r}: expected N (0 = off) or N:M with M >= N >= 1 ({err})") from None
     return lookup
-
-
-def heads_for(item: str, lm: SpeculativeLM) -> DraftHeads:
-    """What drafts for one --heads item, on `lm`'s target: loaded heads, or a draft model wrapped as heads."""
-    source = parse_drafting_source(item)
-    if "heads" in source:
-        return load_heads(item, target=lm.target)
-    return draft_model_heads(lm.target, lm.tokenizer, source.get("draft_model"), source.get("early_exit_layers"))
 
 
 def main() -> None:
@@ -121,7 +110,8 @@ def main() -> None:
     certified = {choice: wants_certified_argmax(choice, lm.target) for choice in argmaxes}
     # one SpeculativeLM per (heads, draft-linear choice) on the one target, each with its own copy of the heads (the
     # first one's swaps the target's layers to oneDNN; the others find them swapped already)
-    lms = {variant: lm if i == 0 else SpeculativeLM(lm.target, heads_for(variant[0], lm), tokenizer=lm.tokenizer)
+    lms = {variant: lm if i == 0 else SpeculativeLM(lm.target, drafting_heads(variant[0], lm.target, lm.tokenizer),
+                                                    tokenizer=lm.tokenizer)
            for i, variant in enumerate(itertools.product(heads_list, draft_linears))}
     scorer = None  # greedy verification's certified argmax, built before the target's layers go to oneDNN
     if any(certified.values()):

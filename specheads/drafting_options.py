@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from specheads.heads.draft_model import EARLY_EXIT_PREFIX
+from specheads.heads.draft_model import EARLY_EXIT_PREFIX, early_exit_layers_of
 
 DRAFT_PREFIX = "draft:"  # a draft model in a comma list of heads (scripts/tree_sweep.py --heads)
 
@@ -41,6 +41,17 @@ def parse_drafting_source(item: str) -> dict[str, Any]:
     'early-exit:N' (as `drafting_name` writes it), or a heads folder / Hub id."""
     if item.startswith(DRAFT_PREFIX):
         return {"draft_model": item.removeprefix(DRAFT_PREFIX)}
-    if item.startswith(EARLY_EXIT_PREFIX):
-        return {"early_exit_layers": int(item.removeprefix(EARLY_EXIT_PREFIX))}
-    return {"heads": item}
+    layers = early_exit_layers_of(item)
+    return {"heads": item} if layers is None else {"early_exit_layers": layers}
+
+
+def drafting_heads(item: str, target: Any, tokenizer: Any) -> Any:
+    """What drafts for `target` for one drafting string (`parse_drafting_source`): loaded heads (on the target's
+    device and dtype, eval mode), or a draft model wrapped as heads."""
+    from specheads.heads.draft_model import draft_model_heads
+    from specheads.heads.loading import load_heads
+
+    source = parse_drafting_source(item)
+    if "heads" in source:
+        return load_heads(source["heads"], target=target).to(device=target.device, dtype=target.dtype).eval()
+    return draft_model_heads(target, tokenizer, **source)

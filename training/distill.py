@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -33,27 +32,28 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specheads.atomic_files import write_atomically
-from specheads.heads.draft_model import EARLY_EXIT_PREFIX, early_exit_model, same_vocabulary
+from specheads.heads.draft_model import early_exit_layers_of, early_exit_model, same_vocabulary
 from specheads.inference.target_support import tree_verification_problem
 from specheads.targets import load_target
-from specheads.training.best_heads import BEST_DIR, BEST_METRIC, BestHeads, replace_folder_atomically
-from specheads.training.checkpoints import STATE_FILE, latest_checkpoint, save_checkpoint
-from specheads.training.config import DistillSection, JointSection, RunConfig, config_to_dict
+from specheads.training.best_heads import BEST_DIR, BestHeads, replace_folder_atomically
+from specheads.training.checkpoints import save_checkpoint
+from specheads.training.config import RunConfig
 from specheads.training.data import BatchOrder, batch_to, build_dataset, collate, micro_batches_for_process
 from specheads.training.distill_loss import distill_loss
 from specheads.training.evaluate import evaluate
-from specheads.training.joint_lora import keep_trainable_weights_only, wrap_target_with_lora
+from specheads.training.joint_lora import keep_trainable_weights_only, wrap_with_lora
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 from specheads.training.sharegpt import benchmark_prompts
-from specheads.training.steps import after_evaluation, mean_over_processes, optimizer_step, out_of_time
-from specheads.training.train import (
-    fill_deepspeed_config,
-    flat_hparams,
-    held_out_examples,
-    lr_lambda,
-    make_accelerator,
+from specheads.training.steps import (
+    after_evaluation,
+    init_trackers,
+    optimizer_step,
+    out_of_time,
+    resume_state,
+    save_final,
+    step_metrics,
 )
+from specheads.training.train import fill_deepspeed_config, held_out_examples, lr_lambda, make_accelerator
 
 MODEL_CARD = """---
 library_name: transformers
@@ -91,12 +91,13 @@ def initial_draft_model(config: RunConfig, target: PreTrainedModel, tokenizer: P
             by token), or one that could not draft token trees.
     """
     name = config.distill.draft_model
-    if name.startswith(EARLY_EXIT_PREFIX):
-        layers = name.removeprefix(EARLY_EXIT_PREFIX)
-        if not layers.isdigit():
-            raise ValueError(f"distill.draft_model={name!r}: expected {EARLY_EXIT_PREFIX}N with N a number of layers")
+    try:
+        layers = early_exit_layers_of(name)
+    except ValueError as err:
+        raise ValueError(f"distill.draft_model={err}") from err
+    if layers is not None:
         # deepcopy of the shared-module early exit: the same layers with weights of their own (ties kept)
-        draft = copy.deepcopy(early_exit_model(target, int(layers))).float()
+        draft = copy.deepcopy(early_exit_model(target, layers)).float()
         draft.config.name_or_path = ""
     else:
         draft, draft_tokenizer = load_target(name, dtype=torch.float32, device=target.device)
@@ -109,17 +110,12 @@ def initial_draft_model(config: RunConfig, target: PreTrainedModel, tokenizer: P
         raise ValueError(f"distill.draft_model={name!r} could not draft token trees: {problem}")
     draft.train().requires_grad_(True)
     if config.distill.lora_r:  # only a LoRA adapter trains (merged into the saved folders)
-        return wrap_target_with_lora(draft, lora_shape(config.distill), section="distill").train()
+        lora = config.distill
+        return wrap_with_lora(draft, lora.lora_r, lora.lora_alpha, lora.target_modules, section="distill").train()
     if config.distill.freeze_embeddings:
         draft.get_input_embeddings().requires_grad_(False)
         draft.get_output_embeddings().requires_grad_(False)
     return draft
-
-
-def lora_shape(distill: DistillSection) -> JointSection:
-    """The adapter shape of `distill` in the form `wrap_target_with_lora` takes."""
-    return JointSection(enabled=True, lora_r=distill.lora_r, lora_alpha=distill.lora_alpha,
-                        target_modules=distill.target_modules)
 
 
 def plain_model(model: PreTrainedModel) -> PreTrainedModel:
@@ -200,22 +196,14 @@ def distill(config: RunConfig) -> dict[str, Any]:
     model, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
     if config.distill.lora_r:
         keep_trainable_weights_only(accelerator)  # checkpoints: the adapter, not the frozen draft weights
-    start_step = 0
-    resume = latest_checkpoint(config.output_dir)
-    if resume is not None:
-        accelerator.load_state(str(resume))
-        start_step = json.loads((resume / STATE_FILE).read_text())["step"]
-        accelerator.print(f"[specheads] resuming from {resume} (step {start_step})")
-        done_metrics = Path(config.output_dir) / "metrics.json"
-        if done_metrics.is_file() and start_step >= config.max_steps:
-            accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
-            return json.loads(done_metrics.read_text())
+    resume, start_step, recorded = resume_state(accelerator, config)
+    if recorded is not None and start_step >= config.max_steps:
+        accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
+        return recorded
     save = partial(save_draft_model, tokenizer=tokenizer, config=config)
     keep_best = config.save_best and eval_examples is not None and config.eval_steps > 0
     best = BestHeads(config.output_dir, resume is None, save) if keep_best and accelerator.is_main_process else None
-    if config.trackers:
-        init_kwargs = {"wandb": {"mode": os.environ.get("WANDB_MODE", "offline")}} if "wandb" in config.trackers else {}
-        accelerator.init_trackers(config.project_name, config=flat_hparams(config), init_kwargs=init_kwargs)
+    init_trackers(accelerator, config)
 
     def held_out() -> dict[str, float]:
         model.eval()
@@ -245,11 +233,7 @@ def distill(config: RunConfig) -> dict[str, Any]:
                 sums[key] = sums.get(key, 0.0) + value / len(micro_batches)
             tokens_seen += int(batch["attention_mask"].sum()) * world
         done = step + 1
-        last = {**mean_over_processes(accelerator, sums), "lr": scheduler.get_last_lr()[0]}
-        bar.update(1)
-        bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tau=f"{last['sim_tau']:.2f}")
-        if config.trackers and (done % config.log_steps == 0 or done == config.max_steps):
-            accelerator.log({f"train/{k}": v for k, v in last.items()}, step=done)
+        last = step_metrics(accelerator, config, done, sums, scheduler, bar)
         if eval_examples is not None and config.eval_steps and done % config.eval_steps == 0 and done < config.max_steps:
             early_stopped = after_evaluation(accelerator, config, done, held_out(), model, best, last)
         timed_out = out_of_time(accelerator, config, started)
@@ -276,16 +260,7 @@ def distill(config: RunConfig) -> dict[str, Any]:
                           f"sim_tau {metrics['eval_sim_tau']:.2f}")
         if config.trackers:
             accelerator.log({f"eval/{k[5:]}": v for k, v in metrics.items() if k.startswith("eval_")}, step=done)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        final = accelerator.unwrap_model(model)
-        if best is not None:
-            best.offer(final, done, metrics)
-            metrics.update({"best_step": best.record["step"], f"best_{BEST_METRIC}": best.record[BEST_METRIC]})
-        save(final, Path(config.output_dir) / "final", metrics, {})
-        write_atomically(Path(config.output_dir) / "metrics.json", json.dumps(metrics, indent=2))
-        write_atomically(Path(config.output_dir) / "run_config.json", json.dumps(config_to_dict(config), indent=2))
-    accelerator.wait_for_everyone()
+    save_final(accelerator, config, model, done, metrics, best, save)
     accelerator.end_training()
     if config.push_to_hub and accelerator.is_main_process:
         pushed = Path(config.output_dir) / (BEST_DIR if best is not None else "final")

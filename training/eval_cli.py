@@ -123,9 +123,8 @@ def comparison_table(reports: list[dict[str, Any]]) -> str:
 
 def eval_main(argv: list[str] | None = None) -> int:
     """Entry point of `specheads eval`: prints (and with --out writes) the held-out metrics as JSON."""
-    from specheads import load_heads, load_target
-    from specheads.drafting_options import parse_drafting_source
-    from specheads.heads.draft_model import draft_model_heads
+    from specheads import load_target
+    from specheads.drafting_options import drafting_heads
     from specheads.inference.multimodal import image_processor_for, takes_images
     from specheads.training.data import build_dataset
 
@@ -142,9 +141,7 @@ def eval_main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--heads {args.heads!r}: an empty name in the comma list; expected folders or Hub ids")
     target, tokenizer = load_target(args.target, device=args.device)
     # all loaded (and checked against the target) before the minutes the target's answers may take
-    sources = [parse_drafting_source(name) for name in heads_list]
-    heads_models = [load_heads(source["heads"], target=target).to(device=target.device, dtype=target.dtype).eval()
-                    if "heads" in source else draft_model_heads(target, tokenizer, **source) for source in sources]
+    heads_models = [drafting_heads(name, target, tokenizer) for name in heads_list]
     processor = None
     if args.prompts:
         rows: Any = answer_prompts(target, tokenizer, args.prompts, args)

@@ -37,11 +37,11 @@ from specheads.training.losses import LossOutput, masked_mean, medusa_loss
 LINEAR_TYPES = (nn.Linear, Conv1D)  # the layers a LoRA adapter can sit on (GPT-2's are Conv1D)
 
 
-def wrap_target_with_lora(target: PreTrainedModel, joint: JointSection, section: str = "joint") -> Any:
-    """Inject a fresh LoRA adapter into `target` (in place) and return the peft model; only the adapter trains.
-
-    `joint` gives the adapter's shape (lora_r, lora_alpha, lora_dropout, target_modules); `section` is where the run
-    config sets them, for error messages (a distilled draft model's adapter: "distill").
+def wrap_with_lora(target: PreTrainedModel, r: int, alpha: float, target_modules: list[str] | str,
+                   dropout: float = 0.0, section: str = "joint") -> Any:
+    """Inject a fresh LoRA adapter (rank `r`, scale `alpha / r`, on `target_modules` or "all-linear") into `target`
+    (in place) and return the peft model; only the adapter trains. `section` is where the run config sets these, for
+    error messages (Medusa-2's "joint", a distilled draft model's "distill").
 
     Raises:
         ValueError: none of the target modules exists in the model, or one is an input embedding tied to the lm_head.
@@ -51,10 +51,10 @@ def wrap_target_with_lora(target: PreTrainedModel, joint: JointSection, section:
 
     tied = target.get_output_embeddings().weight is target.get_input_embeddings().weight
     config = LoraConfig(
-        r=joint.lora_r,
-        lora_alpha=joint.lora_alpha,
-        lora_dropout=joint.lora_dropout,
-        target_modules=joint.target_modules if isinstance(joint.target_modules, str) else list(joint.target_modules),
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
         bias="none",
     )
     try:
@@ -62,12 +62,12 @@ def wrap_target_with_lora(target: PreTrainedModel, joint: JointSection, section:
     except ValueError as err:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in target.named_modules() if isinstance(m, LINEAR_TYPES)})
         raise ValueError(
-            f"{section}.target_modules={joint.target_modules} do not name modules of "
+            f"{section}.target_modules={target_modules} do not name modules of "
             f"{target.config.name_or_path!r}; its Linear modules are named {linear} ({err})"
         ) from err
     if tied and isinstance(peft_target.get_input_embeddings(), LoraLayer):
         raise ValueError(
-            f"{section}.target_modules={joint.target_modules} puts an adapter on the input embedding of "
+            f"{section}.target_modules={target_modules} puts an adapter on the input embedding of "
             f"{target.config.name_or_path!r}, whose lm_head shares that weight: merging it would change the lm_head "
             "too; leave the embedding out of target_modules"
         )
@@ -89,7 +89,7 @@ class JointMedusa(nn.Module):
         super().__init__()
         if heads.config.head_type != "medusa":
             raise ValueError(f"joint (Medusa-2) training needs Medusa heads, got head_type={heads.config.head_type!r}")
-        self.target = wrap_target_with_lora(target, joint)
+        self.target = wrap_with_lora(target, joint.lora_r, joint.lora_alpha, joint.target_modules, joint.lora_dropout)
         self.heads = heads
         self.model_card_metrics: dict[str, Any] = {}
         self.train()  # the adapter's dropout (lora_dropout) acts while training

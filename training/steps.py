@@ -3,6 +3,8 @@ evaluation: shared by the heads' loop (training/train.py) and the draft models' 
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -10,8 +12,10 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from specheads.training.best_heads import BEST_DIR, BestHeads
-from specheads.training.config import RunConfig
+from specheads.atomic_files import write_atomically
+from specheads.training.best_heads import BEST_DIR, BEST_METRIC, BestHeads, Saver
+from specheads.training.checkpoints import STATE_FILE, latest_checkpoint
+from specheads.training.config import RunConfig, config_to_dict
 
 
 def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any,
@@ -34,15 +38,29 @@ def mean_over_processes(accelerator: Accelerator, values: dict[str, float]) -> d
     return {k: float(v) for k, v in zip(keys, averaged.tolist())}
 
 
+def step_metrics(accelerator: Accelerator, config: RunConfig, step: int, sums: dict[str, float], scheduler: Any,
+                 bar: Any) -> dict[str, float]:
+    """The finished optimizer `step`'s metrics (this process's micro-batch means `sums`, averaged over the processes,
+    plus the learning rate), shown on the progress `bar` and logged every `log_steps`."""
+    last = {**mean_over_processes(accelerator, sums), "lr": scheduler.get_last_lr()[0]}
+    bar.update(1)
+    bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tau=f"{last['sim_tau']:.2f}")
+    if config.trackers and (step % config.log_steps == 0 or step == config.max_steps):
+        accelerator.log({f"train/{k}": v for k, v in last.items()}, step=step)
+    return last
+
+
 def any_process(accelerator: Accelerator, flag: bool) -> bool:
     """Whether `flag` holds on any process: decisions to stop are taken together, at the same step everywhere."""
     return float(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum")) > 0
 
 
 def out_of_time(accelerator: Accelerator, config: RunConfig, started: float) -> bool:
-    """Whether `time_limit_minutes` has passed since `started` on any process (all stop at the same step)."""
-    late = config.time_limit_minutes is not None and time.time() - started > 60 * config.time_limit_minutes
-    return any_process(accelerator, late)
+    """Whether `time_limit_minutes` has passed since `started` on any process (all stop at the same step; without a
+    limit, the same on every process, no collective call)."""
+    if config.time_limit_minutes is None:
+        return False
+    return any_process(accelerator, time.time() - started > 60 * config.time_limit_minutes)
 
 
 def after_evaluation(accelerator: Accelerator, config: RunConfig, step: int, scores: dict[str, float],
@@ -59,3 +77,56 @@ def after_evaluation(accelerator: Accelerator, config: RunConfig, step: int, sco
         return False
     return any_process(accelerator, best is not None and best.evaluations_since_best(
         step, config.eval_steps) >= config.early_stopping_patience)
+
+
+def resume_state(accelerator: Accelerator, config: RunConfig) -> tuple[Path | None, int, dict[str, Any] | None]:
+    """Load the latest checkpoint in output_dir into the prepared objects, if there is one: (its folder or None, the
+    step to start from, the metrics.json of a run that finished there or None)."""
+    resume = latest_checkpoint(config.output_dir)
+    if resume is None:
+        return None, 0, None
+    accelerator.load_state(str(resume))
+    start_step = json.loads((resume / STATE_FILE).read_text())["step"]
+    accelerator.print(f"[specheads] resuming from {resume} (step {start_step})")
+    done_metrics = Path(config.output_dir) / "metrics.json"
+    return resume, start_step, json.loads(done_metrics.read_text()) if done_metrics.is_file() else None
+
+
+def flat_hparams(config: RunConfig) -> dict[str, Any]:
+    """The config flattened to scalar values (TensorBoard hparams take no lists or dicts)."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict) and prefix != "head.options":
+            for key, value in node.items():
+                walk(f"{prefix}.{key}" if prefix else key, value)
+        else:
+            flat[prefix] = node if isinstance(node, (int, float, str, bool)) else json.dumps(node)
+
+    walk("", config_to_dict(config))
+    return flat
+
+
+def init_trackers(accelerator: Accelerator, config: RunConfig) -> None:
+    """Start the run's trackers (TensorBoard, W&B offline unless WANDB_MODE says otherwise) with its flat config."""
+    if config.trackers:
+        init_kwargs = {"wandb": {"mode": os.environ.get("WANDB_MODE", "offline")}} if "wandb" in config.trackers else {}
+        accelerator.init_trackers(config.project_name, config=flat_hparams(config), init_kwargs=init_kwargs)
+
+
+def save_final(accelerator: Accelerator, config: RunConfig, model: torch.nn.Module, step: int, metrics: dict[str, Any],
+               best: BestHeads | None, save: Saver) -> None:
+    """The end of a run, on the main process: the final model offered to `best` (its step and score added to
+    `metrics`), saved to output_dir/final by `save`, and metrics.json and run_config.json written (all atomically)."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        final = accelerator.unwrap_model(model)
+        if best is not None:
+            best.offer(final, step, metrics)
+            metrics.update({"best_step": best.record["step"], f"best_{BEST_METRIC}": best.record[BEST_METRIC]})
+            accelerator.print(f"[specheads] best held-out sim_tau {best.record[BEST_METRIC]:.3f} at step "
+                              f"{best.record['step']}: {Path(config.output_dir) / BEST_DIR}")
+        save(final, Path(config.output_dir) / "final", metrics, {})
+        write_atomically(Path(config.output_dir) / "metrics.json", json.dumps(metrics, indent=2))
+        write_atomically(Path(config.output_dir) / "run_config.json", json.dumps(config_to_dict(config), indent=2))
+    accelerator.wait_for_everyone()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import time
@@ -28,16 +27,15 @@ from torch.utils.data import Subset
 from tqdm.auto import tqdm
 
 from specheads import create_heads, load_heads, load_target
-from specheads.atomic_files import write_atomically
 from specheads.heads.base import DraftHeads
 from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.hub import push_heads_folder
 from specheads.inference.multimodal import image_processor_for, takes_images
 from specheads.targets import logit_transforms
-from specheads.training.best_heads import BEST_DIR, BEST_METRIC, BestHeads, save_heads
+from specheads.training.best_heads import BEST_DIR, BestHeads, save_heads
 from specheads.training.chain_attention import use_ttt_chain_attention, wants_ttt_chain_attention
-from specheads.training.checkpoints import STATE_FILE, latest_checkpoint, save_checkpoint
-from specheads.training.config import DRAFT_MODEL_HEAD_TYPE, RunConfig, config_to_dict, load_run_config
+from specheads.training.checkpoints import latest_checkpoint, save_checkpoint
+from specheads.training.config import DRAFT_MODEL_HEAD_TYPE, RunConfig, load_run_config
 from specheads.training.data import BatchOrder, batch_to, build_dataset, micro_batches_for_process
 from specheads.training.draft_vocab import (
     build_draft_vocab,
@@ -67,7 +65,15 @@ from specheads.training.losses import (
 )
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 from specheads.training.sharegpt import benchmark_prompts
-from specheads.training.steps import after_evaluation, mean_over_processes, optimizer_step, out_of_time
+from specheads.training.steps import (
+    after_evaluation,
+    init_trackers,
+    optimizer_step,
+    out_of_time,
+    resume_state,
+    save_final,
+    step_metrics,
+)
 from specheads.training.target_labels import TargetLabels
 
 
@@ -136,21 +142,6 @@ def lr_lambda(config: RunConfig) -> Any:
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
-
-
-def flat_hparams(config: RunConfig) -> dict[str, Any]:
-    """The config flattened to scalar values (TensorBoard hparams take no lists or dicts)."""
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict) and prefix != "head.options":
-            for key, value in node.items():
-                walk(f"{prefix}.{key}" if prefix else key, value)
-        else:
-            flat[prefix] = node if isinstance(node, (int, float, str, bool)) else json.dumps(node)
-
-    walk("", config_to_dict(config))
-    return flat
 
 
 # --- one step -------------------------------------------------------------------------------------------
@@ -440,29 +431,20 @@ def train(config: RunConfig) -> dict[str, Any]:
     model, optimizer, scheduler = accelerator.prepare(trained, optimizer, scheduler)
     if joint is not None:
         keep_trainable_weights_only(accelerator)  # checkpoints: heads + adapter, not the frozen target
-    start_step = 0
-    resume = latest_checkpoint(config.output_dir)
-    if resume is not None:
-        accelerator.load_state(str(resume))
-        start_step = json.loads((resume / STATE_FILE).read_text())["step"]
-        accelerator.print(f"[specheads] resuming from {resume} (step {start_step})")
-        done_metrics = Path(config.output_dir) / "metrics.json"
-        recorded = json.loads(done_metrics.read_text()) if done_metrics.is_file() else None
-        if recorded is not None and start_step >= config.max_steps:
-            accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
-            return recorded
-        if (recorded is not None and recorded.get("early_stopped") and recorded.get("steps") == start_step
-                and 0 < config.early_stopping_patience <= recorded["early_stopping_patience"]):
-            accelerator.print(f"[specheads] {config.output_dir} stopped early at step {start_step} "
-                              f"(early_stopping_patience={recorded['early_stopping_patience']}); raise the patience, "
-                              "or set it to 0, to train on")
-            return recorded
+    resume, start_step, recorded = resume_state(accelerator, config)
+    if recorded is not None and start_step >= config.max_steps:
+        accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
+        return recorded
+    if (recorded is not None and recorded.get("early_stopped") and recorded.get("steps") == start_step
+            and 0 < config.early_stopping_patience <= recorded["early_stopping_patience"]):
+        accelerator.print(f"[specheads] {config.output_dir} stopped early at step {start_step} "
+                          f"(early_stopping_patience={recorded['early_stopping_patience']}); raise the patience, "
+                          "or set it to 0, to train on")
+        return recorded
     # output_dir/best: heads of the best periodic held-out evaluation (the main process writes it)
     keep_best = config.save_best and eval_examples is not None and config.eval_steps > 0
     best = BestHeads(config.output_dir, fresh_run=resume is None) if keep_best and accelerator.is_main_process else None
-    if config.trackers:
-        init_kwargs = {"wandb": {"mode": os.environ.get("WANDB_MODE", "offline")}} if "wandb" in config.trackers else {}
-        accelerator.init_trackers(config.project_name, config=flat_hparams(config), init_kwargs=init_kwargs)
+    init_trackers(accelerator, config)
     coverage = None if token_counts is None else vocab_coverage(token_counts, heads.d2t.cpu())
     if coverage is not None:
         accelerator.print(f"[specheads] draft vocabulary: {heads.draft_vocab_size} of {heads.config.vocab_size} "
@@ -493,11 +475,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                 sums[key] = sums.get(key, 0.0) + value / len(micro_batches)
             tokens_seen += int(batch["attention_mask"].sum()) * world
         done = step + 1
-        last = {**mean_over_processes(accelerator, sums), "lr": scheduler.get_last_lr()[0]}
-        bar.update(1)
-        bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tau=f"{last['sim_tau']:.2f}")
-        if config.trackers and (done % config.log_steps == 0 or done == config.max_steps):
-            accelerator.log({f"train/{k}": v for k, v in last.items()}, step=done)
+        last = step_metrics(accelerator, config, done, sums, scheduler, bar)
         evaluating = eval_examples is not None and config.eval_steps and done % config.eval_steps == 0
         if evaluating and done < config.max_steps:
             held_out = evaluate_during_training(config, model, heads, target, eval_examples, eval_collate, pad_id,
@@ -536,18 +514,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                           f"(last training batch: acc {last.get('acc', float('nan')):.3f})")
         if config.trackers:
             accelerator.log({f"eval/{k[5:]}": v for k, v in metrics.items() if k.startswith("eval_")}, step=done)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        final = accelerator.unwrap_model(model)
-        if best is not None:
-            best.offer(final, done, metrics)
-            metrics.update({"best_step": best.record["step"], f"best_{BEST_METRIC}": best.record[BEST_METRIC]})
-            accelerator.print(f"[specheads] best held-out sim_tau {best.record[BEST_METRIC]:.3f} at step "
-                              f"{best.record['step']}: {Path(config.output_dir) / BEST_DIR}")
-        save_heads(final, Path(config.output_dir) / "final", metrics)
-        write_atomically(Path(config.output_dir) / "metrics.json", json.dumps(metrics, indent=2))
-        write_atomically(Path(config.output_dir) / "run_config.json", json.dumps(config_to_dict(config), indent=2))
-    accelerator.wait_for_everyone()
+    save_final(accelerator, config, model, done, metrics, best, save_heads)
     accelerator.end_training()
     if config.push_to_hub and accelerator.is_main_process:  # after the other processes are done: none waits on it
         pushed = Path(config.output_dir) / (BEST_DIR if best is not None else "final")
