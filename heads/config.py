@@ -34,9 +34,13 @@ FIELD_HELP: dict[str, str] = {
     "feature_layers": "Indices into the target's `hidden_states` tuple that the heads read "
     "(num_hidden_layers = the final, post-norm state); EAGLE-3 fuses 2 or more (default 3).",
     "num_heads": "Medusa: number of heads, i.e. tokens drafted ahead in one shot (t+2 .. t+K+1).",
-    "num_layers": "Medusa: residual SiLU blocks per head.",
+    "num_layers": "Medusa: residual SiLU blocks per head. EAGLE-3: decoder layers of the draft (default 1): the first "
+    "reads [embedding; feature], the others are plain layers of the same family on its output (vLLM's and SpecForge's "
+    "`num_hidden_layers`). EAGLE: 1.",
     "draft_layer_config": "EAGLE: the config (as a dict) of the one decoder layer the head owns; its `model_type` "
-    "picks the layer class (the target's family when that layer has Llama's shape, else 'llama').",
+    "picks the layer class (the target's family when that layer has Llama's shape, else 'llama'). Its `hidden_size` is "
+    "the draft's width: the target's for EAGLE heads (they predict target features); EAGLE-3 heads may be narrower "
+    "or wider (`create_heads(..., draft_hidden_size=)`; vLLM's and SGLang's `target_hidden_size` drafters).",
     "eagle_input_norm": "EAGLE: keep the decoder layer's input RMSNorm (original EAGLE-1/2 drops it on its one layer).",
     "eagle_draft_vocab_size": "EAGLE: draft over only this many target tokens (the most frequent in the training "
     "data; the d2t buffer lists them) through those rows of the target's lm_head: cheaper drafting, same exact "
@@ -186,6 +190,12 @@ class HeadsConfig(PretrainedConfig):
         super().__init__(**kwargs)
         self.validate_values()
 
+    @property
+    def draft_hidden_size(self) -> int:
+        """The width of the heads' own decoder layer (`draft_layer_config["hidden_size"]`): `hidden_size` (the
+        target's) unless an EAGLE-3 drafter of another width was asked for. Medusa heads: `hidden_size`."""
+        return self.draft_layer_config.get("hidden_size", self.hidden_size) if self.draft_layer_config else self.hidden_size
+
     def tree_defaults(self, device_type: str) -> dict[str, Any]:
         """The default tree's fields (`TREE_FIELDS` -> value) for a target on `device_type` ("cpu", "cuda", ...):
         the `tree_*` / `static_tree` fields, with `cpu_tree`'s in their place on a CPU."""
@@ -234,6 +244,11 @@ class HeadsConfig(PretrainedConfig):
             )
         if self.head_type in ("eagle", "eagle3") and not self.draft_layer_config:
             raise ValueError("HeadsConfig.draft_layer_config is empty; EAGLE heads need their decoder layer's config")
+        if self.head_type in ("eagle", "eagle3"):
+            self.validate_draft_width()
+        if self.head_type == "eagle" and self.num_layers != 1:
+            raise ValueError(f"HeadsConfig.num_layers={self.num_layers} is set for head_type='eagle'; EAGLE heads hold "
+                             "one decoder layer (several: eagle3 heads)")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(
                 f"HeadsConfig.draft_vocab_size={self.draft_vocab_size} is larger than vocab_size={self.vocab_size}; "
@@ -266,6 +281,20 @@ class HeadsConfig(PretrainedConfig):
                 f"HeadsConfig.feature_layers={self.feature_layers!r}; EAGLE-3 heads fuse at least 2 target layers "
                 "(default: 3, [2, L//2, L-3])"
             )
+
+    def validate_draft_width(self) -> None:
+        """Raise a ValueError naming `draft_layer_config.hidden_size` when EAGLE heads could not run at that width."""
+        width, target = self.draft_layer_config.get("hidden_size", self.hidden_size), self.hidden_size
+        _check_positive("hidden_size", width, "HeadsConfig.draft_layer_config.hidden_size")
+        if self.head_type == "eagle" and width != target:
+            raise ValueError(f"HeadsConfig.draft_layer_config.hidden_size={width} differs from hidden_size={target}; "
+                             "EAGLE heads predict the target's features, so their layer has the target's width (a "
+                             "draft of another width is an eagle3 head)")
+        fused = len(self.feature_layers) * target
+        if self.head_type == "eagle3" and len(self.feature_layers) >= 2 and width == fused:
+            raise ValueError(f"HeadsConfig.draft_layer_config.hidden_size={width} equals the fused target features' "
+                             f"width ({len(self.feature_layers)} layers x hidden_size={target}), so the head could not "
+                             "tell its own outputs from target features; expected another width")
 
     def fit_trees_to_parallel_depth(self) -> None:
         """Cap the default trees' depth (`tree_depth`, and `cpu_tree`'s when it sets one) at `parallel_depth`: parallel

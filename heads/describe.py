@@ -42,6 +42,7 @@ def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:
         "target": config.target_name_or_path,
         "target_model_type": config.target_model_type,
         "hidden_size": config.hidden_size,
+        "draft_hidden_size": config.draft_hidden_size,  # the heads' own layer: the target's width unless narrowed
         "vocab_size": config.vocab_size,
         "draft_vocab_size": heads.draft_vocab_size,
         "feature_layers": list(config.feature_layers),
@@ -52,6 +53,7 @@ def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:
     if config.head_type == "medusa":
         summary.update(num_heads=config.num_heads, static_tree=config.static_tree)
     else:
+        summary["draft_layers"] = config.num_layers  # the heads' decoder layers (several: EAGLE-3 only)
         summary["tree"] = {name: getattr(config, name) for name in
                            ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "tree_min_prob")}
     if getattr(config, "parallel_depth", 0):  # P-EAGLE: every depth in one head forward

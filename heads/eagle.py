@@ -109,15 +109,20 @@ def fits_draft_layer(layer_config: PretrainedConfig) -> bool:
 
 
 def build_layer_config(config: HeadsConfig) -> PretrainedConfig:
-    """Rebuild the config of the head's single decoder layer (layer_idx 0, SDPA attention)."""
-    return build_layer_config_from_dict(config.draft_layer_config, config.target_model_type)
+    """Rebuild the config of the head's decoder layers (`num_layers` of them: one for EAGLE, SDPA attention)."""
+    return build_layer_config_from_dict(config.draft_layer_config, config.target_model_type, config.num_layers)
 
 
-def build_layer_config_from_dict(layer_config: dict[str, Any], default_model_type: str) -> PretrainedConfig:
-    """A one-layer config of the family `layer_config["model_type"]` (else `default_model_type`), SDPA attention."""
+def build_layer_config_from_dict(
+    layer_config: dict[str, Any], default_model_type: str, num_layers: int = 1
+) -> PretrainedConfig:
+    """A config of `num_layers` full-attention layers of the family `layer_config["model_type"]` (else
+    `default_model_type`), SDPA attention."""
     kwargs = dict(layer_config)
     model_type = kwargs.pop("model_type", default_model_type)
-    kwargs.update(num_hidden_layers=1, use_cache=True)
+    kwargs.update(num_hidden_layers=num_layers, use_cache=True)
+    if kwargs.get("layer_types"):  # families that index it by layer_idx
+        kwargs["layer_types"] = ["full_attention"] * num_layers
     built = AutoConfig.for_model(model_type, **kwargs)
     built._attn_implementation = "sdpa"
     return built

@@ -27,6 +27,48 @@ def default_eagle3_feature_layers(num_hidden_layers: int) -> list[int]:
     return [min(max(i, 0), last) for i in (2, num_hidden_layers // 2, num_hidden_layers - 3)]
 
 
+def layer_config_of_width(layer_config: dict[str, Any], width: int) -> dict[str, Any]:
+    """The draft layer's config at another `width` (`create_heads(..., draft_hidden_size=)`): the same head_dim, the
+    attention heads and the MLP scaled with the width, the key/value heads keeping their group size where they can.
+
+    Raises:
+        ValueError: `width` is not a positive multiple of the layer's head_dim.
+    """
+    hidden, heads = layer_config["hidden_size"], layer_config["num_attention_heads"]
+    head_dim = layer_config.get("head_dim") or hidden // heads
+    if not isinstance(width, int) or isinstance(width, bool) or width <= 0 or width % head_dim:
+        raise ValueError(f"draft_hidden_size={width!r} is invalid; expected a positive multiple of the draft layer's "
+                         f"head_dim={head_dim} (the target's hidden_size is {hidden})")
+    new_heads = width // head_dim
+    kv_heads = layer_config.get("num_key_value_heads") or heads
+    group = heads // kv_heads if heads % kv_heads == 0 else 1  # query heads per key/value head
+    new_kv = max(1, new_heads // group)
+    while new_heads % new_kv:  # attention needs whole groups
+        new_kv -= 1
+    out = dict(layer_config, hidden_size=width, num_attention_heads=new_heads, num_key_value_heads=new_kv,
+               head_dim=head_dim)
+    if isinstance(layer_config.get("intermediate_size"), int):
+        out["intermediate_size"] = max(1, round(layer_config["intermediate_size"] * width / hidden))
+    return out
+
+
+def principal_directions(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """(h, width): the top `width` right singular vectors of a (V, h) embedding or lm_head (the eigenvectors of
+    weight.T @ weight), signs fixed so that each column's largest entry is positive: the same matrix every call.
+
+    A draft narrower than the target starts its embedding and lm_head as the target's projected on these
+    directions, the `width` along which the target's rows differ most, instead of from noise. A wider draft (width
+    >= h) gets the identity padded with zero columns: the target's coordinates first.
+    """
+    rows = weight.detach().float()
+    if width >= rows.shape[-1]:  # a wider draft: the target's coordinates, then zeros (the training fills them)
+        return torch.eye(rows.shape[-1], width, device=rows.device)
+    _, vectors = torch.linalg.eigh(rows.T @ rows)  # ascending eigenvalues
+    top = vectors[:, -width:].flip(-1)  # (h, width), largest first
+    signs = torch.sign(top.gather(0, top.abs().argmax(0, keepdim=True)))  # (1, width)
+    return top * signs
+
+
 def widen_attention_inputs(attention: nn.Module, in_features: int) -> None:
     """Replace q/k/v projections of an HF attention module by fresh ones reading `in_features` inputs.
 
@@ -57,6 +99,13 @@ class Eagle3Heads(DraftHeads):
     `parallel_slot_token`), and the one forward returns the logits of all K depths (`forward(..., parallel_slots=)`;
     inference/parallel_drafting.py).
 
+    With `config.num_layers` = L > 1 the first layer's output goes through L-1 more decoder layers of the family
+    (`extra_layers`, plain: d-wide inputs, the usual residuals), as vLLM's several-layer EAGLE-3 drafters do.
+
+    The draft's width d (`config.draft_hidden_size`, its layer's hidden_size) is the target's h unless asked
+    otherwise (`create_heads(..., draft_hidden_size=)`, vLLM's and SGLang's `target_hidden_size`): then `fc` maps n*h
+    to d, and the heads embed tokens themselves (`embed_tokens`, (V, d), saved) instead of borrowing the target's.
+
     EAGLE-3.1 options (config, default off): `eagle3_fc_norm` gives each of the n fused target layers its own RMSNorm
     (`fc_norm[i]`, the family's norm class) before `fc`; `eagle3_norm_output` makes `forward` return norm(a_{t+1}) (the
     next step's feature, and `logits` applies no second norm), so deeper draft steps read features of one scale.
@@ -68,23 +117,26 @@ class Eagle3Heads(DraftHeads):
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__(config)
-        h = config.hidden_size
+        h, d = config.hidden_size, config.draft_hidden_size  # the target's width, the draft's (usually equal)
         layer_config = build_layer_config(config)
         layer_class, rotary_class = decoder_classes(layer_config)
-        self.fc = nn.Linear(len(config.feature_layers) * h, h, bias=False)  # n >= 2, so n*h never equals h
+        self.fc = nn.Linear(len(config.feature_layers) * h, d, bias=False)  # n*h != d (HeadsConfig checks)
         # The layer's input_layernorm normalises the token embedding; hidden_norm the feature (residual stream).
         self.layer = layer_class(layer_config, layer_idx=0)
-        widen_attention_inputs(self.layer.self_attn, 2 * h)
+        widen_attention_inputs(self.layer.self_attn, 2 * d)
+        # num_layers > 1: plain decoder layers of the family after the first, on its (B, T, d) output (vLLM's layers 1..)
+        self.extra_layers = nn.ModuleList([layer_class(layer_config, layer_idx=i) for i in range(1, config.num_layers)])
         self.hidden_norm = copy.deepcopy(self.layer.input_layernorm)
         self.norm = copy.deepcopy(self.layer.input_layernorm)
-        # EAGLE-3.1: one norm per fused target layer (vLLM's fc_norm.<i>), or None
-        self.fc_norm = nn.ModuleList([copy.deepcopy(self.layer.input_layernorm) for _ in config.feature_layers]) \
+        norm_class, eps = type(self.layer.input_layernorm), getattr(layer_config, "rms_norm_eps", 1e-6)
+        # EAGLE-3.1: one norm per fused target layer (vLLM's fc_norm.<i>), each h wide, or None
+        self.fc_norm = nn.ModuleList([norm_class(h, eps=eps) for _ in config.feature_layers]) \
             if config.eagle3_fc_norm else None
         # norm_before_fc drafters: one norm over the n*h concatenation (the family's norm class, n*h wide), or None
-        norm_class = type(self.layer.input_layernorm)
-        self.input_norm = norm_class(self.fc.in_features, eps=getattr(layer_config, "rms_norm_eps", 1e-6)) \
-            if config.eagle3_norm_before_fc else None
-        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.input_norm = norm_class(self.fc.in_features, eps=eps) if config.eagle3_norm_before_fc else None
+        # a draft of another width than the target's embeds tokens itself (saved); else it borrows the target's
+        self.embed_tokens = nn.Embedding(config.vocab_size, d) if d != h else None
+        self.lm_head = nn.Linear(d, config.draft_vocab_size, bias=False)
         self.rotary_emb = rotary_class(config=layer_config)
         draft_vocab = torch.arange(config.draft_vocab_size)
         self.register_buffer("d2t", draft_vocab, persistent=True)
@@ -127,12 +179,25 @@ class Eagle3Heads(DraftHeads):
         """Concatenate the n tapped (pre-norm) target layers. Each (B, T, h) -> (B, T, n*h)."""
         return torch.cat([hidden_states[i] for i in self.config.feature_layers], dim=-1)
 
+    def target_rows_at_draft_width(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of a (V, h) target embedding or lm_head (all, or `rows`) as this draft's width d: unchanged when d = h,
+        else projected on the weight's `principal_directions`. (R, d), on the weight's device and dtype."""
+        picked = weight if rows is None else weight[rows.to(weight.device)]
+        width = self.config.draft_hidden_size
+        if width == weight.shape[-1]:
+            return picked
+        directions = principal_directions(weight, width).to(weight.device)  # (h, d)
+        return (picked.float() @ directions).to(weight.dtype)
+
     def init_from_target(self, target: PreTrainedModel) -> None:
         """Start the draft lm_head from the target's lm_head rows of the draft vocabulary, and the final norm
-        from the target's final norm (when it has one of the same shape)."""
+        from the target's final norm (when it has one of the same shape). A draft of another width starts its
+        embedding and lm_head from the target's, projected on their principal directions (`target_rows_at_draft_width`)."""
         weight = target.get_output_embeddings().weight  # (V, h)
         with torch.no_grad():
-            self.lm_head.weight.copy_(weight[self.d2t.to(weight.device)])
+            self.lm_head.weight.copy_(self.target_rows_at_draft_width(weight, self.d2t))
+            if self.embed_tokens is not None:
+                self.embed_tokens.weight.copy_(self.target_rows_at_draft_width(target.get_input_embeddings().weight))
             target_norm = getattr(getattr(target, "model", None), "norm", None)
             norm_weight = getattr(target_norm, "weight", None)
             if norm_weight is not None and norm_weight.shape == self.norm.weight.shape:
@@ -151,7 +216,7 @@ class Eagle3Heads(DraftHeads):
         """One decoder step of the head.
 
         Args:
-            features: (B, T, n*h) target features from `select_features` (fused here by `fc`), or (B, T, h) the
+            features: (B, T, n*h) target features from `select_features` (fused here by `fc`), or (B, T, d) the
                 head's own previous outputs. With S `parallel_slots`: (B, T-S, n*h), the first T-S positions'.
             input_ids: (B, T) the tokens x_{t+1} that followed each feature (`parallel_slot_token` at parallel slots).
             position_ids: (B, T) positions t.
@@ -163,10 +228,11 @@ class Eagle3Heads(DraftHeads):
             attention_kwargs: passed on to the attention function (the TTT unroll's `ttt_chain`).
 
         Returns:
-            (B, T, h) the hidden state `logits` reads, also the next step's input feature: pre-norm, or with
+            (B, T, d) the hidden state `logits` reads (d: the draft's width, usually the target's h), also the next
+            step's input feature: pre-norm, or with
             `eagle3_norm_output` (EAGLE-3.1) the final norm's output.
         """
-        h, fused = self.config.hidden_size, self.fc.in_features
+        h, d, fused = self.config.hidden_size, self.config.draft_hidden_size, self.fc.in_features
         if parallel_slots is not None:
             if self.mask_hidden is None:
                 raise ValueError("Eagle3Heads.forward: parallel_slots given but these heads draft autoregressively "
@@ -182,17 +248,18 @@ class Eagle3Heads(DraftHeads):
                 features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, features.split(h, dim=-1))], -1)
             elif self.input_norm is not None:  # norm_before_fc: the (B, T, n*h) concatenation normalised whole
                 features = self.input_norm(features)
-            features = self.fc(features)  # (B, T, h)
-        elif features.shape[-1] != h:
+            features = self.fc(features)  # (B, T, d)
+        elif features.shape[-1] != d:
             raise ValueError(
                 f"Eagle3Heads.forward: features of width {features.shape[-1]}; expected {fused // h}*hidden_size={fused} "
-                f"(target features) or hidden_size={h} (the head's own outputs)"
+                f"(target features) or the draft's width {d} (the head's own outputs)"
             )
         layer = self.layer
-        embeds = self.target_parts.embed_tokens(input_ids).to(features.dtype)  # (B, T, h)
+        embed = self.embed_tokens if self.embed_tokens is not None else self.target_parts.embed_tokens
+        embeds = embed(input_ids).to(features.dtype)  # (B, T, d)
         normalised = self.hidden_norm(features)
         residual = normalised if self.config.eagle3_norm_before_residual else features
-        attn_input = torch.cat([layer.input_layernorm(embeds), normalised], dim=-1)  # (B, T, 2h)
+        attn_input = torch.cat([layer.input_layernorm(embeds), normalised], dim=-1)  # (B, T, 2d)
         position_embeddings = self.rotary_emb(features, position_ids)
         attn_out, _ = layer.self_attn(
             hidden_states=attn_input,
@@ -204,11 +271,16 @@ class Eagle3Heads(DraftHeads):
             **attention_kwargs,
         )
         hidden = residual + attn_out
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # (B, T, h)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # (B, T, d)
+        for extra in self.extra_layers:  # each caches its keys under its own layer_idx
+            out = extra(hidden, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=past_key_values is not None, **cache_kwargs(extra, past_key_values),
+                        position_embeddings=position_embeddings, **attention_kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out  # (B, T, d)
         return self.norm(hidden) if self.config.eagle3_norm_output else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of the head's output (`forward`'s, normalised here unless it already is). (..., h)
+        """Draft-vocabulary logits of the head's output (`forward`'s, normalised here unless it already is). (..., d)
         -> (..., draft_vocab_size)"""
         return self.lm_head(hidden if self.config.eagle3_norm_output else self.norm(hidden))
 
@@ -234,8 +306,7 @@ class Eagle3Heads(DraftHeads):
         self.t2d.zero_()
         self.t2d[self.d2t] = True
         if init_lm_head_from_target:
-            weight = self.target_parts.lm_head.weight  # (V, h)
-            self.lm_head.weight.copy_(weight[self.d2t.to(weight.device)])
+            self.lm_head.weight.copy_(self.target_rows_at_draft_width(self.target_parts.lm_head.weight, self.d2t))
 
     @property
     def draft_vocab_size(self) -> int:

@@ -80,7 +80,7 @@ def layer_config_for_export(config: HeadsConfig) -> dict[str, Any]:
     """The heads' decoder layer config as a plain LlamaConfig-style dict that older readers understand too."""
     layer = {k: v for k, v in config.draft_layer_config.items() if k not in _NOT_LAYER_KEYS}
     layer.setdefault("model_type", config.target_model_type)
-    layer.update(num_hidden_layers=1, hidden_size=config.hidden_size, vocab_size=config.vocab_size)
+    layer.update(num_hidden_layers=config.num_layers, hidden_size=config.draft_hidden_size, vocab_size=config.vocab_size)
     rope = layer.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" in rope:
         layer.setdefault("rope_theta", rope["rope_theta"])  # transformers < 5 read only this key

@@ -12,7 +12,9 @@ Layout, as EAGLE-3's ``cnets.Model`` saves and loads it (and SGLang's ``LlamaFor
   ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight`` (draft_vocab_size, h),
   ``d2t`` (draft_vocab_size,) int64 OFFSETS: target id = draft id + d2t[draft id], and ``t2d`` (vocab_size,) bool.
   ``embed_tokens.weight``, a copy of the target's embedding that some releases carry, is ignored on import and
-  never exported.
+  never exported, except for a draft of another width than the target's: its config's ``target_hidden_size`` (SGLang
+  reads it) is the target's width, ``hidden_size`` the draft's, ``fc.weight`` is (h_draft, 3 h_target) and
+  ``embed_tokens.weight`` (vocab_size, h_draft) is the draft's own embedding, exported and imported.
 
 The math is specheads' `Eagle3Heads` (attention reads ``cat(input_layernorm(embed), hidden_norm(feature))``, the
 residual is the un-normalised feature), so tensors map one to one: ``midlayer.X`` <-> ``layer.X``,
@@ -54,7 +56,11 @@ EAGLE3_KEYS = ("draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer
 
 
 def eagle3_tensor_name(name: str, layer_prefix: str) -> str:
-    """A specheads EAGLE-3 tensor name in a format whose decoder layer lives under `layer_prefix`."""
+    """A specheads EAGLE-3 tensor name in a format whose decoder layer lives under `layer_prefix`; the layers after
+    the first (``extra_layers.<i>.X``, several-layer drafts) are ``layers.<i+1>.X``."""
+    if name.startswith("extra_layers."):
+        index, rest = name.removeprefix("extra_layers.").split(".", 1)
+        return f"layers.{int(index) + 1}.{rest}"
     if name.startswith("layer."):
         return layer_prefix + name.removeprefix("layer.")
     if name == "hidden_norm.weight":  # specheads keeps it beside the HF layer; the formats put it inside
@@ -79,14 +85,27 @@ def d2t_offsets_to_ids(tensors: dict[str, torch.Tensor]) -> None:
         tensors["d2t"] = d2t + torch.arange(d2t.shape[0])
 
 
-def check_target_hidden_size(config: dict[str, Any], hidden_size: int, where: str) -> None:
-    """Refuse a draft that reads target features of another width than its own (``target_hidden_size``)."""
-    target_hidden = config.get("target_hidden_size")
-    if target_hidden is not None and target_hidden != hidden_size:
-        raise ValueError(
-            f"{where}: target_hidden_size={target_hidden} differs from hidden_size={hidden_size}; specheads EAGLE-3 "
-            "heads read target features of their own width"
-        )
+def target_width(config: dict[str, Any], hidden_size: int, where: str) -> int:
+    """The target's hidden size an EAGLE-3 draft of width `hidden_size` reads: ``target_hidden_size`` (null or
+    missing: the draft's own width); a ValueError naming the field when it is not a positive integer."""
+    value = config.get("target_hidden_size")
+    if value is None:
+        return hidden_size
+    return require_field({"target_hidden_size": value}, "target_hidden_size", int, where)
+
+
+def drop_target_embedding(tensors: dict[str, torch.Tensor], fields: dict[str, Any], ignored: tuple[str, ...]) -> None:
+    """Drop the `ignored` copies of target parts a file may carry; a draft of another width than the target's keeps
+    its ``embed_tokens.weight`` (its own embedding, which the heads need)."""
+    narrow = fields["draft_layer_config"].get("hidden_size", fields["hidden_size"]) != fields["hidden_size"]
+    for name in ignored:
+        if not (narrow and name == "embed_tokens.weight"):
+            tensors.pop(name, None)
+
+
+def target_hidden_size_field(config: HeadsConfig) -> dict[str, Any]:
+    """``target_hidden_size`` for an exported config: the target's width when the draft's differs, else nothing."""
+    return {"target_hidden_size": config.hidden_size} if config.draft_hidden_size != config.hidden_size else {}
 
 
 def layer_family(config: HeadsConfig) -> str:
@@ -109,6 +128,7 @@ def eagle3_config(config: HeadsConfig, format_name: str) -> dict[str, Any]:
         tie_word_embeddings=False,  # SGLang would otherwise use the target's embedding as the (full) lm_head
         bias=False,  # the fc has no bias
         base_model_name_or_path=config.target_name_or_path,
+        **target_hidden_size_field(config),  # SGLang's and vLLM's field for a draft narrower than the target
     )
     return out
 
@@ -133,8 +153,8 @@ def read_eagle3(
         feature_layers: tapped `hidden_states` indices the caller read from the config, or None (default taps).
 
     Raises:
-        ValueError: a missing or invalid size field, several decoder layers, a target hidden size other than the
-            draft's, an fc bias, or a pickle without `allow_pickle`.
+        ValueError: a missing or invalid size field, several decoder layers, an fc bias, or a pickle without
+            `allow_pickle`.
     """
     config = read_config(folder)
     where = str(folder / "config.json")
@@ -146,22 +166,21 @@ def read_eagle3(
     draft_vocab_size = require_field({"draft_vocab_size": draft_vocab_size}, "draft_vocab_size", int, where)
     if config.get("num_hidden_layers", 1) != 1:
         raise ValueError(
-            f"{where}: num_hidden_layers={config['num_hidden_layers']}; specheads EAGLE-3 heads hold one decoder layer"
+            f"{where}: num_hidden_layers={config['num_hidden_layers']}; this EAGLE-3 layout holds one decoder layer "
+            "(drafts of several layers import from vLLM speculators' format)"
         )
-    check_target_hidden_size(config, hidden_size, where)
     tensors, source = read_tensors(folder, WEIGHT_CANDIDATES, allow_pickle)
-    for name in IGNORED_TENSORS:
-        tensors.pop(name, None)
     drop_zero_fc_bias(tensors, "fc.bias", source)
     d2t_offsets_to_ids(tensors)
     model_type = model_type_of(config, None)  # "llama" unless the config names another family
     raw_layer = {k: v for k, v in config.items() if k not in EAGLE3_KEYS + ("tie_word_embeddings",)}
     fields: dict[str, Any] = {
-        "hidden_size": hidden_size,
+        "hidden_size": target_width(config, hidden_size, where),  # the target's; the layer's is the draft's
         "vocab_size": vocab_size,
         "draft_vocab_size": draft_vocab_size,
         "draft_layer_config": layer_config_from_foreign(raw_layer, model_type),
     }
+    drop_target_embedding(tensors, fields, IGNORED_TENSORS)
     if feature_layers is not None:
         fields["feature_layers"] = feature_layers
     return ForeignHeads(fields, tensors, source, target_hint=str(config.get("base_model_name_or_path") or ""))
@@ -190,8 +209,11 @@ def layer_ids(value: Any, where: str, field: str) -> list[int]:
 
 
 def check_three_layers(config: HeadsConfig, format_name: str) -> None:
-    """SafeAILab's and SGLang's EAGLE-3 code builds its fc for exactly 3 tapped layers and none of the variants' norms
-    (`EAGLE3_NORM_FIELDS`): refuse other heads by name."""
+    """SafeAILab's and SGLang's EAGLE-3 code builds one decoder layer, its fc for exactly 3 tapped layers and none of
+    the variants' norms (`EAGLE3_NORM_FIELDS`): refuse other heads by name."""
+    if config.num_layers != 1:
+        raise ValueError(f"format {format_name!r} holds one decoder layer, but these heads have num_layers="
+                         f"{config.num_layers}; export to 'speculators' (vLLM reads several) or keep the specheads format")
     variants = [name for name in EAGLE3_NORM_FIELDS if getattr(config, name)]
     if variants:
         raise ValueError(f"format {format_name!r} holds EAGLE-3 heads without the variants' norms, but these heads set "

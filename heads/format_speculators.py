@@ -25,7 +25,8 @@ Algorithm ``eagle3`` (``Eagle3DraftModel``, served by vLLM as ``Eagle3LlamaForCa
 
 - ``config.json``: ``speculators_model_type`` "eagle3", ``architectures`` ["Eagle3Speculator"],
   ``transformer_layer_config`` (the layer's family config, ``vocab_size`` = the verifier's), ``draft_vocab_size``,
-  ``norm_before_residual``, ``target_hidden_size`` (null = hidden_size), ``eagle_aux_hidden_state_layer_ids`` (the
+  ``norm_before_residual``, ``target_hidden_size`` (null = hidden_size; else the verifier's width, the layer's being
+  the draft's, which then keeps its own ``embed_tokens.weight``), ``eagle_aux_hidden_state_layer_ids`` (the
   verifier's tapped ``hidden_states`` indices: id j is the output of layer j-1, as specheads' ``feature_layers``),
   and ``speculators_config`` with ``algorithm`` "eagle3" (as above otherwise).
 - ``model.safetensors``: ``fc.weight`` (h, 3h), ``layers.0.*`` (the first layer: ``input_layernorm`` for the
@@ -37,9 +38,13 @@ The variants' norms map both ways to specheads' EAGLE-3 options: ``fc_norm`` (EA
 ``fc_norm.<i>.weight``), ``norm_output`` (EAGLE-3.1), ``norm_before_fc`` (tensor ``input_norm.weight``, one norm over the
 concatenation) and ``norm_before_residual`` (the residual is the normalised feature).
 
+Several decoder layers (``transformer_layer_config.num_hidden_layers`` L, tensors ``layers.<i>.*``, vLLM's
+several-layer EAGLE-3): the first as above, the others plain layers on its output (specheads' ``num_layers`` and
+``extra_layers.<i-1>.*``; a ``layers.<i>.hidden_norm.weight`` past the first, which vLLM builds and never reads, is
+dropped on import).
+
 Refused on import, as specheads' heads compute otherwise: ``norm_before_residual`` missing (speculators reads false,
-vLLM true), a ``target_hidden_size`` other than hidden_size, a non-zero ``fc.bias`` (older speculators releases; a
-zero one is dropped), and more than one decoder layer (``layers.1.*`` is an unknown tensor).
+vLLM true), and a non-zero ``fc.bias`` (older speculators releases; a zero one is dropped).
 """
 
 from __future__ import annotations
@@ -117,7 +122,7 @@ def _eagle3_config(config: HeadsConfig) -> dict[str, Any]:
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer,
         "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": None,
+        "target_hidden_size": config.hidden_size if config.draft_hidden_size != config.hidden_size else None,
         "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
         # the variants' norms, always explicit (vLLM reads a missing norm_before_residual as true)
         **{theirs: getattr(config, ours) for ours, theirs in NORM_FIELDS},
@@ -217,20 +222,24 @@ def _read_eagle3(folder: Path, config: dict[str, Any], allow_pickle: bool) -> Fo
     hidden_size = require_field(layer_raw, "hidden_size", int, f"{where} transformer_layer_config")
     vocab_size = require_field(layer_raw, "vocab_size", int, f"{where} transformer_layer_config")
     draft_vocab_size = require_field(config, "draft_vocab_size", int, where)
-    format_eagle3.check_target_hidden_size(config, hidden_size, where)
     tensors, source = read_tensors(folder, WEIGHT_CANDIDATES, allow_pickle)
-    for name in EAGLE3_IGNORED_TENSORS:
-        tensors.pop(name, None)
     format_eagle3.drop_zero_fc_bias(tensors, "fc.bias", source)
     format_eagle3.d2t_offsets_to_ids(tensors)
     layer_type = model_type_of(layer_raw, config.get("transformer_layer_architecture", "LlamaDecoderLayer"))
     layer_raw = {k: v for k, v in layer_raw.items() if k not in format_eagle3.EAGLE3_KEYS}
     fields: dict[str, Any] = {
-        "hidden_size": hidden_size,
+        "hidden_size": format_eagle3.target_width(config, hidden_size, where),  # the target's; the layer's: the draft's
         "vocab_size": vocab_size,
         "draft_vocab_size": draft_vocab_size,
         "draft_layer_config": layer_config_from_foreign(layer_raw, layer_type),
     }
+    format_eagle3.drop_target_embedding(tensors, fields, EAGLE3_IGNORED_TENSORS)
+    num_layers = require_field({"num_hidden_layers": layer_raw.get("num_hidden_layers", 1)}, "num_hidden_layers", int,
+                               f"{where} transformer_layer_config")
+    if num_layers != 1:  # vLLM: layers after the first read the stream alone (their hidden_norm, if saved, is unused)
+        fields["num_layers"] = num_layers
+        for i in range(1, num_layers):
+            tensors.pop(f"layers.{i}.hidden_norm.weight", None)
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
         fields["feature_layers"] = format_eagle3.layer_ids(ids, where, "eagle_aux_hidden_state_layer_ids")

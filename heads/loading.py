@@ -14,14 +14,18 @@ from specheads.heads import HEAD_CLASSES, HEAD_TYPES
 from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.heads.config import FIELD_HELP, HeadsConfig
 from specheads.heads.eagle import draft_layer_config_from_target
-from specheads.heads.eagle3 import default_eagle3_feature_layers
+from specheads.heads.eagle3 import default_eagle3_feature_layers, layer_config_of_width
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
 def create_heads(
-    target: PreTrainedModel, head_type: str = "eagle", draft_layer: str = "auto", **options: Any
+    target: PreTrainedModel,
+    head_type: str = "eagle",
+    draft_layer: str = "auto",
+    draft_hidden_size: int | None = None,
+    **options: Any,
 ) -> DraftHeads:
     """Fresh, untrained heads sized for `target` and attached to it.
 
@@ -31,6 +35,10 @@ def create_heads(
         head_type: one of `HEAD_TYPES`.
         draft_layer: EAGLE / EAGLE-3: "auto" (the target family's decoder layer when it has Llama's shape, else a
             Llama one) or "llama" (always Llama: the layout SGLang / SpecForge EAGLE-3 exports need, e.g. for Qwen2).
+        draft_hidden_size: EAGLE-3: the width of the draft's decoder layer when it should differ from the target's
+            hidden size (a multiple of the layer's head_dim; heads and MLP scale with it: `layer_config_of_width`).
+            The heads then embed tokens themselves and their embedding and lm_head start from the target's,
+            projected (`Eagle3Heads.target_rows_at_draft_width`). None: the target's width.
         **options: any `HeadsConfig` field (e.g. `num_heads=4` for Medusa, `tree_depth=6` for EAGLE).
 
     Returns:
@@ -40,6 +48,9 @@ def create_heads(
         raise ValueError(f"unknown head_type {head_type!r}; expected one of {HEAD_TYPES}")
     if head_type == "medusa" and draft_layer != "auto":
         raise ValueError(f"draft_layer={draft_layer!r} applies to EAGLE heads; Medusa heads own no decoder layer")
+    if draft_hidden_size is not None and head_type != "eagle3":
+        raise ValueError(f"draft_hidden_size={draft_hidden_size!r} applies to eagle3 heads; {head_type} heads "
+                         f"{'own no decoder layer' if head_type == 'medusa' else 'predict the target features, at its width'}")
     text_config = target.config.get_text_config()
     fields = dict(
         head_type=head_type,
@@ -54,6 +65,8 @@ def create_heads(
     )
     if head_type in ("eagle", "eagle3"):
         fields["draft_layer_config"] = draft_layer_config_from_target(text_config, draft_layer)
+        if draft_hidden_size is not None and draft_hidden_size != text_config.hidden_size:
+            fields["draft_layer_config"] = layer_config_of_width(fields["draft_layer_config"], draft_hidden_size)
     if head_type == "eagle3":  # three pre-norm layers, fused by the head
         fields["feature_layers"] = default_eagle3_feature_layers(text_config.num_hidden_layers)
     unknown = set(options) - set(FIELD_HELP)

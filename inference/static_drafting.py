@@ -66,7 +66,8 @@ class StaticEagleDrafter:
         self.commit_rows = self.depth + 1  # P
         self.draft_slots = (self.depth - 1) * self.top_k
         self.sequence_capacity = capacity
-        self.cache = StaticTreeCache(None, capacity + self.commit_rows + self.draft_slots, num_layers=1)
+        self.cache = StaticTreeCache(None, capacity + self.commit_rows + self.draft_slots,
+                                     num_layers=self.heads.config.num_layers)  # the heads' decoder layers
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         # Static inputs of a round (features allocated on first use: their width is the heads' input width).
         self.features: torch.Tensor | None = None  # (P, w) the path's true target features, padded

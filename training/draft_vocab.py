@@ -188,8 +188,8 @@ def eagle3_heads_with_wider_vocab(heads: Any, target: Any, draft_to_target: torc
     wider.to(device=param.device, dtype=param.dtype)
     wider.set_draft_vocab(new.to(param.device))  # validates the ids
     target_rows = target.get_output_embeddings().weight.detach()  # (V, h)
-    with torch.no_grad():
-        rows = target_rows[new.to(target_rows.device)].to(device=param.device, dtype=param.dtype)  # (Vd', h)
+    with torch.no_grad():  # (Vd', d): at the draft's width (projected when it is not the target's)
+        rows = heads.target_rows_at_draft_width(target_rows, new).to(device=param.device, dtype=param.dtype)
         rows[torch.searchsorted(new, old).to(param.device)] = heads.lm_head.weight.detach()  # the trained rows
         wider.lm_head.weight.copy_(rows)
     wider.model_card_metrics = dict(heads.model_card_metrics)

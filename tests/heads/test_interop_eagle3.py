@@ -28,9 +28,13 @@ from .interop_folders import (
 # --- synthetic EAGLE-3 folders ---------------------------------------------------------------------------------------
 def _eagle3_tensors(config: dict, prefix: str, draft_vocab: torch.Tensor, seed: int = 4) -> dict[str, torch.Tensor]:
     """EAGLE-3 tensors as the public definitions name and shape them: fc (h, 3h), the layer under `prefix` with
-    2h-wide q/k/v and a hidden_norm, norm, lm_head (draft vocab, h), d2t OFFSETS and t2d."""
+    2h-wide q/k/v and a hidden_norm, norm, lm_head (draft vocab, h), d2t OFFSETS and t2d. With a
+    ``target_hidden_size`` H != h in `config`: fc (h, 3H) and the draft's own embed_tokens (V, h)."""
     h, v = config["hidden_size"], config["vocab_size"]
-    shapes = {"fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (draft_vocab.shape[0], h)}
+    wide = config.get("target_hidden_size") or h
+    shapes = {"fc.weight": (h, 3 * wide), "norm.weight": (h,), "lm_head.weight": (draft_vocab.shape[0], h)}
+    if wide != h:
+        shapes["embed_tokens.weight"] = (v, h)
     for name, shape in eagle_layer_shapes(config).items():
         shapes[prefix + name] = (shape[0], 2 * h) if name.split(".")[1] in ("q_proj", "k_proj", "v_proj") else shape
     shapes[prefix + "input_layernorm.weight"] = (h,)
@@ -62,7 +66,7 @@ def _eagle3_reference(config: dict, tensors: dict, prefix: str, target, inputs,
     hidden_norm(fc_out)), norm_output (the returned hidden state is norm(hidden); the lm_head reads it as it is)."""
     from transformers import LlamaConfig
 
-    skip = ("architectures", "bias", "torch_dtype", "draft_vocab_size", "eagle_config")
+    skip = ("architectures", "bias", "torch_dtype", "draft_vocab_size", "eagle_config", "target_hidden_size")
     layer_config = LlamaConfig(**{k: v for k, v in config.items() if k not in skip})
     h = config["hidden_size"]
     layer = LlamaDecoderLayer(layer_config, layer_idx=0).eval()
@@ -76,11 +80,14 @@ def _eagle3_reference(config: dict, tensors: dict, prefix: str, target, inputs,
     rotary = LlamaRotaryEmbedding(config=layer_config)
     eps = config["rms_norm_eps"]
     with torch.no_grad():
-        embeds = target.get_input_embeddings()(inputs["input_ids"])
+        own_embedding = tensors.get("embed_tokens.weight")  # a draft of another width than the target's
+        embeds = target.get_input_embeddings()(inputs["input_ids"]) if own_embedding is None else \
+            F.embedding(inputs["input_ids"], own_embedding)
         features = inputs["features"]
         if "fc_norm" in variants:
+            width = features.shape[-1] // 3  # the target's hidden size
             features = torch.cat([_rms(part, tensors[f"fc_norm.{i}.weight"], eps)
-                                  for i, part in enumerate(features.split(h, dim=-1))], dim=-1)
+                                  for i, part in enumerate(features.split(width, dim=-1))], dim=-1)
         if "norm_before_fc" in variants:
             features = _rms(features, tensors["input_norm.weight"], eps)
         fused = F.linear(features, tensors["fc.weight"])
@@ -98,12 +105,18 @@ def _eagle3_reference(config: dict, tensors: dict, prefix: str, target, inputs,
         return hidden, F.linear(norm(hidden), tensors["lm_head.weight"])
 
 
-def _eagle3_folder(folder: Path, target, fmt: str, weights: str = "model.safetensors", drop: str | None = None):
-    """A synthetic EAGLE-3 folder in `fmt` for `target`, with a shuffled 40-token draft vocabulary."""
+def _eagle3_folder(folder: Path, target, fmt: str, weights: str = "model.safetensors", drop: str | None = None,
+                  width: int | None = None):
+    """A synthetic EAGLE-3 folder in `fmt` for `target`, with a shuffled 40-token draft vocabulary; with `width`, a
+    draft of that width (its heads and MLP scaled, head_dim kept) reading the target's wider features."""
     base = llama_style_config(target)
     for key in ("bias", "torch_dtype"):
         base.pop(key)
     base["architectures"] = ["LlamaForCausalLMEagle3"]
+    if width is not None:
+        head_dim = base["hidden_size"] // base["num_attention_heads"]
+        base.update(target_hidden_size=base["hidden_size"], hidden_size=width, num_attention_heads=width // head_dim,
+                    num_key_value_heads=width // head_dim // 2, intermediate_size=2 * width)
     vocab = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(8))[:40].sort().values
     prefix = "midlayer." if fmt == "eagle3" else "layers.0."
     tensors = _eagle3_tensors(base, prefix, vocab)
@@ -112,9 +125,9 @@ def _eagle3_folder(folder: Path, target, fmt: str, weights: str = "model.safeten
         config = dict(base, draft_vocab_size=40)
     elif fmt == "eagle3-sglang":  # SGLang: tapped layers as outputs of layers 1, 1, 0 = hidden_states 2, 2, 1
         config = dict(base, draft_vocab_size=40, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 1, 0]})
-        written["embed_tokens.weight"] = target.get_input_embeddings().weight.clone()
+        written.setdefault("embed_tokens.weight", target.get_input_embeddings().weight.clone())
     else:
-        layer_config = {k: v for k, v in base.items() if k != "architectures"}
+        layer_config = {k: v for k, v in base.items() if k not in ("architectures", "target_hidden_size")}
         config = {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
@@ -122,7 +135,7 @@ def _eagle3_folder(folder: Path, target, fmt: str, weights: str = "model.safeten
             "transformer_layer_config": layer_config,
             "draft_vocab_size": 40,
             "norm_before_residual": False,
-            "target_hidden_size": None,
+            "target_hidden_size": base.get("target_hidden_size"),
             "eagle_aux_hidden_state_layer_ids": [2, 3, 4],
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -131,7 +144,7 @@ def _eagle3_folder(folder: Path, target, fmt: str, weights: str = "model.safeten
                 "verifier": {"name_or_path": "stories260K", "architectures": ["LlamaForCausalLM"]},
             },
         }
-        written["embed_tokens.weight"] = target.get_input_embeddings().weight.clone()
+        written.setdefault("embed_tokens.weight", target.get_input_embeddings().weight.clone())
     if drop:
         written.pop(drop)
     return write_folder(folder, config, written, weights), base, tensors, vocab
@@ -160,6 +173,35 @@ def test_eagle3_folders_import_and_draft_as_their_tensors_say(fmt, stories, tmp_
     top = logits[0, -1].topk(4).indices
     assert set(tokens[tree.parents == 0].tolist()) == set((top + tensors["d2t"][top]).tolist())
     assert set(tokens[1:].tolist()) <= set(vocab.tolist())
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "eagle3-sglang", "speculators"])
+def test_drafts_narrower_than_the_target_import_with_their_own_embedding(fmt, stories, tmp_path, eagle_inputs):
+    """`target_hidden_size` (SGLang, vLLM): a 32-wide draft for the 64-wide stories260K computes as its tensors say,
+    with its own embedding; it decodes exactly and exports back to the same tensors."""
+    folder, config, tensors, vocab = _eagle3_folder(tmp_path / fmt, stories, fmt, width=32)
+    heads = import_heads(folder, target=stories, out_dir=tmp_path / "ours")
+    assert (heads.config.hidden_size, heads.config.draft_hidden_size) == (64, 32)
+    assert heads.fc.weight.shape == (32, 192) and heads.embed_tokens.weight.shape == (512, 32)
+    inputs = eagle3_inputs(stories, eagle_inputs, seed=12)
+    prefix = "midlayer." if fmt == "eagle3" else "layers.0."
+    hidden, logits = _eagle3_reference(config, tensors, prefix, stories, inputs)
+    with torch.no_grad():
+        ours = heads(**inputs)
+        torch.testing.assert_close(ours, hidden)
+        torch.testing.assert_close(heads.logits(ours), logits)
+    ids = torch.tensor([[1, 40, 47, 26, 37]])
+    assert torch.equal(SpeculativeLM(stories, heads).generate(ids, max_new_tokens=24),
+                       stories.generate(ids, max_new_tokens=24, do_sample=False))
+    from specheads.heads.interop import export_heads
+
+    export_heads(heads, fmt, tmp_path / "back")
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    layer = written.get("transformer_layer_config", written)
+    assert (written["target_hidden_size"], layer["hidden_size"]) == (64, 32)
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    torch.testing.assert_close(back["embed_tokens.weight"], tensors["embed_tokens.weight"])
+    torch.testing.assert_close(back["fc.weight"], tensors["fc.weight"])
 
 
 @pytest.mark.parametrize("variants", [
@@ -240,14 +282,18 @@ def test_a_llama_layer_eagle3_draft_serves_a_target_of_another_family(tiny_qwen2
         ("eagle3", "d2t_out_of_range", r"tensor d2t is invalid: .*expected ids in \[0, 512\)"),
         ("eagle3", "d2t_unsorted", r"tensor d2t is invalid: .*sorted ascending"),
         ("eagle3-sglang", "fc_bias", r"tensor 'fc\.bias' is a non-zero fc bias"),
-        ("eagle3", "two_layers", "num_hidden_layers=2; specheads EAGLE-3 heads hold one decoder layer"),
-        ("eagle3", "target_hidden_size", "target_hidden_size=128 differs from hidden_size=64"),
+        ("eagle3", "two_layers", "num_hidden_layers=2; this EAGLE-3 layout holds one decoder layer"),
+        ("eagle3", "target_hidden_size", "heads hidden_size=128 but target 'stories260K' has hidden_size=64"),
+        ("speculators", "target_hidden_size_text", "field target_hidden_size='64' should be a int"),
+        ("eagle3", "drop:embed_tokens.weight:32", r"missing tensor 'embed_tokens\.weight'"),
         ("speculators", "no_norm_before_residual", "missing field 'norm_before_residual'"),
         ("eagle3", "big_draft_vocab", "draft_vocab_size=600 is larger than vocab_size=512"),
     ],
 )
 def test_broken_eagle3_folders_fail_naming_what_is_wrong(fmt, edit, match, stories, tmp_path):
-    folder, _, _, _ = _eagle3_folder(tmp_path / fmt, stories, fmt, drop=edit.split(":")[1] if ":" in edit else None)
+    parts = edit.split(":")  # drop:<tensor>[:<draft width>]
+    folder, _, _, _ = _eagle3_folder(tmp_path / fmt, stories, fmt, drop=parts[1] if len(parts) > 1 else None,
+                                     width=int(parts[2]) if len(parts) > 2 else None)
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(folder / "model.safetensors")
     if edit == "d2t_out_of_range":
@@ -260,6 +306,8 @@ def test_broken_eagle3_folders_fail_naming_what_is_wrong(fmt, edit, match, stori
         config["num_hidden_layers"] = 2
     elif edit == "target_hidden_size":
         config["target_hidden_size"] = 128
+    elif edit == "target_hidden_size_text":
+        config["target_hidden_size"] = "64"
     elif edit == "no_norm_before_residual":
         del config["norm_before_residual"]
     elif edit == "big_draft_vocab":
