@@ -66,6 +66,7 @@ class ParsedRequest:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (`LogitBias`)
     prediction: list[int] = field(default_factory=list)  # OpenAI's Predicted Outputs (inference/predicted_outputs.py)
+    messages: list[dict[str, Any]] | None = None  # a chat request's messages as sent (`serve --record` keeps them)
 
 
 @dataclass
@@ -366,6 +367,7 @@ def parse_request(
         presence_penalty=_number(body, "presence_penalty", float, -2, 2) or 0.0,
         frequency_penalty=_number(body, "frequency_penalty", float, -2, 2) or 0.0,
         logit_bias=_logit_bias(body.get("logit_bias"), len(tokenizer)), prediction=prediction_tokens(body, tokenizer),
+        messages=body["messages"] if chat else None,
     )
 
 

@@ -55,6 +55,7 @@ from .serving_loop import COUNTERS, LABELED_COUNTERS, ServingLoop
 from .target_support import context_limit
 from .text_deltas import TextDeltas
 from .tool_parsers import detect_parser, make_parser
+from .traffic_recorder import TrafficRecorder
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 RESPONSES_PREFIX = "/v1/responses/"  # + a stored response's id (GET, DELETE; GET .../input_items)
@@ -90,13 +91,15 @@ class CompletionService:
         responses_store: `/v1/responses` responses kept for `previous_response_id` and `GET /v1/responses/{id}`
             (inference/response_store.py), the least recently used forgotten past it; 0: none.
         responses_dir: also keep them as files in this folder, across restarts (None: in memory only).
+        record: append every answered chat request to this JSONL file as training conversations
+            (inference/traffic_recorder.py; None: nothing is kept).
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
                  chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8,
                  processor: Any = None, chat_template_kwargs: dict[str, Any] | None = None,
                  tool_parser: str | None = "auto", reasoning_parser: str | None = "auto",
-                 responses_store: int = 1000, responses_dir: str | None = None) -> None:
+                 responses_store: int = 1000, responses_dir: str | None = None, record: str | None = None) -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
@@ -112,6 +115,7 @@ class CompletionService:
         self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
         self.api_key = api_key
         self.responses = ResponseStore(responses_store, responses_dir)
+        self.recorder = None if record is None else TrafficRecorder(record)
         # JSON schema text / regex / "json_object" -> its constraint (compiling takes seconds; the JSON-object one
         # learns the tokens of each state as it meets them)
         self._constraints: dict[str, Any] = {}
@@ -223,6 +227,10 @@ class CompletionService:
             thought = readers[run].reasoning_length(delta.text)
             choices.append(Choice(parts.content, reason, logprobs, parts.calls, unsent[0], parts.reasoning, unsent[1],
                                   unsent[2], tokens_covering(self.tokenizer, new, thought) if thought else 0))
+        if self.recorder is not None and chat and request.messages is not None:  # each distinct answer once
+            self.recorder.record(request.messages, request.tools.tools if request.tools else None,
+                                 [(c.text, c.reasoning, [call.body() for call in c.tool_calls], c.finish_reason)
+                                  for c in choices])
         choices = [choices[index % runs] for index in range(request.n)]
         generated = sum(len(job.new_tokens) for job in jobs)
         completion = sum(len(jobs[index % runs].new_tokens) for index in range(request.n))

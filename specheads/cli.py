@@ -174,6 +174,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "the least recently used forgotten past N (default: 1000; 0: none)")
     p.add_argument("--responses-dir", default=None, metavar="DIR",
                    help="also keep the stored responses as JSON files in DIR: previous_response_id survives a restart")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="append every answered chat request to FILE (JSONL, OpenAI format: the messages, then each "
+                        "answer as the assistant's turn) to train heads on this traffic: specheads train "
+                        "data.source=FILE. The file holds users' prompts and answers")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     # a request without max_tokens runs to the end of the context (OpenAI's default) unless the server sets one
     p.set_defaults(max_new_tokens=None)
@@ -194,7 +198,7 @@ def build_server(args: argparse.Namespace):
                                 args.api_key, args.max_batch, processor, args.chat_template_kwargs,
                                 None if args.tool_call_parser == "none" else args.tool_call_parser,
                                 None if args.reasoning_parser == "none" else args.reasoning_parser,
-                                args.responses_store, args.responses_dir)
+                                args.responses_store, args.responses_dir, args.record)
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]
@@ -205,6 +209,7 @@ def build_server(args: argparse.Namespace):
             f"{t} tokens {costs[t]:.1f} ms" for t in (1, 16, 128) if t in costs)
     tools = f"; tool calls read as {service.tool_parser.name}" if service.tool_parser else ""
     tools += f"; reasoning read as {service.reasoning_parser.name}" if service.reasoning_parser else ""
+    tools += f"; chat answers recorded to {args.record}" if args.record else ""
     print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; tree "
           f"{tree_spec(lm.tree_description())}; {', '.join(f'{k}={v}' for k, v in kernels.items())}{budget}{tools})",
           file=sys.stderr, flush=True)

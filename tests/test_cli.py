@@ -381,7 +381,7 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
          str(template), "--port", str(port), "--served-model-name", "tiny", "--max-new-tokens", "12", "--quiet",
          "--max-round-nodes", "auto", "--prefill-chunk", "4", "--corpus-learn", "500", "--corpus-learned",
          str(tmp_path / "learned.npy"), "--tool-call-parser", "hermes", "--reasoning-parser", "think",
-         "--responses-dir", str(tmp_path / "responses")],
+         "--responses-dir", str(tmp_path / "responses"), "--record", str(tmp_path / "traffic.jsonl")],
         stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "SPECHEADS_API_KEY"},
         # a suite started in the background inherits SIGINT ignored, and Python keeps it so: Ctrl-C must reach it
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -411,12 +411,15 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
             stored = json.loads(response.read())
         files = list((tmp_path / "responses").glob("*.json"))  # --responses-dir: kept on disk
         assert len(files) == 1 and json.loads(files[0].read_text())["response"]["id"] == stored["id"]
+        recorded = [json.loads(line) for line in (tmp_path / "traffic.jsonl").read_text().splitlines()]  # --record
+        assert [r["messages"][-1]["content"] for r in recorded] == [expected, stored["output"][0]["content"][0]["text"]]
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     log = process.stderr.read()
     assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in log and "node budget auto, verification 1 tokens" in log
     assert "tool calls read as hermes; reasoning read as think" in log
+    assert f"chat answers recorded to {tmp_path / 'traffic.jsonl'}" in log
     assert "(OpenAI API; tree 6,8,32,0,0;" in log  # the heads' default tree (no cpu_tree in their config)
     from specheads.inference.corpus_lookup import read_corpus_file
 
