@@ -3,12 +3,15 @@
 For someone who found heads on the Hub (or in a run folder): the head type, the target they were built for, their
 size, draft vocabulary and tree defaults, the metrics on their card, whether they carry a Medusa-2 adapter or the
 transformers `custom_generate` entry; with a target, the same checks `load_heads(..., target=)` makes, reported
-instead of raised.
+instead of raised. A draft model folder (a plain transformers causal LM, e.g. one `head.type=draft_model` distilled)
+is described too: its shape, the target its card names, its metrics; with a target, whether it drafts for it (the
+same tokenizer, or how many tokens the two vocabularies share).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -34,6 +37,8 @@ def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError / ValueError: not a loadable specheads checkpoint (as `load_heads`).
     """
     folder = _resolve_folder(path_or_hub_id, None, None, False)
+    if is_draft_model_folder(folder):
+        return describe_draft_model(folder)
     heads = load_heads(folder)
     config = heads.config
     summary: dict[str, Any] = {
@@ -96,3 +101,71 @@ def check_heads_on_target(path_or_hub_id: str | os.PathLike, target: str) -> dic
     except ValueError as err:
         return {"target": target, "compatible": False, "reason": str(err)}
     return {"target": target, "compatible": True}
+
+
+def is_draft_model_folder(folder: Path) -> bool:
+    """Whether `folder` holds a plain transformers model (a `model_type`, no specheads `head_type`) rather than heads."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False  # load_heads then names what is wrong
+    return isinstance(config, dict) and "head_type" not in config and "model_type" in config
+
+
+def card_base_model(folder: Path) -> str | None:
+    """The `base_model` of the folder's model card front matter (a distilled draft's target), or None."""
+    card = folder / "README.md"
+    match = re.search(r"^---\n.*?^base_model:\s*(\S+)\s*$.*?^---", card.read_text(), re.DOTALL | re.MULTILINE) \
+        if card.is_file() else None
+    return match.group(1) if match else None
+
+
+def describe_draft_model(folder: Path) -> dict[str, Any]:
+    """A JSON-ready summary of a draft model folder, read from its config, weight headers and card (nothing loaded)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder).get_text_config()
+    weights = sorted(folder.glob("*.safetensors"))
+    parameters = 0
+    for path in weights:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                parameters += math.prod(f.get_slice(name).get_shape())
+    target = card_base_model(folder)
+    return {
+        "folder": str(folder),
+        "kind": "draft_model",
+        "architectures": list(getattr(config, "architectures", None) or []),
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "parameters": parameters,
+        "weights_mb": round(sum(p.stat().st_size for p in weights) / 2**20, 2),
+        "target": target,  # as its card names it (a distilled draft's); None: unknown
+        "usage": f"specheads generate --target {target or 'TARGET'} --draft-model {folder} --prompt ...",
+        "metrics": card_metrics(folder),
+    }
+
+
+def check_draft_model_on_target(folder: str | os.PathLike, target: str) -> dict[str, Any]:
+    """{"target", "compatible": bool, "vocabulary": "same" | "N shared of M" (when compatible), "reason" (when not)}:
+    loads `target` and the draft model as `--draft-model` does."""
+    from specheads import load_target
+    from specheads.heads.draft_model import draft_model_heads
+
+    model, tokenizer = load_target(target)
+    try:
+        heads = draft_model_heads(model, tokenizer, str(folder))
+    except ValueError as err:
+        return {"target": target, "compatible": False, "reason": str(err)}
+    mapping = heads.vocab_mapping
+    shared = "same" if mapping is None else f"{mapping.num_shared} shared of {len(tokenizer)}"
+    return {"target": target, "compatible": True, "vocabulary": shared}
+
+
+def check_on_target(summary: dict[str, Any], target: str) -> dict[str, Any]:
+    """The check of `specheads info --target` for what `describe_heads` described: heads or a draft model."""
+    check = check_draft_model_on_target if summary.get("kind") == "draft_model" else check_heads_on_target
+    return check(summary["folder"], target)

@@ -514,8 +514,9 @@ def _dispatch(argv: list[str] | None) -> int:
     imp.add_argument("--out", required=True, help="output folder (a specheads checkpoint)")
     imp.add_argument("--allow-pickle", action="store_true", help="read .bin/.pt weights (torch.load weights_only=True)")
 
-    info = sub.add_parser("info", help="describe a heads checkpoint (JSON); with --target, whether it fits that target")
-    info.add_argument("heads", help="a specheads checkpoint folder or Hub id")
+    info = sub.add_parser("info", help="describe a heads checkpoint or a draft model folder (JSON); with --target, "
+                                       "whether it fits that target")
+    info.add_argument("heads", help="a specheads checkpoint folder or Hub id, or a draft model's")
     info.add_argument("--target", default=None, help="also check the heads against this target (exit 1 if they do not fit)")
 
     push = sub.add_parser("push", help="upload a heads folder to the Hugging Face Hub (card and custom_generate "
@@ -581,11 +582,11 @@ def _dispatch(argv: list[str] | None) -> int:
         print(f"[specheads] imported {heads.config.head_type} heads into {args.out}")
         return 0
     if args.command == "info":
-        from specheads.heads.describe import check_heads_on_target, describe_heads
+        from specheads.heads.describe import check_on_target, describe_heads
 
         summary = describe_heads(args.heads)
         if args.target is not None:
-            summary["check"] = check_heads_on_target(args.heads, args.target)
+            summary["check"] = check_on_target(summary, args.target)
         print(json.dumps(summary, indent=2))
         return 1 if args.target is not None and not summary["check"]["compatible"] else 0
     if args.command == "push":

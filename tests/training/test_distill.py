@@ -175,9 +175,10 @@ def test_initial_draft_models_and_their_errors(target_and_tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_short_distillation_drafts_far_better_and_exactly(tmp_path, stories_file, target_and_tokenizer):
+def test_a_short_distillation_drafts_far_better_and_exactly(tmp_path, stories_file, target_and_tokenizer, capsys):
     """40 steps on the target's own stories: the copy of its first 2 layers goes from rarely to mostly agreeing with
-    it; the saved folder is a plain model folder that `--draft-model` takes, and decoding with it stays exact."""
+    it; the saved folder is a plain model folder that `--draft-model` takes (and `specheads info` describes), and
+    decoding with it stays exact."""
     target, tokenizer = target_and_tokenizer
     out = tmp_path / "distill"
     extra = {"max_steps": 40, "save_steps": 20, "eval_steps": 20, "data.eval_fraction": 0.1, "trackers": "[tensorboard]"}
@@ -188,6 +189,14 @@ def test_a_short_distillation_drafts_far_better_and_exactly(tmp_path, stories_fi
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {p.name for p in (out / "final").iterdir()}
     assert (out / "best" / "best.json").is_file() and "eval_sim_tau" in (out / "final" / "README.md").read_text()
     assert list(out.rglob("events.out.tfevents*"))
+    capsys.readouterr()
+    assert main(["info", str(out / "final"), "--target", "stories260K"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["kind"], info["num_hidden_layers"], info["target"], info["metrics"]["steps"]) == \
+        ("draft_model", 2, "stories260K", 40)
+    assert info["parameters"] == sum(t.numel() for t in load_file(out / "final" / "model.safetensors").values())
+    assert info["check"] == {"target": "stories260K", "compatible": True, "vocabulary": "same"}
+    assert f"--draft-model {out / 'final'}" in info["usage"]
     lm = SpeculativeLM.from_pretrained(target="stories260K", draft_model=str(out / "final"))
     before, after = held_out_acc(untrained, target, tokenizer, stories_file), \
         held_out_acc(lm.heads.draft_model, target, tokenizer, stories_file)
