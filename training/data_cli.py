@@ -151,6 +151,21 @@ def record_prompt(record: dict[str, Any], source: str | Path, exclude: set[str] 
     return None if keep is None else (fmt, messages, keep)
 
 
+def answer_copies(jobs: list[dict[str, Any]], answers: int, temperature: float) -> list[dict[str, Any]]:
+    """Each job `answers` times in a row, ids `id`, `id#1`, ... (sampled answers of one prompt: more training data of
+    the target's own; each copy is a record of its own, resumed by its id).
+
+    Raises:
+        ValueError: `answers` < 1, or several answers with greedy decoding (they would all be the same).
+    """
+    if not isinstance(answers, int) or answers < 1:
+        raise ValueError(f"regenerate --answers {answers!r}: expected a positive number of answers per prompt")
+    if answers > 1 and temperature <= 0:
+        raise ValueError(f"regenerate --answers {answers} needs --temperature > 0: greedy answers of one prompt are "
+                         "all the same")
+    return [dict(job, id=job["id"] if k == 0 else f"{job['id']}#{k}") for job in jobs for k in range(answers)]
+
+
 def story_jobs(count: int, seed: int) -> Iterator[dict[str, Any]]:
     """`count` story prompts cycling through short seed openings, with stable ids."""
     for i in range(count):
@@ -173,6 +188,7 @@ def regenerate(
     processor: Any = None,
     image_folder: str | Path | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    answers_per_prompt: int = 1,
 ) -> int:
     """Have the target write responses (or whole stories) and append them to `output` (JSONL).
 
@@ -187,7 +203,8 @@ def regenerate(
     keeps the images (`images`: paths, relative ones read from `image_folder`, default the input's folder, or `data:`
     URLs of images held in the data) with image parts in its messages. `chat_template_kwargs`: keywords of the chat
     template (`enable_thinking=False`: a Qwen3-style target answers without reasoning); train with the same ones
-    (`data.chat_template_kwargs`).
+    (`data.chat_template_kwargs`). `answers_per_prompt`: sampled answers of each prompt (`answer_copies`; `limit`
+    counts prompts).
 
     Returns:
         The number of records written by this call.
@@ -240,6 +257,7 @@ def regenerate(
             jobs.append({"id": str(record.get("id", n)), "messages": prompt, "prompt_ids": list(ids), **tools})
     else:
         raise ValueError("regenerate needs --input FILE (conversations) or --stories N")
+    jobs = answer_copies(jobs, answers_per_prompt, temperature)
     # a fixed batch layout (job order) with per-batch seeds keeps resumes exact
     batches = [jobs[i: i + batch_size] for i in range(0, len(jobs), batch_size)]
     written = 0
@@ -280,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--max-new-tokens", type=int, default=256)
     regen.add_argument("--batch-size", type=int, default=64)
     regen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    regen.add_argument("--answers", type=int, default=1, help="sampled answers per prompt, each a record (ids id, "
+                       "id#1, ...): more of the target's own text from the same prompts (needs --temperature > 0)")
     regen.add_argument("--seed", type=int, default=0)
     regen.add_argument("--limit", type=int, default=None, help="only the first N conversations of --input")
     regen.add_argument("--exclude", default=None, help="benchmark prompts (e.g. MT-bench JSONL): conversations asking "
@@ -419,7 +439,7 @@ def data_main(argv: list[str]) -> int:
         written = regenerate_with_server(ServerClient(args.server, args.api_key), args.output, args.input, args.model,
                                          args.max_new_tokens, args.temperature, args.seed, args.concurrency, args.limit,
                                          benchmark_prompts(args.exclude) if args.exclude else None,
-                                         args.chat_template_kwargs)
+                                         args.chat_template_kwargs, answers_per_prompt=args.answers)
         print(json.dumps({"output": args.output, "written": written, "server": args.server}))
         return 0
     if args.tool == "lookup-corpus":
@@ -444,7 +464,8 @@ def data_main(argv: list[str]) -> int:
                              temperature=args.temperature, seed=args.seed, limit=args.limit,
                              exclude=benchmark_prompts(args.exclude) if args.exclude else None,
                              processor=image_processor_for(args.target) if takes_images(target) else None,
-                             image_folder=args.image_folder, chat_template_kwargs=args.chat_template_kwargs)
+                             image_folder=args.image_folder, chat_template_kwargs=args.chat_template_kwargs,
+                             answers_per_prompt=args.answers)
         print(json.dumps({"output": args.output, "written": written}))
         return 0
     if args.tool == "synth-prompts":

@@ -132,16 +132,19 @@ def regenerate_with_server(
     exclude: set[str] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     show_progress: bool = True,
+    answers_per_prompt: int = 1,
 ) -> int:
     """Have the server answer `input_path`'s prompts and append the conversations to `output` (JSONL, the OpenAI
     messages format with `id`, and `tools` when the record had them); returns the number of records written.
+    `answers_per_prompt`: sampled answers of each prompt (`data_cli.answer_copies`), each a request with its own seed.
 
     Raises:
         ValueError: bad arguments, records without conversations or with images, several models and no `model`.
         RuntimeError: a request failed for good (the message names the record and the server's answer); the records
             written before it stay, and the same command goes on from there.
     """
-    from specheads.training.data_cli import done_ids, drop_torn_line  # data_cli imports this module
+    # data_cli imports this module: imported here
+    from specheads.training.data_cli import answer_copies, done_ids, drop_torn_line
 
     if concurrency < 1 or max_new_tokens < 1 or temperature < 0:
         raise ValueError(f"--concurrency {concurrency}, --max-new-tokens {max_new_tokens}, --temperature {temperature}: "
@@ -151,7 +154,7 @@ def regenerate_with_server(
     output = check_writable_file(output, "regenerate output")
     drop_torn_line(output)
     skip = done_ids(output)
-    jobs = server_jobs(input_path, limit, exclude)
+    jobs = answer_copies(server_jobs(input_path, limit, exclude), answers_per_prompt, temperature)  # each copy: its own seed
     todo = [(number, job) for number, job in enumerate(jobs) if job["id"] not in skip]
     model = model or client.model_name()
 

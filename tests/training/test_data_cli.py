@@ -37,6 +37,27 @@ def test_regenerate_conversations_through_cli(tmp_path, chat_file, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["written"] == 2
 
 
+def test_regenerate_several_sampled_answers_per_prompt(tmp_path, chat_file, target_and_tokenizer, capsys):
+    """--answers 3: each prompt answered three times (ids a, a#1, a#2), sampled apart; resumed by id; greedy refused."""
+    target, tok = target_and_tokenizer
+    out = tmp_path / "regen.jsonl"
+    kwargs = dict(input_path=chat_file, max_new_tokens=12, batch_size=4, seed=2, show_progress=False, answers_per_prompt=3)
+    assert regenerate(target, tok, out, **kwargs) == 6
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "a#1", "a#2", "b", "b#1", "b#2"]
+    assert all(r["messages"][:-1] == records[0]["messages"][:-1] for r in records[:3])  # one prompt, three answers
+    assert len({r["messages"][-1]["content"] for r in records[:3]}) == 3  # sampled apart
+    whole = out.read_text()
+    out.write_text("".join(whole.splitlines(keepends=True)[:4]))  # stopped after b: b#1 and b#2 are asked again
+    assert regenerate(target, tok, out, **kwargs) == 2
+    assert out.read_text() == whole  # and answered as the uninterrupted run answered them
+    with pytest.raises(ValueError, match="--answers 3 needs --temperature > 0"):
+        regenerate(target, tok, tmp_path / "greedy.jsonl", **{**kwargs, "temperature": 0.0})
+    assert main(["data", "regenerate", "--input", str(chat_file), "--output", str(tmp_path / "x.jsonl"),
+                 "--answers", "0"]) == 2
+    assert "--answers 0: expected a positive number" in capsys.readouterr().err
+
+
 def test_regenerate_answers_conversations_that_open_with_an_assistant_turn(tmp_path, target_and_tokenizer):
     """A split ShareGPT conversation opening with "gpt": its first human turn (and a system turn) is the prompt."""
     target, tok = target_and_tokenizer

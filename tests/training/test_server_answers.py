@@ -126,6 +126,17 @@ def test_the_server_answers_each_prompt_in_order_and_a_rerun_resumes(fake_server
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
 
 
+def test_several_answers_per_prompt_are_several_requests_with_their_own_seeds(fake_server, conversations, tmp_path):
+    fake = fake_server()
+    out = tmp_path / "answers.jsonl"
+    assert regenerate_with_server(ServerClient(fake.url), out, conversations, seed=1, answers_per_prompt=2, limit=1,
+                                  show_progress=False) == 2
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "a#1"]
+    assert sorted(b["seed"] for b in fake.bodies if "seed" in b) == [1_000_003, 1_000_004]
+    with pytest.raises(ValueError, match="--answers 2 needs --temperature > 0"):
+        regenerate_with_server(ServerClient(fake.url), out, conversations, temperature=0.0, answers_per_prompt=2)
+
+
 def test_server_errors_name_the_record_and_the_servers_answer(fake_server, conversations, tmp_path):
     fake = fake_server(fail_first=1, fail_status=404)  # not worth a retry
     out = tmp_path / "answers.jsonl"
