@@ -55,7 +55,7 @@ from .serving_loop import COUNTERS, LABELED_COUNTERS, ServingLoop
 from .target_support import context_limit
 from .text_deltas import TextDeltas
 from .tool_parsers import detect_parser, make_parser
-from .traffic_recorder import TrafficRecorder
+from .traffic_recorder import RECORDER_COUNTERS, TrafficRecorder
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 RESPONSES_PREFIX = "/v1/responses/"  # + a stored response's id (GET, DELETE; GET .../input_items)
@@ -131,6 +131,13 @@ class CompletionService:
     def close(self) -> None:
         """Stop the serving loop (requests still running fail)."""
         self.loop.close()
+
+    def metrics(self) -> dict[str, Any]:
+        """The serving loop's counters (`/metrics`), and the recorder's when the server records its traffic."""
+        metrics: dict[str, Any] = self.loop.metrics()
+        if self.recorder is not None:
+            metrics.update(recorded_answers=self.recorder.recorded, unrecorded_requests=self.recorder.skipped)
+        return metrics
 
     def check_key(self, authorization: str | None) -> None:
         """Refuse (401) a request without the server's API key, when it has one."""
@@ -337,8 +344,9 @@ def prometheus_text(metrics: dict[str, int | dict[str, int]]) -> str:
             label, help_text = LABELED_COUNTERS[name]
             lines += [f"# HELP specheads_{name}_total {help_text}", f"# TYPE specheads_{name}_total counter"]
             lines += [f'specheads_{name}_total{{{label}="{key}"}} {count}' for key, count in value.items()]
-        elif name in COUNTERS:
-            lines += [f"# HELP specheads_{name}_total {COUNTERS[name]}", f"# TYPE specheads_{name}_total counter",
+        elif name in COUNTERS or name in RECORDER_COUNTERS:
+            help_text = COUNTERS.get(name) or RECORDER_COUNTERS[name]
+            lines += [f"# HELP specheads_{name}_total {help_text}", f"# TYPE specheads_{name}_total counter",
                       f"specheads_{name}_total {value}"]
         else:
             lines += [f"# TYPE specheads_{name} gauge", f"specheads_{name} {value}"]
@@ -361,7 +369,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                 self._send_json(HTTPStatus.OK, {"status": "ok"})
                 return
             if self.path.rstrip("/") == "/metrics":  # open like /health, as vLLM's (the API key guards /v1)
-                self._send(HTTPStatus.OK, prometheus_text(self.service.loop.metrics()).encode(),
+                self._send(HTTPStatus.OK, prometheus_text(self.service.metrics()).encode(),
                            "text/plain; version=0.0.4")
                 return
             self.service.check_key(self.headers.get("Authorization"))

@@ -20,6 +20,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+RECORDER_COUNTERS = {  # the server's /metrics counters of a recording (`CompletionService.metrics`)
+    "recorded_answers": "chat answers written to the --record file as training conversations",
+    "unrecorded_requests": "answered chat requests left out of the --record file (their messages hold images)",
+}
+
 
 def answer_message(text: str, reasoning: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
     """An answer as the assistant's turn of a training conversation (content None: it only calls tools)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 
 import pytest
 
@@ -62,6 +63,8 @@ def test_served_chat_answers_are_recorded_as_conversations_that_train(recording_
     assert kept[4]["messages"][-1]["content"] == greedy_twice["choices"][0]["message"]["content"]
     assert kept[5]["messages"] == [{"role": "user", "content": "Lily saw a cat"},
                                    {"role": "assistant", "content": response["output"][0]["content"][0]["text"]}]
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:  # counted for operators
+        assert "specheads_recorded_answers_total 6" in response.read().decode()
     # the file is training data: every record tokenizes, and the answers are what the loss reads
     _, tokenizer = stories260k
     tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path)
