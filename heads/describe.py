@@ -37,7 +37,7 @@ def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError / ValueError: not a loadable specheads checkpoint (as `load_heads`).
     """
     folder = _resolve_folder(path_or_hub_id, None, None, False)
-    if is_draft_model_folder(folder):
+    if folder_kind(folder) == "draft_model":
         return describe_draft_model(folder)
     heads = load_heads(folder)
     config = heads.config
@@ -103,13 +103,27 @@ def check_heads_on_target(path_or_hub_id: str | os.PathLike, target: str) -> dic
     return {"target": target, "compatible": True}
 
 
-def is_draft_model_folder(folder: Path) -> bool:
-    """Whether `folder` holds a plain transformers model (a `model_type`, no specheads `head_type`) rather than heads."""
+def folder_kind(folder: Path) -> str:
+    """"draft_model" for a plain transformers model folder (a `model_type`, no specheads `head_type`, no other
+    project's heads layout), else "heads" (`load_heads` then names anything wrong).
+
+    Raises:
+        ValueError: the folder holds another project's heads (EAGLE, Medusa, speculators, ...): it says to import them.
+    """
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
-        return False  # load_heads then names what is wrong
-    return isinstance(config, dict) and "head_type" not in config and "model_type" in config
+        return "heads"
+    if not isinstance(config, dict) or "head_type" in config or "model_type" not in config:
+        return "heads"
+    from specheads.heads.interop import detect_format
+
+    try:
+        fmt = detect_format(folder)
+    except ValueError:  # no heads layout: a model
+        return "draft_model"
+    raise ValueError(f"{folder} holds {fmt} heads in another project's format; bring them in first: specheads import "
+                     f"{folder} --format {fmt} --target TARGET --out DIR")
 
 
 def card_base_model(folder: Path) -> str | None:

@@ -50,6 +50,12 @@ def test_info_command_checks_the_heads_against_a_target(stories260k, tmp_path, c
     (tmp_path / "empty").mkdir()
     assert main(["info", str(tmp_path / "empty")]) == 2
     assert "has no config.json" in capsys.readouterr().err
+    # another project's heads (not a draft model, though their config names a model_type): import them first
+    from specheads.heads.interop import export_heads
+
+    export_heads(tmp_path / "heads", "eagle", tmp_path / "foreign")
+    assert main(["info", str(tmp_path / "foreign")]) == 2
+    assert "holds eagle heads in another project's format; bring them in first: specheads import" in capsys.readouterr().err
 
 
 def test_the_committed_cards_metrics_are_read():
