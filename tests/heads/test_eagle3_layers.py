@@ -17,10 +17,8 @@ from specheads.heads import HeadsConfig
 from specheads.heads.describe import describe_heads
 from specheads.heads.interop import export_heads, import_heads
 from specheads.training.chain_attention import use_ttt_chain_attention
-from specheads.training.config import LossSection
-from specheads.training.losses import eagle3_loss
 
-from .drafts import PROMPT, causal, perturbed
+from .drafts import PROMPT, causal, perturbed, ttt_loss
 
 
 def test_the_layers_after_the_first_are_plain_decoder_layers_on_its_output(tiny_llama):
@@ -76,13 +74,7 @@ def test_every_layer_trains_through_the_ttt_unroll_with_dense_and_chain_attentio
     dense = create_heads(tiny_llama, "eagle3", num_layers=2, draft_vocab_size=40).train()
     chain = copy.deepcopy(dense)
     use_ttt_chain_attention(chain)
-    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))
-    attention = torch.ones_like(ids)
-    with torch.no_grad():
-        out = tiny_llama(input_ids=ids, output_hidden_states=True)
-    features = dense.select_features(out.hidden_states)
-    losses = [eagle3_loss(h, features, out.logits, ids, attention, attention, LossSection(ttt_steps=3))
-              for h in (dense, chain)]
+    losses = [ttt_loss(h, tiny_llama) for h in (dense, chain)]
     assert float(losses[1].loss) == pytest.approx(float(losses[0].loss), rel=1e-5)
     for loss in losses:
         loss.loss.backward()

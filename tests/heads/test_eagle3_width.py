@@ -10,10 +10,8 @@ import torch
 from specheads import SpeculativeLM, create_heads, load_heads
 from specheads.heads import HeadsConfig
 from specheads.heads.eagle3 import layer_config_of_width, principal_directions
-from specheads.training.config import LossSection
-from specheads.training.losses import eagle3_loss
 
-from .drafts import PROMPT, causal, perturbed
+from .drafts import PROMPT, causal, perturbed, ttt_loss
 
 
 def test_a_narrow_draft_has_the_shapes_of_its_width(stories260k):
@@ -86,13 +84,7 @@ def test_every_narrow_weight_trains_through_the_ttt_unroll(stories260k):
     target, _ = stories260k
     torch.manual_seed(0)
     heads = create_heads(target, "eagle3", draft_hidden_size=32, draft_vocab_size=64, eagle3_fc_norm=True).train()
-    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
-    attention = torch.ones_like(ids)
-    with torch.no_grad():
-        out = target(input_ids=ids, output_hidden_states=True)
-    loss = eagle3_loss(heads, heads.select_features(out.hidden_states), out.logits, ids, attention, attention,
-                       LossSection(ttt_steps=3))
-    loss.loss.backward()
+    ttt_loss(heads, target).loss.backward()
     assert heads.fc_norm[0].weight.shape == (64,)  # one norm per fused target layer: the target's width
     for name, parameter in heads.named_parameters():
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name

@@ -150,6 +150,19 @@ def _eagle3_folder(folder: Path, target, fmt: str, weights: str = "model.safeten
     return write_folder(folder, config, written, weights), base, tensors, vocab
 
 
+def _computes_as_the_reference(heads, fmt: str, config: dict, tensors: dict, stories, eagle_inputs):
+    """Assert that imported heads compute what `_eagle3_reference` computes from the folder's tensors; returns
+    (the inputs, the reference's draft logits)."""
+    inputs = eagle3_inputs(stories, eagle_inputs, seed=12)
+    prefix = "midlayer." if fmt == "eagle3" else "layers.0."
+    hidden, logits = _eagle3_reference(config, tensors, prefix, stories, inputs)
+    with torch.no_grad():
+        ours = heads(**inputs)
+        torch.testing.assert_close(ours, hidden)
+        torch.testing.assert_close(heads.logits(ours), logits)
+    return inputs, logits
+
+
 @pytest.mark.parametrize("fmt", ["eagle3", "eagle3-sglang", "speculators"])
 def test_eagle3_folders_import_and_draft_as_their_tensors_say(fmt, stories, tmp_path, eagle_inputs):
     folder, config, tensors, vocab = _eagle3_folder(tmp_path / fmt, stories, fmt)
@@ -159,13 +172,7 @@ def test_eagle3_folders_import_and_draft_as_their_tensors_say(fmt, stories, tmp_
     taps = {"eagle3": [2, 2, 2], "eagle3-sglang": [2, 2, 1], "speculators": [2, 3, 4]}  # default / SGLang + 1 / given
     assert heads.config.feature_layers == taps[fmt]
     assert torch.equal(heads.d2t, vocab) and torch.equal(heads.t2d.nonzero().squeeze(-1), vocab)
-    inputs = eagle3_inputs(stories, eagle_inputs, seed=12)
-    prefix = "midlayer." if fmt == "eagle3" else "layers.0."
-    hidden, logits = _eagle3_reference(config, tensors, prefix, stories, inputs)
-    with torch.no_grad():
-        ours = heads(**inputs)
-        torch.testing.assert_close(ours, hidden)
-        torch.testing.assert_close(heads.logits(ours), logits)
+    inputs, logits = _computes_as_the_reference(heads, fmt, config, tensors, stories, eagle_inputs)
     # drafting: the root's children are the target ids (draft id + offset) of the reference's top draft ids
     drafter = EagleDrafter(heads, depth=2, top_k=4, num_nodes=6, dtype=torch.float32)
     drafter.reset()
@@ -183,13 +190,7 @@ def test_drafts_narrower_than_the_target_import_with_their_own_embedding(fmt, st
     heads = import_heads(folder, target=stories, out_dir=tmp_path / "ours")
     assert (heads.config.hidden_size, heads.config.draft_hidden_size) == (64, 32)
     assert heads.fc.weight.shape == (32, 192) and heads.embed_tokens.weight.shape == (512, 32)
-    inputs = eagle3_inputs(stories, eagle_inputs, seed=12)
-    prefix = "midlayer." if fmt == "eagle3" else "layers.0."
-    hidden, logits = _eagle3_reference(config, tensors, prefix, stories, inputs)
-    with torch.no_grad():
-        ours = heads(**inputs)
-        torch.testing.assert_close(ours, hidden)
-        torch.testing.assert_close(heads.logits(ours), logits)
+    _computes_as_the_reference(heads, fmt, config, tensors, stories, eagle_inputs)
     ids = torch.tensor([[1, 40, 47, 26, 37]])
     assert torch.equal(SpeculativeLM(stories, heads).generate(ids, max_new_tokens=24),
                        stories.generate(ids, max_new_tokens=24, do_sample=False))
