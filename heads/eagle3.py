@@ -60,10 +60,13 @@ def principal_directions(weight: torch.Tensor, width: int) -> torch.Tensor:
     directions, the `width` along which the target's rows differ most, instead of from noise. A wider draft (width
     >= h) gets the identity padded with zero columns: the target's coordinates first.
     """
-    rows = weight.detach().float()
+    rows = weight.detach()
     if width >= rows.shape[-1]:  # a wider draft: the target's coordinates, then zeros (the training fills them)
         return torch.eye(rows.shape[-1], width, device=rows.device)
-    _, vectors = torch.linalg.eigh(rows.T @ rows)  # ascending eigenvalues
+    gram = torch.zeros(rows.shape[-1], rows.shape[-1], device=rows.device)  # (h, h) float32
+    for chunk in rows.split(16384):  # float32 a chunk at a time: no float32 copy of a large (V, h) weight
+        gram += chunk.float().T @ chunk.float()
+    _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
     top = vectors[:, -width:].flip(-1)  # (h, width), largest first
     signs = torch.sign(top.gather(0, top.abs().argmax(0, keepdim=True)))  # (1, width)
     return top * signs

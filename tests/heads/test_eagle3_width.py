@@ -125,6 +125,15 @@ def test_widths_that_cannot_work_are_refused_by_name(stories260k):
         HeadsConfig(head_type="eagle3", hidden_size=64, feature_layers=[1, 2], draft_layer_config=dict(layer, hidden_size=0))
 
 
+def test_principal_directions_of_a_large_vocabulary_are_its_top_singular_vectors():
+    """Summed a chunk of rows at a time (no float32 copy of a large weight): the same directions as an SVD."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(40000, 12, generator=generator) * torch.linspace(3, 0.5, 12)  # distinct singular values
+    directions = principal_directions(weight.to(torch.bfloat16), 5)
+    top = torch.linalg.svd(weight.to(torch.bfloat16).float(), full_matrices=False).Vh[:5].T  # (12, 5)
+    torch.testing.assert_close((directions.T @ top).abs(), torch.eye(5), atol=1e-3, rtol=0)
+
+
 def test_key_value_heads_keep_their_group_where_they_can():
     layer = {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 100}
     assert layer_config_of_width(layer, 32)["num_key_value_heads"] == 1  # groups of 4
