@@ -235,7 +235,7 @@ class Eagle3Heads(DraftHeads):
             step's input feature: pre-norm, or with
             `eagle3_norm_output` (EAGLE-3.1) the final norm's output.
         """
-        h, d, fused = self.config.hidden_size, self.config.draft_hidden_size, self.fc.in_features
+        h, d, fused = self.config.hidden_size, self.fc.out_features, self.fc.in_features  # d: the draft's width
         if parallel_slots is not None:
             if self.mask_hidden is None:
                 raise ValueError("Eagle3Heads.forward: parallel_slots given but these heads draft autoregressively "

@@ -196,10 +196,9 @@ def distill(config: RunConfig) -> dict[str, Any]:
     model, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
     if config.distill.lora_r:
         keep_trainable_weights_only(accelerator)  # checkpoints: the adapter, not the frozen draft weights
-    resume, start_step, recorded = resume_state(accelerator, config)
-    if recorded is not None and start_step >= config.max_steps:
-        accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
-        return recorded
+    resume, start_step, finished = resume_state(accelerator, config)
+    if finished is not None:  # trained to max_steps, or stopped early: nothing to do
+        return finished
     save = partial(save_draft_model, tokenizer=tokenizer, config=config)
     keep_best = config.save_best and eval_examples is not None and config.eval_steps > 0
     best = BestHeads(config.output_dir, resume is None, save) if keep_best and accelerator.is_main_process else None

@@ -81,7 +81,8 @@ def after_evaluation(accelerator: Accelerator, config: RunConfig, step: int, sco
 
 def resume_state(accelerator: Accelerator, config: RunConfig) -> tuple[Path | None, int, dict[str, Any] | None]:
     """Load the latest checkpoint in output_dir into the prepared objects, if there is one: (its folder or None, the
-    step to start from, the metrics.json of a run that finished there or None)."""
+    step to start from, the metrics.json of a run that is done there, or None). A run is done when it reached
+    max_steps, or stopped early and `early_stopping_patience` was not raised since (the caller returns its metrics)."""
     resume = latest_checkpoint(config.output_dir)
     if resume is None:
         return None, 0, None
@@ -89,7 +90,17 @@ def resume_state(accelerator: Accelerator, config: RunConfig) -> tuple[Path | No
     start_step = json.loads((resume / STATE_FILE).read_text())["step"]
     accelerator.print(f"[specheads] resuming from {resume} (step {start_step})")
     done_metrics = Path(config.output_dir) / "metrics.json"
-    return resume, start_step, json.loads(done_metrics.read_text()) if done_metrics.is_file() else None
+    recorded = json.loads(done_metrics.read_text()) if done_metrics.is_file() else None
+    if recorded is not None and start_step >= config.max_steps:
+        accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
+        return resume, start_step, recorded
+    if (recorded is not None and recorded.get("early_stopped") and recorded.get("steps") == start_step
+            and 0 < config.early_stopping_patience <= recorded["early_stopping_patience"]):
+        accelerator.print(f"[specheads] {config.output_dir} stopped early at step {start_step} "
+                          f"(early_stopping_patience={recorded['early_stopping_patience']}); raise the patience, "
+                          "or set it to 0, to train on")
+        return resume, start_step, recorded
+    return resume, start_step, None
 
 
 def flat_hparams(config: RunConfig) -> dict[str, Any]:

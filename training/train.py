@@ -431,16 +431,9 @@ def train(config: RunConfig) -> dict[str, Any]:
     model, optimizer, scheduler = accelerator.prepare(trained, optimizer, scheduler)
     if joint is not None:
         keep_trainable_weights_only(accelerator)  # checkpoints: heads + adapter, not the frozen target
-    resume, start_step, recorded = resume_state(accelerator, config)
-    if recorded is not None and start_step >= config.max_steps:
-        accelerator.print(f"[specheads] {config.output_dir} is already trained to max_steps={config.max_steps}")
-        return recorded
-    if (recorded is not None and recorded.get("early_stopped") and recorded.get("steps") == start_step
-            and 0 < config.early_stopping_patience <= recorded["early_stopping_patience"]):
-        accelerator.print(f"[specheads] {config.output_dir} stopped early at step {start_step} "
-                          f"(early_stopping_patience={recorded['early_stopping_patience']}); raise the patience, "
-                          "or set it to 0, to train on")
-        return recorded
+    resume, start_step, finished = resume_state(accelerator, config)
+    if finished is not None:  # trained to max_steps, or stopped early: nothing to do
+        return finished
     # output_dir/best: heads of the best periodic held-out evaluation (the main process writes it)
     keep_best = config.save_best and eval_examples is not None and config.eval_steps > 0
     best = BestHeads(config.output_dir, fresh_run=resume is None) if keep_best and accelerator.is_main_process else None

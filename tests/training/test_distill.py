@@ -306,3 +306,18 @@ def test_a_lora_distillation_resumes_exactly_and_saves_a_merged_plain_model(tmp_
     assert torch.equal(lm.generate(prompt, max_new_tokens=24), target.generate(prompt, max_new_tokens=24, do_sample=False))
     with pytest.raises(ValueError, match="distill.lora_r=-1"):
         load_run_config(RECIPE, ["data.source=x", "distill.lora_r=-1"])
+
+
+def test_a_distillation_that_stopped_early_is_done_until_the_patience_is_raised(tmp_path, stories_file, capsys):
+    """As the heads' loop (shared `resume_state`): learning_rate=0 stops at the third evaluation; the same command
+    again trains nothing, and patience 0 trains on to max_steps."""
+    out = tmp_path / "run"
+    steps = {"max_steps": 8, "save_steps": 8, "eval_steps": 2, "data.eval_fraction": 0.25, "optim.learning_rate": 0}
+    assert main(["train", RECIPE, *overrides(stories_file, out, early_stopping_patience=2, **steps)]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 6
+    capsys.readouterr()
+    assert main(["train", RECIPE, *overrides(stories_file, out, early_stopping_patience=2, **steps)]) == 0
+    assert "stopped early at step 6" in capsys.readouterr().out
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 6
+    assert main(["train", RECIPE, *overrides(stories_file, out, early_stopping_patience=0, **steps)]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 8
