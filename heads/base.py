@@ -120,6 +120,9 @@ class DraftHeads(PreTrainedModel):
     # (`SpeculativeLM.use_int8_draft_linears`): those reading the target's raw residual-stream features, whose
     # outlier dimensions would make a per-tensor int8 input scale flatten everything else.
     float32_linears: tuple[str, ...] = ()
+    # Whether the GPU fast path may draft with these heads at fixed shapes in a CUDA graph (`StaticEagleDrafter`);
+    # False for a layer whose routing picks shapes from the data (an MTP layer's mixture of experts).
+    static_drafting: bool = True
     config: HeadsConfig
     base_model_prefix = "heads"
     main_input_name = "features"

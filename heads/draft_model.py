@@ -209,13 +209,15 @@ def early_exit_layers_of(name: str) -> int | None:
     return int(layers)
 
 
-def check_drafting_source(heads: Any, draft_model: Any, early_exit_layers: Any) -> None:
-    """Raise a ValueError unless exactly one of heads, draft_model and early_exit_layers is given (not None)."""
+def check_drafting_source(heads: Any, draft_model: Any, early_exit_layers: Any, mtp: bool = False) -> None:
+    """Raise a ValueError unless exactly one of heads, draft_model, early_exit_layers (not None) and mtp (True) is
+    given."""
     given = [name for name, value in (("heads", heads), ("draft_model", draft_model),
-                                      ("early_exit_layers", early_exit_layers)) if value is not None]
+                                      ("early_exit_layers", early_exit_layers), ("mtp", mtp or None))
+             if value is not None]
     if len(given) != 1:
-        raise ValueError("SpeculativeLM.from_pretrained: give exactly one of heads, draft_model and early_exit_layers "
-                         f"(what drafts for the target); got {given or 'none'}")
+        raise ValueError("SpeculativeLM.from_pretrained: give exactly one of heads, draft_model, early_exit_layers and "
+                         f"mtp=True (what drafts for the target); got {given or 'none'}")
 
 
 def same_vocabulary(target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase) -> bool:

@@ -52,7 +52,7 @@ SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-p
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specheads bench", description=__doc__)
     p.add_argument("--target", default="stories260K", help="target path, Hub id, alias or peft adapter")
-    add_drafting_options(p)  # --heads | --draft-model | --early-exit-layers
+    add_drafting_options(p)  # --heads | --draft-model | --early-exit-layers | --mtp
     p.add_argument("--prompts", required=True, help="MT-bench style JSONL (first turn) or a text file, one prompt a line")
     p.add_argument("--turns", type=int, default=1,
                    help="turns of each multi-turn record to run (MT-bench: 2): turn k+1 is the chat template over the "
@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     constraint.add_argument("--regex", default=None, help="constrain every run to text matching this regex")
     p.add_argument("--prompt-lookup", type=int, default=10, help="peer: transformers prompt-lookup tokens (0: skip)")
     p.add_argument("--assistant", default=None, help="peer: a draft model for transformers assisted generation (with "
-                   "--early-exit-layers N and no --assistant: transformers' assistant_early_exit=N is the peer)")
+                   "--early-exit-layers N and no --assistant: transformers' assistant_early_exit=N is the peer; with "
+                   "--mtp: transformers' generate(use_mtp=True), a chain drafted by the same MTP layer)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -242,10 +243,12 @@ def run_prompt(
         out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **images,
                                                 prompt_lookup_num_tokens=args.prompt_lookup, **gen_kwargs, **constrained()))
         row["prompt_lookup_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
-    # transformers' assisted generation: with --assistant's draft model, else with --early-exit-layers' own layers
+    # transformers' assisted generation: with --assistant's draft model, else with --early-exit-layers' own layers, or
+    # --mtp's MTP layer (a chain of drafts: `use_mtp`)
     early_exit = getattr(args, "early_exit_layers", None)
     assisted = ({"assistant_model": assistant} if assistant is not None
-                else {"assistant_early_exit": early_exit} if early_exit is not None else None)
+                else {"assistant_early_exit": early_exit} if early_exit is not None
+                else {"use_mtp": True} if getattr(args, "mtp", None) else None)
     if assisted is not None and not images:  # (a text draft model cannot read the images)
         out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **assisted, **gen_kwargs,
                                                 **constrained()))

@@ -293,7 +293,8 @@ class FastPathRunner:
             return self.drafter
         self.fixed_slots, self.reserve = fixed_tree_slots(drafter), tree_reserve(drafter)
         # `type(...) is`: a parallel drafter (a subclass) drafts in one forward already and runs as it is
-        if self.static_drafting and type(drafter) is EagleDrafter and drafter.stop_prob == drafter.min_prob == 0:
+        static = type(drafter) is EagleDrafter and drafter.heads.static_drafting
+        if self.static_drafting and static and drafter.stop_prob == drafter.min_prob == 0:
             if self.static_drafter is None or self.static_drafter.source is not drafter:
                 self.static_drafter = StaticEagleDrafter(drafter, self.capacity, use_graph=self.use_graphs)
             self.drafter = self.static_drafter

@@ -23,6 +23,7 @@ from specheads.heads.eagle import EagleHeads
 from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.loading import load_heads
 from specheads.heads.medusa import MedusaHeads
+from specheads.heads.mtp import MtpHeads
 from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.batch_request import (
     BatchRequest,
@@ -76,14 +77,13 @@ class SpeculativeLM(CpuKernels):
 
     Args:
         target: the frozen target (any `AutoModelForCausalLM` of a supported family).
-        heads: heads built for this target (`create_heads` / `load_heads`).
-        tokenizer: optional; used by the CLI and streamers.
+        heads: heads built for this target (`create_heads` / `load_heads`), or a draft model or the target's MTP
+            layer as heads (`DraftModelHeads`, `MtpHeads`). tokenizer: optional; used by the CLI and streamers.
         tree: Medusa only: a `StaticTree` or the name/path of one (default: the checkpoint's `static_tree`).
         tree_depth, tree_top_k, tree_num_nodes: EAGLE only: dynamic tree shape (default: the checkpoint's).
             Every tree default is the checkpoint's for the target's device: on a CPU, the fields its `cpu_tree`
             sets replace the others (a smaller tree where each verified node costs time).
-        tree_stop_prob: EAGLE only: stop drafting deeper once the best path's probability under the head
-            falls below this (0 = always draft `tree_depth` levels).
+        tree_stop_prob: EAGLE only: no deeper level once the best path's probability under the head is below this.
         tree_min_prob: EAGLE only: verify only the drafted nodes whose path probability under the head is at
             least this (the best one always; 0 = always `tree_num_nodes`). Pays where each verified node costs
             time (CPUs); such drafters run eagerly on the GPU fast path.
@@ -91,9 +91,8 @@ class SpeculativeLM(CpuKernels):
             (verify, accept, compact, draft; inference/graphed_round.py) instead of two graphs joined by eager
             glue. None (default): when the fast path captures graphs (CUDA); True: also eagerly on the CPU (how
             it is tested); False: the per-phase loop. A failed capture falls back to the per-phase graphs.
-        graphed_prefill: fast path only: the prompt's forward padded to a multiple of 64 tokens and captured as a
-            CUDA graph per padded length (`GraphedPrefill`, inference/fast_path.py) instead of an eager forward of
-            each prompt length. Off by default (not yet measured on a GPU); on the CPU it runs eagerly.
+        graphed_prefill: fast path only: the prompt's forward padded to a multiple of 64 tokens, a CUDA graph per
+            padded length (`GraphedPrefill`, inference/fast_path.py). Off by default (not measured on a GPU).
         lookup_tokens: prompt lookup in the tree (inference/lookup.py): each round, the tokens that followed the
             latest earlier occurrence of the context's last `lookup_max_ngram` (down to 2) tokens, at most this
             many, are grafted onto the heads' tree as one more branch (0 = off). Any heads; exact either way.
@@ -104,8 +103,8 @@ class SpeculativeLM(CpuKernels):
             measured costs and acceptance (inference/round_budget.py; the target's verification cost is measured
             once, at the first batched round). None (default): full trees whatever the batch.
         prefill_chunk: batched decoding: a joining prompt with more tokens to run than this prefills that many per
-            round, so the rows already decoding wait at most one chunk's forward per round
-            (inference/chunked_prefill.py). None (default): in one forward as it joins.
+            round, so rows already decoding wait at most one chunk's forward a round (inference/chunked_prefill.py).
+            None (default): in one forward as it joins.
         lookup_max_tokens: let the guess grow while whole guesses are accepted (doubling from `lookup_tokens` up to
             this; back to `lookup_tokens` after any other round): fewer rounds over copied passages. Default
             (None): `lookup_tokens`, a fixed length.
@@ -175,12 +174,10 @@ class SpeculativeLM(CpuKernels):
             if tree is None and static.max_depth > heads.config.num_heads:
                 static = truncate_static_tree(static, heads.config.num_heads)  # the default tree, cut to the heads we have
             self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
-        elif isinstance(heads, (EagleHeads, Eagle3Heads, DraftModelHeads)):
+        elif isinstance(heads, (EagleHeads, Eagle3Heads, DraftModelHeads, MtpHeads)):
             if tree is not None:
-                raise ValueError(
-                    f"{'a draft model' if isinstance(heads, DraftModelHeads) else 'EAGLE heads'} drafts dynamic trees: "
-                    "use tree_depth / tree_top_k / tree_num_nodes (/ tree_stop_prob / tree_min_prob), not tree"
-                )
+                raise ValueError(f"{heads.config.head_type} drafting makes dynamic trees: use tree_depth / tree_top_k / "
+                                 "tree_num_nodes (/ tree_stop_prob / tree_min_prob), not tree")
             parallel = isinstance(heads, Eagle3Heads) and heads.config.parallel_depth  # P-EAGLE: one forward a round
             drafter_class = (DraftModelDrafter if isinstance(heads, DraftModelHeads) else ParallelDrafter if parallel
                              else EagleDrafter)
@@ -246,6 +243,7 @@ class SpeculativeLM(CpuKernels):
         if not isinstance(drafter, EagleDrafter):  # a caller's own (`use_drafter`)
             return {"kind": "custom", "drafter": type(drafter).__name__, **lookup}
         extra = {"parallel": True} if isinstance(drafter, ParallelDrafter) else {}  # P-EAGLE: one forward a round
+        extra |= {"mtp": True} if isinstance(self.heads, MtpHeads) else {}  # the target's own MTP layer drafts
         if isinstance(drafter, DraftModelDrafter):  # and, for another tokenizer, the tokens it can draft
             mapping = self.heads.vocab_mapping
             extra = {"draft_model": self.heads.config.draft_model_name_or_path,
@@ -262,21 +260,24 @@ class SpeculativeLM(CpuKernels):
         device: str | torch.device | None = None,
         draft_model: str | os.PathLike | None = None,
         early_exit_layers: int | None = None,
+        mtp: bool = False,
         **kwargs: Any,
     ) -> SpeculativeLM:
         """Load a target (path, Hub id or alias) and what drafts for it, then build the model: `heads` (folder or Hub
         id), or a `draft_model` (path, Hub id or alias; no training; best one of the target's tokenizer, another
-        one drafts the tokens both share), or the target's own first `early_exit_layers` layers (self-speculation);
-        exactly one of the three (heads/draft_model.py).
+        one drafts the tokens both share), or the target's own first `early_exit_layers` layers (self-speculation),
+        or with `mtp=True` the target's own MTP layer (DeepSeek-V3, GLM-4.5, ...; heads/mtp.py); exactly one.
 
         Heads trained jointly with a LoRA adapter on the target (Medusa-2) get it merged into the target first.
         """
         from specheads.heads.adapter import apply_target_adapter
 
-        check_drafting_source(heads, draft_model, early_exit_layers)
+        check_drafting_source(heads, draft_model, early_exit_layers, mtp)
         if dtype is None and device is not None and torch.device(device).type == "cuda":
             dtype = torch.bfloat16  # on GPUs the target (and the heads, which follow it) run in bf16; fp32 on CPU
         target_model, tokenizer = load_target(target, dtype=dtype, device=device)
+        if mtp:
+            return cls(target_model, MtpHeads.from_target(target_model), tokenizer=tokenizer, **kwargs)
         if heads is None:
             drafting = draft_model_heads(target_model, tokenizer, draft_model, early_exit_layers, dtype, device)
             return cls(target_model, drafting, tokenizer=tokenizer, **kwargs)
@@ -301,7 +302,6 @@ class SpeculativeLM(CpuKernels):
             self._round_budget = AutoRoundBudget(self.verification_ms_by_tokens(), full_nodes)
         return self._round_budget
 
-    # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
         self,

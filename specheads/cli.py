@@ -23,7 +23,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     from specheads.inference.round_budget import parse_max_round_nodes
 
     p.add_argument("--target", default="stories260K", help="target path, Hub id, alias or peft adapter (default: stories260K)")
-    add_drafting_options(p)  # --heads | --draft-model | --early-exit-layers
+    add_drafting_options(p)  # --heads | --draft-model | --early-exit-layers | --mtp
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--temperature", type=float, default=None, help="default: the target's generation config")

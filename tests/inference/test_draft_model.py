@@ -125,7 +125,7 @@ def test_from_pretrained_loads_a_draft_model_or_an_early_exit(tmp_path):
     assert lm.last_stats["mean_accepted"] > 3  # the target itself drafts: nearly everything is accepted
     lm = SpeculativeLM.from_pretrained("stories260K", early_exit_layers=2)
     assert lm.heads.shares_target_weights and lm.tree_description()["draft_model"] == "early-exit:2"
-    with pytest.raises(ValueError, match="exactly one of heads, draft_model and early_exit_layers.*none"):
+    with pytest.raises(ValueError, match="exactly one of heads, draft_model, early_exit_layers and mtp=True.*none"):
         SpeculativeLM.from_pretrained("stories260K")
     with pytest.raises(ValueError, match=r"exactly one of .*\['draft_model', 'early_exit_layers'\]"):
         SpeculativeLM.from_pretrained("stories260K", draft_model="stories260K", early_exit_layers=2)
@@ -141,12 +141,12 @@ def test_bad_draft_models_are_refused_by_name(stories260k):
     with pytest.raises(ValueError, match="made of another target's layers"):
         SpeculativeLM(target, heads)
     lm = early_exit_lm(target, 2)
-    with pytest.raises(ValueError, match="made of the target's own layers"):
+    with pytest.raises(ValueError, match="shares the target's own modules"):
         lm.use_int8_draft_linears()
     assert lm.use_cpu_kernels(draft_linear="auto", cpu_linear="default")["draft_linear"] == "default"
     with pytest.raises(NotImplementedError, match="used as it is"):
         lm.heads.save_pretrained("anywhere")
-    with pytest.raises(ValueError, match="a draft model drafts dynamic trees"):
+    with pytest.raises(ValueError, match="draft_model drafting makes dynamic trees"):
         lm.configure_tree(tree="medusa_default")
 
 
