@@ -5,7 +5,8 @@ size, draft vocabulary and tree defaults, the metrics on their card, whether the
 transformers `custom_generate` entry; with a target, the same checks `load_heads(..., target=)` makes, reported
 instead of raised. A draft model folder (a plain transformers causal LM, e.g. one `head.type=draft_model` distilled)
 is described too: its shape, the target its card names, its metrics; with a target, whether it drafts for it (the
-same tokenizer, or how many tokens the two vocabularies share).
+same tokenizer, or how many tokens the two vocabularies share); a model shipped with MTP layers is told to draft for
+itself (`--mtp`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,9 @@ def describe_draft_model(folder: Path) -> dict[str, Any]:
             for name in f.keys():
                 parameters += math.prod(f.get_slice(name).get_shape())
     target = card_base_model(folder)
+    mtp_layers = getattr(config, "num_mtp_layers", None)  # a model shipped with MTP layers drafts for itself: --mtp
+    mtp = {"mtp_layers": mtp_layers, "mtp_usage": f"specheads generate --target {folder} --mtp --prompt ..."} \
+        if isinstance(mtp_layers, int) and mtp_layers > 0 else {}
     return {
         "folder": str(folder),
         "kind": "draft_model",
@@ -160,6 +164,7 @@ def describe_draft_model(folder: Path) -> dict[str, Any]:
         "target": target,  # as its card names it (a distilled draft's); None: unknown
         "usage": f"specheads generate --target {target or 'TARGET'} --draft-model {folder} --prompt ...",
         "metrics": card_metrics(folder),
+        **mtp,
     }
 
 

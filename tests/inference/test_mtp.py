@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specheads import SpeculativeLM
 from specheads.cli import main
+from specheads.heads.describe import describe_heads
 from specheads.heads.mtp import MtpHeads, load_mtp_model
 
 from ..mtp_targets import MTP_FAMILIES, cycle_of, load_mtp_target, write_mtp_target
@@ -159,6 +160,8 @@ def test_mtp_from_the_command_line(cycling_folder, capfd, tmp_path):
                  "--max-new-tokens", "16", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["heads"] == "mtp" and report["acc_depth1"] == report["acc_depth4"] == 1.0, report
+    summary = describe_heads(cycling_folder)  # `specheads info` on the model folder points at --mtp
+    assert summary["mtp_layers"] == 1 and f"--target {cycling_folder} --mtp" in summary["mtp_usage"]
 
 
 def test_mtp_bench_measures_transformers_mtp_chain_beside_the_trees(cycling_folder, tmp_path):
