@@ -11,14 +11,17 @@ from specheads.heads.config import FIELD_HELP, HeadsConfig
 from specheads.heads.eagle import EagleHeads
 from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.medusa import MedusaHeads
+from specheads.heads.mtp import MtpHeads
 
 # One explicit registration line per head type.
 HEAD_CLASSES: dict[str, type[DraftHeads]] = {
     "medusa": MedusaHeads,
     "eagle": EagleHeads,
     "eagle3": Eagle3Heads,
+    "mtp": MtpHeads,  # the target's own MTP layer (heads/mtp.py): only for a target shipped with one
 }
-HEAD_TYPES: tuple[str, ...] = tuple(HEAD_CLASSES)
+# The head types `create_heads` builds for any target.
+HEAD_TYPES: tuple[str, ...] = ("medusa", "eagle", "eagle3")
 
 from specheads.heads.draft_model import DraftModelHeads, early_exit_model  # noqa: E402  (not a registered type)
 from specheads.heads.loading import create_heads, load_heads  # noqa: E402  (needs HEAD_CLASSES)
@@ -33,6 +36,7 @@ __all__ = [
     "HEAD_TYPES",
     "HeadsConfig",
     "MedusaHeads",
+    "MtpHeads",
     "TargetParts",
     "check_heads_match_target",
     "create_heads",

@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 # `DraftModelHeads` (heads/draft_model.py): a draft model wrapped to stand where heads stand; never a checkpoint
 DRAFT_MODEL_HEAD_TYPE = "draft_model"
-# `MtpHeads` (heads/mtp.py): the target's own multi-token-prediction layer as the draft; never a checkpoint
+# `MtpHeads` (heads/mtp.py): a multi-token-prediction layer of the target's, as the target ships it or fine-tuned
 MTP_HEAD_TYPE = "mtp"
 # EAGLE-3 variants' norms (heads/eagle3.py): EAGLE-3.1's two, and two of vLLM speculators' drafters
 EAGLE3_NORM_FIELDS = ("eagle3_fc_norm", "eagle3_norm_output", "eagle3_norm_before_fc", "eagle3_norm_before_residual")
@@ -22,9 +22,9 @@ TREE_FIELDS = ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "
 
 # One line of help per field; also used by `specheads` docs and error messages.
 FIELD_HELP: dict[str, str] = {
-    "head_type": "Which draft architecture: one of specheads.HEAD_TYPES (medusa, eagle, eagle3); 'draft_model' for a draft "
-    "model wrapped as heads at run time (heads/draft_model.py; never saved); 'mtp' for the target's own MTP layer "
-    "(heads/mtp.py; never saved).",
+    "head_type": "Which draft architecture: one of specheads.HEAD_TYPES (medusa, eagle, eagle3), or 'mtp' (the target's own "
+    "multi-token-prediction layer, heads/mtp.py); 'draft_model' for a draft model wrapped as heads at run time "
+    "(heads/draft_model.py; never saved).",
     "draft_model_name_or_path": "draft_model: the draft model's path or Hub id ('early-exit:N' for the target's first N "
     "layers).",
     "format_version": "Checkpoint layout version; bumped when tensor names or semantics change.",
@@ -207,10 +207,11 @@ class HeadsConfig(PretrainedConfig):
 
     def validate_values(self) -> None:
         """Raise a ValueError naming the first invalid field."""
-        from specheads.heads import HEAD_TYPES  # the registry lives in heads/__init__.py
+        from specheads.heads import HEAD_CLASSES  # the registry lives in heads/__init__.py
 
-        if self.head_type not in HEAD_TYPES and self.head_type not in (DRAFT_MODEL_HEAD_TYPE, MTP_HEAD_TYPE):
-            raise ValueError(f"HeadsConfig.head_type={self.head_type!r} is unknown; expected one of {HEAD_TYPES}")
+        if self.head_type not in HEAD_CLASSES and self.head_type != DRAFT_MODEL_HEAD_TYPE:
+            raise ValueError(f"HeadsConfig.head_type={self.head_type!r} is unknown; expected one of "
+                             f"{tuple(HEAD_CLASSES)}")
         if not isinstance(self.format_version, int) or self.format_version > FORMAT_VERSION:
             raise ValueError(
                 f"HeadsConfig.format_version={self.format_version!r}: this specheads reads versions <= {FORMAT_VERSION}; "

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from specheads.heads import HEAD_CLASSES, HEAD_TYPES
 from specheads.heads.base import DraftHeads, target_embedding_sample
-from specheads.heads.config import FIELD_HELP, HeadsConfig
+from specheads.heads.config import FIELD_HELP, MTP_HEAD_TYPE, HeadsConfig
 from specheads.heads.eagle import draft_layer_config_from_target
 from specheads.heads.eagle3 import default_eagle3_feature_layers, layer_config_of_width
 
@@ -32,7 +32,8 @@ def create_heads(
     Args:
         target: the frozen target, any decoder-only `AutoModelForCausalLM` (EAGLE heads own a decoder layer of its
             family when that layer has Llama's shape, else a Llama layer of its sizes: `draft_layer_config_from_target`).
-        head_type: one of `HEAD_TYPES`.
+        head_type: one of `HEAD_TYPES`, or "mtp": the target's own MTP layer as it ships (`MtpHeads.from_target`;
+            `options` only the tree fields), for a target shipped with one.
         draft_layer: EAGLE / EAGLE-3: "auto" (the target family's decoder layer when it has Llama's shape, else a
             Llama one) or "llama" (always Llama: the layout SGLang / SpecForge EAGLE-3 exports need, e.g. for Qwen2).
         draft_hidden_size: EAGLE-3: the width of the draft's decoder layer when it should differ from the target's
@@ -44,8 +45,11 @@ def create_heads(
     Returns:
         Heads on the target's device and dtype, initialised as their architecture prescribes.
     """
-    if head_type not in HEAD_CLASSES:
-        raise ValueError(f"unknown head_type {head_type!r}; expected one of {HEAD_TYPES}")
+    if head_type == MTP_HEAD_TYPE:  # the target's own MTP layer, as shipped (needs a target with one)
+        return HEAD_CLASSES[head_type].from_target(target, **options)
+    if head_type not in HEAD_TYPES:
+        raise ValueError(f"unknown head_type {head_type!r}; expected one of {HEAD_TYPES} (or {MTP_HEAD_TYPE!r} for a "
+                         "target shipped with an MTP layer)")
     if head_type == "medusa" and draft_layer != "auto":
         raise ValueError(f"draft_layer={draft_layer!r} applies to EAGLE heads; Medusa heads own no decoder layer")
     if draft_hidden_size is not None and head_type != "eagle3":
@@ -159,7 +163,7 @@ def load_heads(
         raise ValueError(f"{config_file} is not valid JSON: {err}") from err
     head_type = raw.get("head_type")
     if head_type not in HEAD_CLASSES:
-        raise ValueError(f"{config_file}: head_type={head_type!r} is unknown; expected one of {HEAD_TYPES}")
+        raise ValueError(f"{config_file}: head_type={head_type!r} is unknown; expected one of {tuple(HEAD_CLASSES)}")
     config = HeadsConfig.from_pretrained(folder)
     check_safetensors(weights_file)
     heads, info = HEAD_CLASSES[head_type].from_pretrained(

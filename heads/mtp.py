@@ -17,7 +17,10 @@ target's layer class, the checkpoint's MTP tensors renamed and converted, the em
 target), so any family transformers knows the MTP layout of works. With several MTP layers (e.g. Step-3.5) only the
 first drafts, at every depth.
 
-`MtpHeads` is not a checkpoint: the weights are the target's (`save_pretrained` refuses).
+`MtpHeads` is a head type like the others once built: its weights are its own copy of the MTP layer (the target's
+embedding and lm_head borrowed, never saved), so it trains (`specheads train head.type=mtp`: fine-tuning the MTP layer
+on the target's post-training answers, which it never saw), saves and loads as a specheads checkpoint. Its config's
+`draft_layer_config` is the target's MTP config (transformers' `get_mtp_config()`), from which the layer is rebuilt.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from specheads.heads.base import DraftHeads
+from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.config import MTP_HEAD_TYPE, HeadsConfig
+from specheads.heads.eagle import decoder_classes
 
 # Default trees (not measured on a real MTP model here): an MTP level costs one decoder layer of the target's family
 # (a mixture of experts on DeepSeek and GLM), about an EAGLE head's; on CPUs, where every verified node costs, smaller.
@@ -45,6 +49,29 @@ def mtp_layer_count(target: PreTrainedModel) -> int:
     return count if isinstance(count, int) and not isinstance(count, bool) else 0
 
 
+def mtp_classes() -> tuple[type[nn.Module], type[nn.Module]]:
+    """transformers' (MtpModel, MtpLayer).
+
+    Raises:
+        ValueError: a transformers without them (before 5.24).
+    """
+    try:
+        from transformers.modeling_layers import MtpLayer, MtpModel
+    except ImportError as err:
+        raise ValueError("MTP heads need transformers >= 5.24 (transformers.modeling_layers.MtpModel); "
+                         "pip install -U 'transformers>=5.24'") from err
+    return MtpModel, MtpLayer
+
+
+def mtp_layer_config(target_config: PretrainedConfig) -> dict[str, Any]:
+    """The config (as a dict) of the target's MTP layers: transformers' `get_mtp_config()` (the target's text config
+    with the MTP layers' counts and types), without the fields that name the checkpoint."""
+    layer_config = target_config.get_mtp_config().to_dict()
+    for key in ("architectures", "_name_or_path", "transformers_version", "auto_map", "quantization_config"):
+        layer_config.pop(key, None)
+    return layer_config
+
+
 def load_mtp_model(target: PreTrainedModel) -> nn.Module:
     """transformers' `MtpModel` of `target`: its MTP layers loaded from the checkpoint folder `target` was loaded from,
     on the device of its last decoder layer, in its dtype, the embedding and lm_head shared with it.
@@ -54,11 +81,7 @@ def load_mtp_model(target: PreTrainedModel) -> nn.Module:
             family), a target not loaded from a checkpoint (built from a config), or a checkpoint without the MTP
             tensors (e.g. a re-saved copy: transformers drops them when it loads the target).
     """
-    try:
-        from transformers.modeling_layers import MtpModel
-    except ImportError as err:
-        raise ValueError("MTP drafting needs transformers >= 5.24 (transformers.modeling_layers.MtpModel); "
-                         "pip install -U 'transformers>=5.24'") from err
+    MtpModel = mtp_classes()[0]  # noqa: N806 (a class)
     text = target.config.get_text_config()
     if mtp_layer_count(target) < 1:
         raise ValueError(
@@ -79,50 +102,71 @@ def load_mtp_model(target: PreTrainedModel) -> nn.Module:
 
 
 class MtpHeads(DraftHeads):
-    """The target's MTP layer in the place of heads (see the module docstring).
+    """An MTP layer of the target's family as heads (see the module docstring): its `layer` (transformers'
+    `MtpLayer`: enorm, hnorm, eh_proj, the decoder block, post_norm) reads (f_t, x_{t+1}) and predicts f_{t+1}, whose
+    logits through the target's lm_head rank x_{t+2}.
 
-    The GPU fast path drafts with it eagerly (`static_drafting = False`): its layer may be a mixture of experts,
-    whose routing a CUDA graph cannot hold.
-
-    Args:
-        config: from `MtpHeads.config_for(target)`: the target's sizes, `head_type="mtp"`, the MTP default trees.
-        mtp_model: `load_mtp_model(target)`; its first layer drafts.
+    `MtpHeads(config)` builds the layer with fresh weights; `MtpHeads.from_target(target)` (and `create_heads(target,
+    "mtp")`) holds the target's own MTP layer, as shipped. The GPU fast path drafts with it eagerly
+    (`static_drafting = False`): its layer may be a mixture of experts, whose routing a CUDA graph cannot hold.
     """
 
     static_drafting = False
 
-    def __init__(self, config: HeadsConfig, mtp_model: nn.Module) -> None:
-        if config.head_type != MTP_HEAD_TYPE:
-            raise ValueError(f"MtpHeads needs head_type={MTP_HEAD_TYPE!r}, got {config.head_type!r}")
-        super().__init__(config)  # no post_init: it would re-initialise the loaded MTP weights
-        self.mtp_model = mtp_model
-        self.layer = mtp_model.layers[0]
-        # it holds the target's embedding and lm_head (shared): int8 drafting, which would change them, is refused
-        self.shares_target_weights = True
+    def __init__(self, config: HeadsConfig) -> None:
+        if config.head_type != MTP_HEAD_TYPE or not config.draft_layer_config:
+            raise ValueError(f"MtpHeads needs head_type={MTP_HEAD_TYPE!r} and the target's MTP config in "
+                             f"draft_layer_config; got head_type={config.head_type!r}")
+        super().__init__(config)
+        _, mtp_layer_class = mtp_classes()
+        layer_config = self.layer_config
+        layer_class, rotary_class = decoder_classes(layer_config)
+        with torch.device("meta"):  # only to find the family's norm class, as transformers' MtpModel does
+            probe = layer_class(layer_config, layer_idx=0)
+        norm_class = next(type(module) for name, module in probe.named_modules() if "norm" in name)
+        # MtpModel's rule: with `chain_hidden_post_norm` in the config, no norm per layer but maybe one shared
+        chained = hasattr(layer_config, "chain_hidden_post_norm")
+        self.layer = mtp_layer_class(layer_config, layer_class, norm_class, 0, use_post_norm=not chained)
+        shared = chained and layer_config.chain_hidden_post_norm
+        self.shared_post_norm = norm_class(layer_config.hidden_size, eps=layer_config.rms_norm_eps) if shared else None
+        self.rotary_emb = rotary_class(config=layer_config)
+        self.post_init()
+
+    @property
+    def layer_config(self) -> PretrainedConfig:
+        """The MTP layer's transformers config, rebuilt from `config.draft_layer_config` (SDPA attention)."""
+        kwargs = dict(self.config.draft_layer_config)
+        built = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+        built._attn_implementation = "sdpa"
+        return built
 
     @staticmethod
-    def config_for(target: PreTrainedModel) -> HeadsConfig:
-        """The config of `target`'s MTP drafting: its sizes, its final (post-norm) hidden state as the feature the MTP
-        layer reads, the MTP default trees."""
+    def config_for(target: PreTrainedModel, **options: Any) -> HeadsConfig:
+        """The heads config of `target`'s MTP layer: its sizes, its final (post-norm) hidden state as the feature the
+        layer reads, its MTP config, the MTP default trees (`options`: any HeadsConfig field over those)."""
         text = target.config.get_text_config()
         return HeadsConfig(
             head_type=MTP_HEAD_TYPE, target_name_or_path=str(text.name_or_path or ""),
             target_architectures=list(target.config.architectures or []), target_model_type=text.model_type,
             hidden_size=text.hidden_size, vocab_size=text.vocab_size, feature_layers=[text.num_hidden_layers],
-            **MTP_TREE, cpu_tree=MTP_CPU_TREE,
+            draft_layer_config=mtp_layer_config(target.config),
+            target_embedding_sample=target_embedding_sample(target.get_input_embeddings().weight),
+            **{**MTP_TREE, "cpu_tree": MTP_CPU_TREE, **options},
         )
 
     @classmethod
-    def from_target(cls, target: PreTrainedModel) -> MtpHeads:
-        """`target`'s own MTP layer as heads (`load_mtp_model`'s errors)."""
-        return cls(cls.config_for(target), load_mtp_model(target))
-
-    def attach_target(self, target: PreTrainedModel) -> None:
-        """Check that these MTP layers are `target`'s own (they share its embedding)."""
-        super().attach_target(target)
-        if self.mtp_model.embed_tokens is not target.get_input_embeddings():
-            raise ValueError(f"these MTP heads are the MTP layers of another target ({self.config.target_name_or_path!r}) "
-                             "model instance; build them from this one: MtpHeads.from_target(target)")
+    def from_target(cls, target: PreTrainedModel, **options: Any) -> MtpHeads:
+        """`target`'s own (first) MTP layer as heads, attached to it (`load_mtp_model`'s errors; `options`: HeadsConfig
+        fields, e.g. the tree)."""
+        mtp = load_mtp_model(target)
+        with torch.device("meta"):  # a skeleton: the loaded layer takes its place, no memory spent on fresh weights
+            heads = cls(cls.config_for(target, **options))
+        heads.layer = mtp.layers[0].requires_grad_(True)  # the heads' own copy: trainable (fine-tuning), as heads are
+        heads.shared_post_norm = mtp.shared_post_norm.requires_grad_(True) if mtp.use_shared_post_norm else None
+        with torch.device(target.device):  # its buffers (inverse frequencies) computed, on the target's device
+            heads.rotary_emb = type(heads.rotary_emb)(config=heads.layer_config)
+        heads.attach_target(target)
+        return heads.eval()
 
     def forward(
         self,
@@ -134,24 +178,21 @@ class MtpHeads(DraftHeads):
     ) -> torch.Tensor:
         """The MTP layer's outputs (B, T, h) (after its post-norm: what the lm_head reads and the next depth reads as
         its feature) for (B, T, h) `features` f_t and the (B, T) tokens x_{t+1} that followed them, at `position_ids`,
-        under the 4-D additive `attention_mask` over the cached + T keys; appends to `past_key_values` (its own cache,
-        layer 0)."""
-        mtp = self.mtp_model
-        embeds = mtp.embed_tokens(input_ids).to(features.dtype)  # (B, T, h)
-        rotary = mtp.rotary_emb
-        position_embeddings = None if rotary is None else rotary(embeds, position_ids=position_ids)
+        under the 4-D additive `attention_mask` over the cached + T keys; appends to `past_key_values` (the heads' own
+        cache, layer 0), or None (training)."""
+        embeds = self.target_parts.embed_tokens(input_ids).to(features.dtype)  # (B, T, h)
+        position_embeddings = self.rotary_emb(embeds, position_ids)
         hidden = self.layer(embeds, features, position_embeddings=position_embeddings,
                             attention_mask=attention_mask.to(features.dtype), position_ids=position_ids,
                             **cache_kwargs(self.layer, past_key_values))
-        if getattr(mtp, "use_shared_post_norm", False):  # Inkling: one norm after every MTP layer
-            hidden = mtp.shared_post_norm(hidden)
-        return hidden
+        return hidden if self.shared_post_norm is None else self.shared_post_norm(hidden)
 
     def logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
-        """(..., V) logits of the MTP layer's outputs through the target's lm_head (its muP scaling when it has one)."""
-        multiplier = getattr(self.mtp_model.config, "logits_mup_width_multiplier", None)
+        """(..., V) logits of the MTP layer's outputs through the target's lm_head (with its muP scaling when it has
+        one, as transformers' MtpModel applies it)."""
+        multiplier = self.config.draft_layer_config.get("logits_mup_width_multiplier")
         hidden = predicted_features if multiplier is None else predicted_features / multiplier
-        lm_head = self.mtp_model.shared_head  # the target's own
+        lm_head = self.target_parts.lm_head
         return lm_head(hidden.to(lm_head.weight.dtype))[..., : self.config.vocab_size]
 
     def draft_logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
@@ -160,10 +201,3 @@ class MtpHeads(DraftHeads):
 
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
-
-    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("MTP heads are the target's own MTP layers: they live in the target's checkpoint and "
-                                  "have no heads checkpoint to save")
-
-    def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("MTP heads are the target's own MTP layers: push the target itself")

@@ -9,6 +9,7 @@ from specheads.heads import (  # noqa: E402
     HEAD_TYPES,
     DraftModelHeads,
     HeadsConfig,
+    MtpHeads,
     create_heads,
     early_exit_model,
     load_heads,
@@ -16,8 +17,8 @@ from specheads.heads import (  # noqa: E402
 from specheads.targets import load_target  # noqa: E402
 
 __all__ = [
-    "HEAD_TYPES", "BatchEngine", "ChatSession", "CorpusLookup", "DraftModelHeads", "HeadsConfig", "PromptCache",
-    "ServingLoop", "SpeculativeLM",
+    "HEAD_TYPES", "BatchEngine", "ChatSession", "CorpusLookup", "DraftModelHeads", "HeadsConfig", "MtpHeads",
+    "PromptCache", "ServingLoop", "SpeculativeLM",
     "__version__", "create_heads", "early_exit_model", "load_heads", "load_target",
 ]
 

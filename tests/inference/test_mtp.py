@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specheads import SpeculativeLM
+from specheads import SpeculativeLM, create_heads, load_heads
 from specheads.cli import main
 from specheads.heads.describe import describe_heads
 from specheads.heads.mtp import MtpHeads, load_mtp_model
@@ -52,7 +52,7 @@ def test_the_mtp_heads_are_the_targets_mtp_layer_and_decode_exactly(mtp_folders,
         next_ids = torch.cat([PROMPT[:, 1:], torch.tensor([[7]])], dim=1)  # x_{t+1} after each f_t
         mask = torch.full((1, 1, n, n), torch.finfo(torch.float32).min).triu(1)
         ours = heads.logits(heads(features, next_ids, torch.arange(n)[None], mask))
-        mtp = heads.mtp_model
+        mtp = load_mtp_model(target)  # transformers' own, on its own
         reference = mtp.shared_head(mtp.forward_layer(0, features, torch.arange(1, n + 1)[None], None, input_ids=next_ids))
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
     lm = SpeculativeLM(target, heads)
@@ -91,10 +91,8 @@ def test_right_mtp_drafts_are_accepted_whole(cycling_folder):
 
 
 def test_mtp_sampling_follows_the_exact_law(chi_square):
-    """Sampling with a DeepSeek-V3 MTP layer's trees (random weights: transformers' `MtpModel` of a 6-token target)
-    gives the target's exact joint law of the first three tokens."""
-    from transformers.modeling_layers import MtpModel
-
+    """Sampling with a DeepSeek-V3 MTP layer's trees (fresh random weights, a 6-token target) gives the target's exact
+    joint law of the first three tokens."""
     vocab = 6
     _, fields = MTP_FAMILIES["deepseek_v3"]
     config = AutoConfig.for_model("deepseek_v3", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -105,8 +103,7 @@ def test_mtp_sampling_follows_the_exact_law(chi_square):
     target = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
     with torch.no_grad():
         target.lm_head.weight.mul_(8.0)  # a law far from flat
-    heads = MtpHeads(MtpHeads.config_for(target), MtpModel(target, 1).eval())
-    heads.config.cpu_tree = dict(tree_depth=3, tree_top_k=3, tree_num_nodes=8)
+    heads = MtpHeads(MtpHeads.config_for(target, cpu_tree=dict(tree_depth=3, tree_top_k=3, tree_num_nodes=8)))
     lm = SpeculativeLM(target, heads)
     harness, prompt = load_sampling_harness("sampling_harness_mtp"), [1, 3, 4, 5]
     law = harness.ExactLaw(target, prompt, temperature=0.8)
@@ -129,19 +126,26 @@ def test_a_target_without_mtp_layers_is_refused_by_name(mtp_folders, tmp_path, t
         load_mtp_model(load_mtp_target(tmp_path / "resaved"))
 
 
-def test_mtp_heads_are_the_targets_own(mtp_folders):
-    """They hold the target's embedding and lm_head: another instance, a save and int8 drafting are refused."""
+def test_mtp_heads_save_load_and_draft_in_int8(mtp_folders, tmp_path):
+    """A copy of the MTP layer: saved and loaded as a specheads checkpoint it drafts as before (a target with other
+    weights refused), and int8 draft layers keep the output the target's."""
     folder = mtp_folders["deepseek_v3"]
     target = load_mtp_target(folder)
-    heads = MtpHeads.from_target(target)
-    with pytest.raises(ValueError, match="MTP layers of another target"):
-        SpeculativeLM(load_mtp_target(folder), heads)
-    with pytest.raises(NotImplementedError, match="live in the target's checkpoint"):
-        heads.save_pretrained(folder / "heads")
-    lm = SpeculativeLM(target, heads)
-    with pytest.raises(ValueError, match="the target's mtp layer.*shares the target's own modules"):
-        lm.use_int8_draft_linears()
-    assert lm.use_cpu_kernels(draft_linear="auto", cpu_linear="default")["draft_linear"] == "default"
+    heads = create_heads(target, "mtp")
+    heads.save_pretrained(tmp_path / "heads")
+    reloaded = load_heads(tmp_path / "heads", target=target)
+    assert isinstance(reloaded, MtpHeads) and reloaded.config.draft_layer_config["model_type"] == "deepseek_v3"
+    features, positions = torch.randn(1, 4, 64), torch.arange(4)[None]
+    mask = torch.full((1, 1, 4, 4), torch.finfo(torch.float32).min).triu(1)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.logits(reloaded(features, PROMPT[:, :4], positions, mask)),
+                                   heads.logits(heads(features, PROMPT[:, :4], positions, mask)), rtol=0, atol=0)
+    other = write_mtp_target(tmp_path / "other", "deepseek_v3", seed=5)
+    with pytest.raises(ValueError, match="input embedding differs"):
+        load_heads(tmp_path / "heads", target=load_mtp_target(other))
+    lm = SpeculativeLM(target, reloaded)
+    assert lm.use_int8_draft_linears() > 0
+    assert torch.equal(lm.generate(PROMPT, max_new_tokens=24), hf_greedy(target, PROMPT, 24))
     with pytest.raises(ValueError, match=r"exactly one of .*\['heads', 'mtp'\]"):
         SpeculativeLM.from_pretrained(str(folder), heads=str(folder), mtp=True)
 

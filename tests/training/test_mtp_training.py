@@ -1,0 +1,40 @@
+"""Fine-tuning a target's MTP layer (`specheads train head.type=mtp`): it starts from the layer the target ships,
+learns the target's answers, saves as a specheads checkpoint and drafts exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specheads import SpeculativeLM, create_heads, load_heads, load_target
+from specheads.cli import main
+
+from ..inference.conftest import hf_greedy
+from ..mtp_targets import load_mtp_target, write_mtp_target
+from .conftest import depth1_accuracy, overrides
+
+pytestmark = pytest.mark.slow
+STORIES = Path(__file__).resolve().parents[2] / "specheads" / "assets" / "stories260K"
+
+
+def test_fine_tuning_the_mtp_layer_learns_and_drafts_exactly(tmp_path, stories_file):
+    folder = write_mtp_target(tmp_path / "target", "deepseek_v3", vocab_size=512, tokenizer_from=STORIES)
+    target = load_mtp_target(folder)
+    out = tmp_path / "run"
+    extra = {"target": str(folder), "head.type": "mtp", "max_steps": 30, "save_steps": 15,
+             "optim.learning_rate": 0.003, "loss.eval_depth": 2}
+    assert main(["train", str(Path(__file__).parents[2] / "configs/train/eagle_stories260k.yaml"),
+                 *overrides(stories_file, out, **extra)]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 30
+    trained = load_heads(out / "final", target=target)
+    assert trained.config.head_type == "mtp" and trained.config.draft_layer_config["model_type"] == "deepseek_v3"
+    shipped = create_heads(target, "mtp")  # the layer as the target ships it: where the run started
+    _, tokenizer = load_target(str(folder))
+    after, before = (depth1_accuracy(h, target, tokenizer, stories_file) for h in (trained, shipped))
+    assert after > before + 0.1, (after, before)
+    prompt = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    lm = SpeculativeLM(target, trained)
+    assert torch.equal(lm.generate(prompt, max_new_tokens=24), hf_greedy(target, prompt, 24))
