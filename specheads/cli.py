@@ -469,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str] | None) -> int:
+    from specheads.checkpoint_cli import CHECKPOINT_COMMANDS, add_checkpoint_commands, run_checkpoint_command
+
     parser = argparse.ArgumentParser(prog="specheads", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -495,35 +497,7 @@ def _dispatch(argv: list[str] | None) -> int:
     sub.add_parser("eval", help="score heads on held-out text: per-depth accuracy, simulated tau (JSON out)",
                    add_help=False)
 
-    from specheads.heads.interop import FORMATS
-
-    export = sub.add_parser("export", help="write heads in another project's format (vLLM speculators, EAGLE, Medusa), "
-                                           "or for plain transformers' generate(custom_generate=...)")
-    export.add_argument("--heads", required=True, help="specheads checkpoint folder or Hub id")
-    export.add_argument("--format", required=True, choices=(*FORMATS, "transformers"),
-                        help="transformers: the checkpoint plus custom_generate/, for generate(custom_generate=...)")
-    export.add_argument("--out", required=True, help="output folder")
-    export.add_argument("--repo-id", default=None,
-                        help="--format transformers: the Hub id the folder will be uploaded to (default: the folder "
-                             "itself, for local use)")
-
-    imp = sub.add_parser("import", help="convert EAGLE / Medusa / speculators heads into a specheads checkpoint")
-    imp.add_argument("src", help="folder of the foreign checkpoint")
-    imp.add_argument("--format", choices=FORMATS, default=None, help="default: detected from the folder")
-    imp.add_argument("--target", default=None, help="target path/alias (default: the one the folder records)")
-    imp.add_argument("--out", required=True, help="output folder (a specheads checkpoint)")
-    imp.add_argument("--allow-pickle", action="store_true", help="read .bin/.pt weights (torch.load weights_only=True)")
-
-    info = sub.add_parser("info", help="describe a heads checkpoint or a draft model folder (JSON); with --target, "
-                                       "whether it fits that target")
-    info.add_argument("heads", help="a specheads checkpoint folder or Hub id, or a draft model's")
-    info.add_argument("--target", default=None, help="also check the heads against this target (exit 1 if they do not fit)")
-
-    push = sub.add_parser("push", help="upload a heads folder to the Hugging Face Hub (card and custom_generate "
-                                       "naming the repository; a Medusa-2 adapter included)")
-    push.add_argument("folder", help="a specheads checkpoint folder, e.g. runs/x/best")
-    push.add_argument("--repo-id", required=True, help="the Hub repository, e.g. my-org/my-heads")
-    push.add_argument("--private", action="store_true", help="create the repository private")
+    add_checkpoint_commands(sub)  # export, import, info, push: specheads/checkpoint_cli.py
 
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("data", "bench", "bench-serve", "eval"):
@@ -561,39 +535,7 @@ def _dispatch(argv: list[str] | None) -> int:
         from specheads.training.eval_cli import eval_main
 
         return eval_main(rest)
-    if args.command == "export":
-        from specheads.heads.interop import export_heads
-
-        if args.format == "transformers":
-            from specheads.inference.custom_generate import export_for_transformers
-
-            out = export_for_transformers(args.heads, args.out, repo_id=args.repo_id)
-            print(f"[specheads] wrote {out}: model.generate(..., custom_generate={args.repo_id or str(out)!r}, "
-                  "trust_remote_code=True)")
-            return 0
-        if args.repo_id is not None:
-            parser.error("--repo-id goes with --format transformers")
-        print(f"[specheads] wrote {export_heads(args.heads, args.format, args.out)}")
-        return 0
-    if args.command == "import":
-        from specheads.heads.interop import import_heads
-
-        heads = import_heads(args.src, format=args.format, target=args.target, out_dir=args.out, allow_pickle=args.allow_pickle)
-        print(f"[specheads] imported {heads.config.head_type} heads into {args.out}")
-        return 0
-    if args.command == "info":
-        from specheads.heads.describe import check_on_target, describe_heads
-
-        summary = describe_heads(args.heads)
-        if args.target is not None:
-            summary["check"] = check_on_target(summary, args.target)
-        print(json.dumps(summary, indent=2))
-        return 1 if args.target is not None and not summary["check"]["compatible"] else 0
-    if args.command == "push":
-        from specheads.heads.hub import push_heads_folder
-
-        print(f"[specheads] pushed {args.folder} to {args.repo_id}: "
-              f"{push_heads_folder(args.folder, args.repo_id, private=args.private)}")
-        return 0
+    if args.command in CHECKPOINT_COMMANDS:
+        return run_checkpoint_command(args, parser)
     parser.error(f"unknown command {args.command}")
     return 2
