@@ -323,8 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--max-length", type=int, default=512)
     dump.add_argument("--batch-size", type=int, default=8)
     dump.add_argument("--examples-per-shard", type=int, default=1024)
-    dump.add_argument("--head-type", default="eagle", choices=("medusa", "eagle", "eagle3"),
-                      help="eagle3 also stores the 3 tapped layers its heads read (4x the disk of the others)")
+    dump.add_argument("--head-type", default="eagle", choices=("medusa", "eagle", "eagle3", "mtp"),
+                      help="eagle3 also stores the 3 tapped layers its heads read (4x the disk of the others); the "
+                      "others read the final state only")
     dump.add_argument("--feature-layers", default=None,
                       help="eagle3: the tapped hidden-state indices (2 or more), comma-separated (default EAGLE-3's [2, L//2, L-3]; "
                       "must equal the heads' feature_layers)")

@@ -38,3 +38,22 @@ def test_fine_tuning_the_mtp_layer_learns_and_drafts_exactly(tmp_path, stories_f
     prompt = tokenizer("Once upon a time", return_tensors="pt").input_ids
     lm = SpeculativeLM(target, trained)
     assert torch.equal(lm.generate(prompt, max_new_tokens=24), hf_greedy(target, prompt, 24))
+
+
+def test_mtp_layers_train_on_offline_features(tmp_path, stories_file):
+    """`data dump-features --head-type mtp` stores the final states the MTP layer reads; a run on them trains."""
+    folder = write_mtp_target(tmp_path / "target", "glm4_moe", vocab_size=512, tokenizer_from=STORIES)
+    features = tmp_path / "features"
+    assert main(["data", "dump-features", "--target", str(folder), "--data", str(stories_file), "--format", "text",
+                 "--max-length", "64", "--out", str(features), "--head-type", "mtp"]) == 0
+    out = tmp_path / "run"
+    extra = {"target": str(folder), "head.type": "mtp", "feature_mode": "offline", "data.features_dir": str(features),
+             "max_steps": 24, "optim.learning_rate": 0.003}
+    assert main(["train", str(Path(__file__).parents[2] / "configs/train/eagle_stories260k.yaml"),
+                 *overrides(stories_file, out, **extra)]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 24
+    target = load_mtp_target(folder)
+    _, tokenizer = load_target(str(folder))
+    trained, shipped = load_heads(out / "final", target=target), create_heads(target, "mtp")
+    after, before = (depth1_accuracy(h, target, tokenizer, stories_file) for h in (trained, shipped))
+    assert after > before + 0.05, (after, before)
