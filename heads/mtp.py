@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
@@ -83,6 +84,12 @@ def load_mtp_model(target: PreTrainedModel) -> nn.Module:
     """
     MtpModel = mtp_classes()[0]  # noqa: N806 (a class)
     text = target.config.get_text_config()
+    shipped = getattr(text, "num_nextn_predict_layers", None) or getattr(text, "mtp_num_hidden_layers", None)
+    if mtp_layer_count(target) < 1 and shipped:  # in the checkpoint, but this transformers builds no MTP layer for it
+        raise ValueError(
+            f"target {text.name_or_path or text.model_type!r} ships {shipped} MTP layer(s) but transformers "
+            f"{transformers.__version__} does not load MTP layers for model_type={text.model_type!r} (no num_mtp_layers "
+            "in its config class); MTP drafting needs a transformers release that does")
     if mtp_layer_count(target) < 1:
         raise ValueError(
             f"target {text.name_or_path or text.model_type!r} (model_type={text.model_type!r}) declares no MTP layer "
