@@ -15,7 +15,8 @@ each tree in one forward, so the output is the target's (greedy identical, sampl
 The layer is built and loaded by transformers itself (`transformers.modeling_layers.MtpModel.from_pretrained`: the
 target's layer class, the checkpoint's MTP tensors renamed and converted, the embedding and lm_head shared with the
 target), so any family transformers knows the MTP layout of works. With several MTP layers (e.g. Step-3.5) only the
-first drafts, at every depth.
+first drafts, at every depth. A sliding-window MTP layer (Mellum's) attends to the whole context here: past its window
+its drafts differ from the shipped layer's (verification keeps the output exact).
 
 `MtpHeads` is a head type like the others once built: its weights are its own copy of the MTP layer (the target's
 embedding and lm_head borrowed, never saved), so it trains (`specheads train head.type=mtp`: fine-tuning the MTP layer
@@ -137,6 +138,11 @@ class MtpHeads(DraftHeads):
         shared = chained and layer_config.chain_hidden_post_norm
         self.shared_post_norm = norm_class(layer_config.hidden_size, eps=layer_config.rms_norm_eps) if shared else None
         self.rotary_emb = rotary_class(config=layer_config)
+        # families with rotary parameters per layer type (Mellum) are asked for the MTP layer's type, as MtpModel does
+        nested = getattr(layer_config, "nested_rope_parameter_keys", None)
+        per_type = nested is not None and bool(getattr(layer_config, "rope_parameters", None)) and bool(
+            nested(layer_config.rope_parameters))
+        self.rope_kwargs = {"layer_type": layer_config.layer_types[0]} if per_type else {}
         self.post_init()
 
     @property
@@ -188,7 +194,7 @@ class MtpHeads(DraftHeads):
         under the 4-D additive `attention_mask` over the cached + T keys; appends to `past_key_values` (the heads' own
         cache, layer 0), or None (training)."""
         embeds = self.target_parts.embed_tokens(input_ids).to(features.dtype)  # (B, T, h)
-        position_embeddings = self.rotary_emb(embeds, position_ids)
+        position_embeddings = self.rotary_emb(embeds, position_ids, **self.rope_kwargs)
         hidden = self.layer(embeds, features, position_embeddings=position_embeddings,
                             attention_mask=attention_mask.to(features.dtype), position_ids=position_ids,
                             **cache_kwargs(self.layer, past_key_values))

@@ -1,4 +1,5 @@
-"""Tiny random targets shipped with an MTP layer, in their families' checkpoint layouts (tests of heads/mtp.py).
+"""Tiny random targets shipped with an MTP layer, in their families' checkpoint layouts (tests of heads/mtp.py):
+DeepSeek-V3, GLM-4.5 and Mellum.
 
 transformers finds a family's MTP tensors by the layer index its real checkpoints use (DeepSeek-V3: `model.layers.61.*`,
 GLM-4.5-Air: `model.layers.46.*`), so these targets have that many (tiny) decoder layers, then the MTP layer: a decoder
@@ -16,14 +17,20 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-# family -> (decoder layers before the MTP layer, the family's own fields for a tiny config)
+# family -> (decoder layers before the MTP layer, the family's own fields for a tiny config). DeepSeek-V3 and GLM-4.5
+# keep the MTP layer as decoder layer N (`model.layers.N.*`); Mellum under `mtp.*` (`fc`, `pre_fc_norm_*`, `norm`,
+# `layers.0.*`), a sliding-window layer of its own type.
 MTP_FAMILIES = {
     "deepseek_v3": (61, dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                              first_k_dense_replace=1, n_group=1, topk_group=1)),
     "glm4_moe": (46, dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                           n_group=1, topk_group=1)),
+    "mellum": (2, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                       layer_types=["sliding_attention", "full_attention", "full_attention"])),
 }
+MELLUM_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "shared_head.norm": "norm",
+                "eh_proj": "fc"}  # the DeepSeek layout's MTP module names -> Mellum's (under `mtp.`)
 
 
 def write_mtp_target(folder: Path, family: str, vocab_size: int = 97, seed: int = 0, cycling: bool = False,
@@ -45,6 +52,9 @@ def write_mtp_target(folder: Path, family: str, vocab_size: int = 97, seed: int 
     model.save_pretrained(folder)  # the last decoder layer becomes the MTP layer's block
     config = json.loads((folder / "config.json").read_text())
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    if family == "mellum":  # per-layer lists, the MTP layer's own types
+        config.update(layer_types=config["layer_types"][:layers], mlp_layer_types=config["mlp_layer_types"][:layers],
+                      mtp_layer_types=["sliding_attention"], mtp_mlp_layer_types=["sparse"])
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tensors = load_file(folder / "model.safetensors")
     hidden, generator, prefix = fields["hidden_size"], torch.Generator().manual_seed(seed + 1), f"model.layers.{layers}."
@@ -61,12 +71,23 @@ def write_mtp_target(folder: Path, family: str, vocab_size: int = 97, seed: int 
         cycle = torch.randperm(vocab_size, generator=generator)
         tensors["lm_head.weight"] = 50 * tensors["model.embed_tokens.weight"][torch.argsort(cycle)]  # peaked
         (folder / "cycle.json").write_text(json.dumps(cycle.tolist()))
-    tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()  # DeepSeek's copies
-    tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    if family == "mellum":
+        tensors = {mellum_name(name, prefix): tensor for name, tensor in tensors.items()}
+    else:
+        tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()  # DeepSeek's copies
+        tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     for name in ("tokenizer.model", "tokenizer_config.json") if tokenizer_from is not None else ():
         shutil.copy(tokenizer_from / name, folder / name)
     return folder
+
+
+def mellum_name(name: str, prefix: str) -> str:
+    """A tensor's name in Mellum's layout, from the DeepSeek layout's (MTP layer under `prefix`)."""
+    if not name.startswith(prefix):
+        return name
+    inner = name.removeprefix(prefix).removesuffix(".weight")
+    return f"mtp.{MELLUM_NAMES[inner]}.weight" if inner in MELLUM_NAMES else f"mtp.layers.0.{name.removeprefix(prefix)}"
 
 
 def cycle_of(folder: Path) -> list[int]:

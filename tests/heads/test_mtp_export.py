@@ -34,7 +34,7 @@ def draft_logits(heads, features):
         return heads.logits(heads(features, IDS, POSITIONS, MASK))
 
 
-@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])  # the model.layers.N layout
 def test_exported_mtp_heads_are_the_targets_mtp_layer_when_reloaded(tmp_path, family):
     folder = write_mtp_target(tmp_path / "target", family)
     heads = fine_tuned(load_mtp_target(folder))

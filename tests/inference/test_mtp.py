@@ -1,6 +1,6 @@
 """MTP drafting (heads/mtp.py): the target's own multi-token-prediction layer drafts EAGLE-style trees.
 
-Tiny DeepSeek-V3 and GLM-4.5 targets written in their checkpoints' layouts (tests/mtp_targets.py): the MTP layer is
+Tiny DeepSeek-V3, GLM-4.5 and Mellum targets written in their checkpoints' layouts (tests/mtp_targets.py): the MTP layer is
 transformers' own (`MtpModel`), read as transformers reads it; outputs are the target's (greedy identical, sampling
 chi-square tested); a target whose MTP layer is right drafts trees that are accepted whole.
 """
