@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,28 @@ def overrides(stories_file: Path, out: Path, **extra) -> list[str]:
               "global_batch_size": 8, "micro_batch_size": 4, "optim.warmup_steps": 2, "log_steps": 5}
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def assert_two_processes_train_like_one(config: str, stories_file: Path, tmp_path: Path, port: int,
+                                        common: dict) -> None:
+    """`specheads train config` with the `common` overrides in one process (`tmp_path/one`), then under `accelerate
+    launch` in two (`tmp_path/two`, DDP on the CPU, `port` for their rendezvous): the final weights agree to 1e-4."""
+    from safetensors.torch import load_file
+
+    from specheads.cli import main
+
+    assert main(["train", config, *overrides(stories_file, tmp_path / "one", **common)]) == 0
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    command = [accelerate, "launch", "--config_file", str(REPO / "configs" / "accelerate" / "multi_cpu.yaml"),
+               "--main_process_port", str(port), "-m", "specheads", "train", config,
+               *overrides(stories_file, tmp_path / "two", **common)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "metrics.json").read_text())["world_size"] == 2
+    one, two = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("one", "two"))
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=1e-4, rtol=0, msg=name)
 
 
 def depth1_accuracy(heads, target, tok, stories_file: Path) -> float:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +20,7 @@ from specheads.training.distill import initial_draft_model
 from specheads.training.distill_loss import distill_loss, divergence_per_row, logits_at
 from specheads.training.target_labels import labelled_positions
 
-from .conftest import CONFIGS, REPO, overrides
+from .conftest import CONFIGS, assert_two_processes_train_like_one, overrides
 
 RECIPE = str(CONFIGS / "distill_stories260k.yaml")
 
@@ -243,18 +240,7 @@ def test_two_processes_distil_like_one(tmp_path, stories_file):
     """DDP: the draft model's forward runs through the prepared model (its lm_head on the trained rows outside it),
     and two processes end where one does."""
     common = {"max_steps": 4, "save_steps": 4, "global_batch_size": 8, "micro_batch_size": 2}
-    assert main(["train", RECIPE, *overrides(stories_file, tmp_path / "one", **common)]) == 0
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    command = [accelerate, "launch", "--config_file", str(REPO / "configs" / "accelerate" / "multi_cpu.yaml"),
-               "--main_process_port", "29549", "-m", "specheads", "train", RECIPE,
-               *overrides(stories_file, tmp_path / "two", **common)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads((tmp_path / "two" / "metrics.json").read_text())["world_size"] == 2
-    one, two = load_file(tmp_path / "one" / "final" / "model.safetensors"), load_file(tmp_path / "two" / "final" / "model.safetensors")
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], atol=1e-4, rtol=0, msg=name)
+    assert_two_processes_train_like_one(RECIPE, stories_file, tmp_path, port=29549, common=common)
 
 
 def test_eval_scores_draft_models_beside_heads(tmp_path, stories_file, target_and_tokenizer, capsys):

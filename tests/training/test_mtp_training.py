@@ -4,21 +4,17 @@ learns the target's answers, saves as a specheads checkpoint and drafts exactly.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from specheads import SpeculativeLM, create_heads, load_heads, load_target
 from specheads.cli import main
 
 from ..inference.conftest import hf_greedy
 from ..mtp_targets import load_mtp_target, write_mtp_target
-from .conftest import REPO, depth1_accuracy, overrides
+from .conftest import REPO, assert_two_processes_train_like_one, depth1_accuracy, overrides
 
 pytestmark = pytest.mark.slow
 STORIES = Path(__file__).resolve().parents[2] / "specheads" / "assets" / "stories260K"
@@ -66,17 +62,7 @@ def test_mtp_layers_train_on_offline_features(tmp_path, stories_file):
 def test_two_processes_fine_tune_an_mtp_layer_as_one(tmp_path, stories_file):
     """DDP over a mixture-of-experts MTP layer (experts a batch never routes to included) equals one process."""
     folder = write_mtp_target(tmp_path / "target", "deepseek_v3", vocab_size=512, tokenizer_from=STORIES)
-    config = str(REPO / "configs/train/eagle_stories260k.yaml")
     common = {"target": str(folder), "head.type": "mtp", "max_steps": 4, "save_steps": 4, "global_batch_size": 8,
               "micro_batch_size": 2, "optim.learning_rate": 0.003}
-    assert main(["train", config, *overrides(stories_file, tmp_path / "one", **common)]) == 0
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    command = [accelerate, "launch", "--config_file", str(REPO / "configs" / "accelerate" / "multi_cpu.yaml"),
-               "--main_process_port", "29563", "-m", "specheads", "train", config,
-               *overrides(stories_file, tmp_path / "two", **common)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    one, two = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("one", "two"))
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], atol=1e-4, rtol=0, msg=name)
+    assert_two_processes_train_like_one(str(REPO / "configs/train/eagle_stories260k.yaml"), stories_file, tmp_path,
+                                        port=29563, common=common)
