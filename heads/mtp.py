@@ -1,4 +1,4 @@
-"""MTP drafting: the target's own multi-token-prediction layer drafts the trees (no training).
+"""MTP heads: the target's own multi-token-prediction layer drafts the trees (no training needed; it can be fine-tuned).
 
 DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7 and other recent models ship an MTP (NextN) module beside their decoder layers,
 trained with the model to predict the token after next:
