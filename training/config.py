@@ -154,14 +154,21 @@ class DistillSection:
     lora_r: int = 0
     lora_alpha: float = 16.0  # LoRA scale is lora_alpha / lora_r
     target_modules: list[str] | str = "all-linear"  # its Linear modules that get an adapter (peft's names)
+    # on-policy distillation (training/on_policy.py): the share of steps whose batches are the draft's own sampled
+    # answers to the data's prompts, scored by the target (DistillSpec's / GKD's lambda; 0 = the data's text only)
+    on_policy: float = 0.0
 
     def check(self, head_type: str, feature_mode: str, head_options: dict[str, Any], joint: bool) -> None:
         """Raise a ValueError naming the first value a draft-model run cannot take."""
         if head_type != DRAFT_MODEL_HEAD_TYPE:
-            if self.draft_model:
-                raise ValueError(f"distill.draft_model={self.draft_model!r} is set but head.type={head_type!r}; "
-                                 f"distilling a draft model needs head.type={DRAFT_MODEL_HEAD_TYPE!r}")
+            for name in ("draft_model", "on_policy"):
+                if getattr(self, name):
+                    raise ValueError(f"distill.{name}={getattr(self, name)!r} is set but head.type={head_type!r}; "
+                                     f"distilling a draft model needs head.type={DRAFT_MODEL_HEAD_TYPE!r}")
             return
+        if not 0 <= self.on_policy <= 1:
+            raise ValueError(f"distill.on_policy={self.on_policy!r} is invalid; expected the share of steps trained on "
+                             "the draft's own answers, in [0, 1]")
         if not self.draft_model:
             raise ValueError(f"head.type={DRAFT_MODEL_HEAD_TYPE!r} needs distill.draft_model: a causal LM with the target's "
                              "tokenizer (folder, Hub id or alias), or early-exit:N (a copy of the target's first N layers)")

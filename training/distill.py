@@ -16,6 +16,7 @@ The run is the heads' run (training/train.py) in everything else: one Accelerate
 precision), batches a pure function of (seed, step), atomic checkpoints with exact resume, held-out evaluation with
 `output_dir/best` and early stopping, trackers, a time limit. `output_dir/final` (and `best`) is a plain transformers
 model folder (weights, config, tokenizer, a model card with the metrics) that `--draft-model` takes.
+`distill.on_policy=λ` trains a share λ of the steps on the draft's own sampled answers (training/on_policy.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from specheads.training.data import BatchOrder, batch_to, build_dataset, collate
 from specheads.training.distill_loss import distill_loss
 from specheads.training.evaluate import evaluate
 from specheads.training.joint_lora import keep_trainable_weights_only, wrap_with_lora
+from specheads.training.on_policy import draft_answers, is_on_policy_step
 from specheads.training.preflight import check_free_disk, check_writable_dir, training_disk_bytes
 from specheads.training.sharegpt import benchmark_prompts
 from specheads.training.steps import (
@@ -221,9 +223,13 @@ def distill(config: RunConfig) -> dict[str, Any]:
     early_stopped = False
     for step in range(start_step, config.max_steps):
         micro_batches = micro_batches_for_process(order.global_batch(step), config.micro_batch_size, rank, world)
-        sums: dict[str, float] = {}
-        for indices in micro_batches:
+        on_policy = is_on_policy_step(config.seed, step, config.distill.on_policy)
+        sums: dict[str, float] = {"on_policy": float(on_policy)}
+        for m, indices in enumerate(micro_batches):
             batch = batch_to(collate([examples[train_indices[j]] for j in indices], pad_id), accelerator.device)
+            if on_policy:  # the draft's own answers to these prompts (seeded by run, step, process, micro batch)
+                seed = (((config.seed * 1_000_003 + step) * 4099 + rank) * 8191 + m) % 2**63
+                batch = draft_answers(draft, batch, pad_id, config.distill.temperature, seed)
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     out = distill_loss(model, draft, target, batch, config.distill, config.loss)
