@@ -188,3 +188,16 @@ def test_mtp_bench_measures_transformers_mtp_chain_beside_the_trees(cycling_fold
     assert (report["heads"], report["head_type"], report["greedy_identical"]) == ("mtp", "mtp", True)
     row = report["per_prompt"][0]
     assert row["assisted_tokens_per_second"] > 0 and row["accepted_per_depth"][0] == 1.0
+
+
+def test_saved_mtp_heads_decode_from_plain_transformers(mtp_folders, tmp_path):
+    """A saved MTP layer (e.g. fine-tuned) exported for transformers: `target.generate(custom_generate=...)` decodes
+    with it, the target's own greedy output."""
+    from specheads.inference.custom_generate import export_for_transformers
+
+    target = load_mtp_target(mtp_folders["glm4_moe"])
+    create_heads(target, "mtp").save_pretrained(tmp_path / "heads")
+    folder = export_for_transformers(tmp_path / "heads", tmp_path / "exported")
+    stats: dict = {}
+    out = target.generate(PROMPT, max_new_tokens=20, custom_generate=str(folder), trust_remote_code=True, stats=stats)
+    assert torch.equal(out, hf_greedy(target, PROMPT, 20)) and stats["new_tokens"] == 20
