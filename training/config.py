@@ -27,8 +27,9 @@ DIVERGENCES = ("fkl", "rkl", "tvd")
 
 @dataclass
 class HeadSection:
-    """Which heads to train: `type` is one of specheads.HEAD_TYPES; `options` are HeadsConfig fields, or `create_heads`'
-    `draft_layer` / `draft_hidden_size`."""
+    """Which heads to train: `type` is one of specheads.HEAD_TYPES, "mtp" (the target's own MTP layer, fine-tuned) or
+    "draft_model" (a distilled draft model); `options` are HeadsConfig fields, or `create_heads`' `draft_layer` /
+    `draft_hidden_size`."""
 
     type: str = "eagle"
     options: dict[str, Any] = field(default_factory=dict)
