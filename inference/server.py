@@ -91,8 +91,8 @@ class CompletionService:
         responses_store: `/v1/responses` responses kept for `previous_response_id` and `GET /v1/responses/{id}`
             (inference/response_store.py), the least recently used forgotten past it; 0: none.
         responses_dir: also keep them as files in this folder, across restarts (None: in memory only).
-        record: append every answered chat request to this JSONL file as training conversations
-            (inference/traffic_recorder.py; None: nothing is kept).
+        record: append every answered request to this JSONL file as training data: chat requests as conversations,
+            completions as prompt-completion records (inference/traffic_recorder.py; None: nothing is kept).
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
@@ -238,6 +238,9 @@ class CompletionService:
             self.recorder.record(request.messages, request.tools.tools if request.tools else None,
                                  [(c.text, c.reasoning, [call.body() for call in c.tool_calls], c.finish_reason)
                                   for c in choices])
+        elif self.recorder is not None and not chat:  # /v1/completions: prompt-completion records
+            prompt = self.tokenizer.decode(ids[0], skip_special_tokens=True)
+            self.recorder.record_completion(prompt, [(c.text, c.finish_reason) for c in choices])
         choices = [choices[index % runs] for index in range(request.n)]
         generated = sum(len(job.new_tokens) for job in jobs)
         completion = sum(len(jobs[index % runs].new_tokens) for index in range(request.n))

@@ -1,4 +1,4 @@
-"""Served chat answers kept as training conversations (`specheads serve --record FILE`).
+"""Served answers kept as training data (`specheads serve --record FILE`).
 
 Heads accept most where they were trained on what they will draft: this server's own traffic, answered by this
 target. Every answered chat request (`/v1/chat/completions`, `/v1/responses`; streamed or whole) is appended to a
@@ -7,9 +7,12 @@ own): the request's messages, then the answer as the assistant's turn (`content`
 `tool_calls` when it has them), and the request's `tools`, the form `specheads train data.source=FILE` (and `data
 regenerate`) read. `finish_reason` says whether an answer was cut by `max_tokens` ("length").
 
+`/v1/completions` answers are appended as prompt-completion records (`{"prompt", "completion"}`, each distinct answer
+once, the prompt as the server decoded it), the data format `completion`: the completion trained after its prompt as
+raw text, as the server answered it (no chat template).
+
 Left out, and counted: requests whose messages hold images (their base64 parts are no training record; train
-vision-language heads on image files). `/v1/completions` prompts are not conversations and are not recorded.
-Prompts and answers are written as they came: the file holds users' text.
+vision-language heads on image files). Prompts and answers are written as they came: the file holds users' text.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 RECORDER_COUNTERS = {  # the server's /metrics counters of a recording (`CompletionService.metrics`)
-    "recorded_answers": "chat answers written to the --record file as training conversations",
+    "recorded_answers": "answers written to the --record file as training records (conversations, prompt-completions)",
     "unrecorded_requests": "answered chat requests left out of the --record file (their messages hold images)",
 }
 
@@ -74,6 +77,15 @@ class TrafficRecorder:
                 record["tools"] = tools
             record["finish_reason"] = finish_reason
             lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+        self._append(lines)
+
+    def record_completion(self, prompt: str, answers: list[tuple[str, str]]) -> None:
+        """Append one prompt-completion record per answer of a `/v1/completions` request: (text, finish_reason)."""
+        self._append([json.dumps({"id": f"served-{uuid.uuid4().hex[:16]}", "prompt": prompt, "completion": text,
+                                  "finish_reason": reason}, ensure_ascii=False) + "\n" for text, reason in answers])
+
+    def _append(self, lines: list[str]) -> None:
+        """Write one request's lines in one write, under the lock (concurrent requests never interleave)."""
         with self._lock, self.path.open("a", encoding="utf-8") as out:
             out.write("".join(lines))
             self.recorded += len(lines)

@@ -175,9 +175,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--responses-dir", default=None, metavar="DIR",
                    help="also keep the stored responses as JSON files in DIR: previous_response_id survives a restart")
     p.add_argument("--record", default=None, metavar="FILE",
-                   help="append every answered chat request to FILE (JSONL, OpenAI format: the messages, then each "
-                        "answer as the assistant's turn) to train heads on this traffic: specheads train "
-                        "data.source=FILE. The file holds users' prompts and answers")
+                   help="append every answered request to FILE (JSONL: chat requests in OpenAI format, the messages "
+                        "then each answer as the assistant's turn; completions as {prompt, completion}) to train heads "
+                        "on this traffic: specheads train data.source=FILE. The file holds users' prompts and answers")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     # a request without max_tokens runs to the end of the context (OpenAI's default) unless the server sets one
     p.set_defaults(max_new_tokens=None)
@@ -209,7 +209,7 @@ def build_server(args: argparse.Namespace):
             f"{t} tokens {costs[t]:.1f} ms" for t in (1, 16, 128) if t in costs)
     tools = f"; tool calls read as {service.tool_parser.name}" if service.tool_parser else ""
     tools += f"; reasoning read as {service.reasoning_parser.name}" if service.reasoning_parser else ""
-    tools += f"; chat answers recorded to {args.record}" if args.record else ""
+    tools += f"; answers recorded to {args.record}" if args.record else ""
     print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; tree "
           f"{tree_spec(lm.tree_description())}; {', '.join(f'{k}={v}' for k, v in kernels.items())}{budget}{tools})",
           file=sys.stderr, flush=True)

@@ -419,7 +419,7 @@ def test_serve_answers_over_http_with_its_options_as_defaults(stories260k_eagle_
     log = process.stderr.read()
     assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in log and "node budget auto, verification 1 tokens" in log
     assert "tool calls read as hermes; reasoning read as think" in log
-    assert f"chat answers recorded to {tmp_path / 'traffic.jsonl'}" in log
+    assert f"answers recorded to {tmp_path / 'traffic.jsonl'}" in log
     assert "(OpenAI API; tree 6,8,32,0,0;" in log  # the heads' default tree (no cpu_tree in their config)
     from specheads.inference.corpus_lookup import read_corpus_file
 

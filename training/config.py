@@ -230,9 +230,11 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raise a ValueError naming the first invalid value."""
+        from specheads.training.data import DATA_FORMATS  # (training.data imports more than a config needs)
+
         choices = {
             "feature_mode": (self.feature_mode, ("online", "offline")),
-            "data.format": (self.data.format, ("auto", "sharegpt", "openai", "text")),
+            "data.format": (self.data.format, DATA_FORMATS),
             "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
             "loss.labels": (self.loss.labels, ("target", "tokens")),
             "loss.ttt_attention": (self.loss.ttt_attention, TTT_ATTENTION_CHOICES),

@@ -27,7 +27,11 @@ MESSAGE_FIELDS = ("reasoning_content", "tool_calls", "tool_call_id", "name")
 
 def to_messages(record: dict[str, Any], fmt: str) -> list[dict[str, Any]]:
     """A ShareGPT or OpenAI record as a list of {"role", "content"} messages; a turn's `MESSAGE_FIELDS`
-    (`reasoning_content`, `tool_calls`, ...) are kept for the chat templates that render them (Qwen3's, ...)."""
+    (`reasoning_content`, `tool_calls`, ...) are kept for the chat templates that render them (Qwen3's, ...). A plain
+    prompt-completion record reads as the user's prompt and the assistant's completion."""
+    if fmt == "completion":
+        return [{"role": "user", "content": str(record.get("prompt") or "")},
+                {"role": "assistant", "content": str(record["completion"])}]
     if fmt == "sharegpt":
         messages = []
         for turn in record["conversations"]:
@@ -165,10 +169,12 @@ def tokenize_record(
         NotIncrementalTemplate: a conversation the template cannot render turn by turn (`tokenized_examples` splits
             it into one example per assistant turn instead).
     """
-    if fmt == "text":
+    if fmt in ("text", "completion"):  # raw text: the whole text trained, or the completion after its prompt
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        ids = bos + tokenizer(str(record["text"]), add_special_tokens=False).input_ids
-        mask = [0] * len(bos) + [1] * (len(ids) - len(bos))
+        prompt = str(record.get("prompt") or "") if fmt == "completion" else ""
+        prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids if prompt else []
+        answer = tokenizer(str(record[fmt]), add_special_tokens=False).input_ids
+        ids, mask = bos + prompt_ids + answer, [0] * (len(bos) + len(prompt_ids)) + [1] * len(answer)
         return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
     messages = prompted_messages(tokenizer, to_messages(record, fmt))
     if not any(m["role"] == "assistant" for m in messages):  # nothing to train (its answers had no prompt)

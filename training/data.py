@@ -75,16 +75,28 @@ def _record(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "text": "text"}  # the field each format reads
+# the field each format reads; "completion": {"prompt", "completion"} records (TRL's prompt-completion datasets, and
+# `serve --record`'s /v1/completions answers), strings (plain text) or lists of messages (a conversation)
+FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "text": "text", "completion": "completion"}
+PLAIN_FORMATS = ("text", "completion")  # tokenized as raw text: no chat template, no turns
+DATA_FORMATS = ("auto", *FORMAT_FIELDS)  # data.format / --format: "auto" detects it from the first record
 
 
 def detect_format(record: dict[str, Any]) -> str:
-    """'sharegpt', 'openai' or 'text', from the keys of one record (the first of FORMAT_FIELDS' fields it has)."""
+    """'sharegpt', 'openai', 'text' or 'completion', from the keys of one record (the first of FORMAT_FIELDS' fields it
+    has)."""
     for fmt, field in FORMAT_FIELDS.items():
         if field in record:
             return fmt
     raise ValueError(f"cannot tell the data format of a record with keys {sorted(record)}; "
-                     "expected 'conversations' (ShareGPT), 'messages' (OpenAI) or 'text'")
+                     "expected 'conversations' (ShareGPT), 'messages' (OpenAI), 'text' or 'prompt' + 'completion'")
+
+
+def as_conversation(record: dict[str, Any]) -> dict[str, Any]:
+    """A prompt-completion record whose prompt and completion are lists of messages (TRL's conversational form) as an
+    OpenAI record: {"messages": prompt + completion, ...its other fields}."""
+    rest = {k: v for k, v in record.items() if k not in ("prompt", "completion")}
+    return {**rest, "messages": [*(record.get("prompt") or []), *record["completion"]]}
 
 
 def build_dataset(
@@ -138,14 +150,39 @@ def _tokenized_rows(
     exclude: set[str] | None = None, processor: Any = None, image_folder: str | Path | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """One source's records, checked against their format and tokenized (rows of fewer than 3 tokens dropped)."""
-    # imported here: image_records builds on this module's conversation helpers
-    from specheads.training.image_records import has_images, tokenize_image_record
-
+    """One source's records, checked against their format and tokenized (rows of fewer than 3 tokens dropped). With
+    fmt="auto", records of several formats (`serve --record`'s conversations and prompt-completions) are tokenized
+    format by format."""
     records = read_records(source)
     if not records:
         raise ValueError(f"data source {str(source)!r} holds no records")
-    fmt = detect_format(records[0]) if fmt == "auto" else fmt
+    if fmt != "auto":
+        return _format_rows(records, source, tokenizer, fmt, max_length, progress, exclude, processor, image_folder,
+                            chat_template_kwargs)
+    formats = []
+    for number, record in enumerate(records):
+        try:
+            formats.append(detect_format(record if isinstance(record, dict) else {}))
+        except ValueError as err:
+            raise ValueError(f"data source {str(source)!r}, record {number}: {err}") from err
+    rows: list[dict[str, Any]] = []
+    for kind in dict.fromkeys(formats):  # in the order they first appear
+        rows += _format_rows([r for r, f in zip(records, formats, strict=True) if f == kind], source, tokenizer, kind,
+                             max_length, progress, exclude, processor, image_folder, chat_template_kwargs)
+    return rows
+
+
+def _format_rows(
+    records: list[Any], source: str | Path, tokenizer: PreTrainedTokenizerBase, fmt: str, max_length: int,
+    progress: bool, exclude: set[str] | None, processor: Any, image_folder: str | Path | None,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """`_tokenized_rows` of records of one format `fmt`."""
+    # imported here: image_records builds on this module's conversation helpers
+    from specheads.training.image_records import has_images, tokenize_image_record
+
+    if fmt == "completion" and all(isinstance(r, dict) and isinstance(r.get("completion"), list) for r in records):
+        records, fmt = [as_conversation(r) for r in records], "openai"  # conversational prompt-completion records
     field = FORMAT_FIELDS.get(fmt)
     if field is None:
         raise ValueError(f"data format {fmt!r} is unknown; expected one of {sorted(FORMAT_FIELDS)} or 'auto'")
@@ -155,16 +192,16 @@ def _tokenized_rows(
             raise ValueError(f"data source {str(source)!r}, record {number}: the {fmt} format needs a {field!r} field, "
                              f"found {keys} (data.format=auto detects the format from the first record)")
     with_images = sum(1 for r in records if has_images(r))
-    read_images = bool(with_images) and processor is not None and fmt != "text"
+    read_images = bool(with_images) and processor is not None and fmt not in PLAIN_FORMATS
     if with_images and not read_images:  # (a vision-language dataset: LLaVA-Instruct, ALLaVA, ...)
         why = "the target takes no images (no processor with an image processor)" if processor is None else \
             "plain-text records have no turns to place them in"
         logger.warning("data source %r: %d of %d records hold images, which training does not read (%s): the heads "
                        "train on their text alone, as if no image were there", str(source), with_images, len(records), why)
-    for name, count in (unrendered_fields(tokenizer, records, fmt) if fmt != "text" else {}).items():
+    for name, count in (unrendered_fields(tokenizer, records, fmt) if fmt not in PLAIN_FORMATS else {}).items():
         logger.warning("data source %r: %d records hold %s, which the chat template never renders: it is not trained "
                        "(reasoning: put it in the content, inside the model's thinking tags)", str(source), count, name)
-    if fmt != "text" and tokenizer.chat_template:
+    if fmt not in PLAIN_FORMATS and tokenizer.chat_template:
         unprompted = sum(1 for r in records if unprompted_answers(to_messages(r, fmt)))
         if unprompted:
             logger.warning("data source %r: %d conversations open with an assistant turn (no user turn before it): "

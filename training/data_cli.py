@@ -31,7 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specheads.inference.prompts import add_chat_template_kwargs
 from specheads.training.conversations import asks_any, record_template_kwargs, to_messages
-from specheads.training.data import PROGRESS_MIN_RECORDS, detect_format, read_records
+from specheads.training.data import DATA_FORMATS, PROGRESS_MIN_RECORDS, detect_format, read_records
 from specheads.training.image_records import has_images, image_prompt_of
 from specheads.training.preflight import check_writable_dir, check_writable_file
 from specheads.training.sharegpt import benchmark_prompts
@@ -142,8 +142,9 @@ def record_prompt(record: dict[str, Any], source: str | Path, exclude: set[str] 
         ValueError: a plain-text record (regeneration answers conversations).
     """
     fmt = detect_format(record)
-    if fmt == "text":
-        raise ValueError(f"{source}: regenerate needs conversations (ShareGPT or OpenAI), got plain text records")
+    if fmt in ("text", "completion"):
+        raise ValueError(f"{source}: regenerate needs conversations (ShareGPT or OpenAI), got plain "
+                         f"{'text' if fmt == 'text' else 'prompt-completion'} records")
     messages = to_messages(record, fmt)
     if exclude and asks_any(messages, exclude):
         return None
@@ -319,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--target", default="stories260K")
     dump.add_argument("--data", required=True, help="training data (JSON/JSONL/Parquet, a dataset folder, or a Hub dataset id[:split])")
     dump.add_argument("--out", required=True, help="output folder")
-    dump.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
+    dump.add_argument("--format", default="auto", choices=DATA_FORMATS)
     dump.add_argument("--max-length", type=int, default=512)
     dump.add_argument("--batch-size", type=int, default=8)
     dump.add_argument("--examples-per-shard", type=int, default=1024)
@@ -341,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--size", type=int, required=True, help="draft vocabulary size (e.g. 8192)")
     vocab.add_argument("--out", required=True, help="folder the heads with the draft vocabulary are saved to")
     vocab.add_argument("--target", default=None, help="default: the heads' target_name_or_path")
-    vocab.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
+    vocab.add_argument("--format", default="auto", choices=DATA_FORMATS)
     vocab.add_argument("--max-length", type=int, default=768)
     add_chat_template_kwargs(vocab)
     corpus = sub.add_parser("lookup-corpus", help="the target's answers as a corpus for corpus lookup (`--lookup-corpus`: "
@@ -351,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "`regenerate`'s output); never the prompts you benchmark on")
     corpus.add_argument("--out", required=True, help="folder the corpus is written to (lookup_corpus.npy; a heads "
                         "folder may hold it)")
-    corpus.add_argument("--format", default="auto", choices=("auto", "sharegpt", "openai", "text"))
+    corpus.add_argument("--format", default="auto", choices=DATA_FORMATS)
     corpus.add_argument("--max-length", type=int, default=4096, help="tokens per conversation at most")
     add_chat_template_kwargs(corpus)
     synth = sub.add_parser("synth-prompts", help="the target writes user prompts (Magpie) for regenerate to answer")

@@ -1,6 +1,6 @@
 """`specheads serve --record FILE`: every answered chat request becomes training conversations that `specheads train`
-reads (the answer as the assistant's turn, each distinct answer once); images are left out; concurrent requests never
-interleave their lines."""
+reads (the answer as the assistant's turn, each distinct answer once), and completions prompt-completion records;
+images are left out; concurrent requests never interleave their lines."""
 
 from __future__ import annotations
 
@@ -51,10 +51,12 @@ def test_served_chat_answers_are_recorded_as_conversations_that_train(recording_
                                                      "temperature": 1.0, "seed": 3})
     _, greedy_twice = post(url + "/v1/chat/completions", {"messages": messages[1:], "max_tokens": 8, "n": 2})
     _, response = post(url + "/v1/responses", {"input": "Lily saw a cat", "max_output_tokens": 8})
-    post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8})  # not a conversation: not kept
+    _, completed = post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8})
     kept = records(path)
     # one record per distinct answer: 1 + 1 (streamed) + 2 (sampled) + 1 (greedy n=2: one answer) + 1 (responses)
-    assert len(kept) == 6 and len({r["id"] for r in kept}) == 6
+    # + 1 (completions: a prompt-completion record)
+    assert len(kept) == 7 and len({r["id"] for r in kept}) == 7
+    assert (kept[6]["prompt"], kept[6]["completion"]) == ("Once upon a time", completed["choices"][0]["text"])
     assert kept[0]["messages"] == [*messages, {"role": "assistant", "content": whole["choices"][0]["message"]["content"]}]
     assert kept[0]["finish_reason"] == "length" and "tools" not in kept[0]
     streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
@@ -64,15 +66,17 @@ def test_served_chat_answers_are_recorded_as_conversations_that_train(recording_
     assert kept[5]["messages"] == [{"role": "user", "content": "Lily saw a cat"},
                                    {"role": "assistant", "content": response["output"][0]["content"][0]["text"]}]
     with urllib.request.urlopen(url + "/metrics", timeout=30) as response:  # counted for operators
-        assert "specheads_recorded_answers_total 6" in response.read().decode()
+        assert "specheads_recorded_answers_total 7" in response.read().decode()
     # the file is training data: every record tokenizes, and the answers are what the loss reads
     _, tokenizer = stories260k
     tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path)
     tokenizer.chat_template = TEMPLATE
-    dataset = build_dataset(path, tokenizer, "auto", max_length=128, progress=False)
-    assert len(dataset) == 6
+    dataset = build_dataset(path, tokenizer, "auto", max_length=128, progress=False)  # both formats, one file
+    assert len(dataset) == 7
     trained = tokenizer.decode([t for t, m in zip(dataset[0]["input_ids"], dataset[0]["loss_mask"]) if m])
     assert whole["choices"][0]["message"]["content"].strip() in trained
+    completion = tokenizer.decode([t for t, m in zip(dataset[6]["input_ids"], dataset[6]["loss_mask"]) if m])
+    assert completion.strip() == completed["choices"][0]["text"].strip()  # the completion, trained after its prompt
 
 
 def test_tool_calls_and_reasoning_are_kept_as_the_template_renders_them(tmp_path):

