@@ -31,7 +31,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specheads.inference.prompts import add_chat_template_kwargs
 from specheads.training.conversations import asks_any, record_template_kwargs, to_messages
-from specheads.training.data import DATA_FORMATS, PROGRESS_MIN_RECORDS, detect_format, read_records
+from specheads.training.data import (
+    DATA_FORMATS,
+    PROGRESS_MIN_RECORDS,
+    as_conversation,
+    detect_format,
+    read_records,
+)
 from specheads.training.image_records import has_images, image_prompt_of
 from specheads.training.preflight import check_writable_dir, check_writable_file
 from specheads.training.sharegpt import benchmark_prompts
@@ -142,6 +148,8 @@ def record_prompt(record: dict[str, Any], source: str | Path, exclude: set[str] 
         ValueError: a plain-text record (regeneration answers conversations).
     """
     fmt = detect_format(record)
+    if fmt == "completion" and isinstance(record["completion"], list):  # TRL's conversational prompt-completion
+        record, fmt = as_conversation(record), "openai"
     if fmt in ("text", "completion"):
         raise ValueError(f"{source}: regenerate needs conversations (ShareGPT or OpenAI), got plain "
                          f"{'text' if fmt == 'text' else 'prompt-completion'} records")

@@ -37,6 +37,24 @@ def test_regenerate_conversations_through_cli(tmp_path, chat_file, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["written"] == 2
 
 
+def test_regenerate_reads_conversational_prompt_completions_and_refuses_plain_ones(tmp_path, capsys):
+    """TRL's conversational prompt-completion records are conversations to answer; plain ones (raw text) are not."""
+    source = tmp_path / "trl.jsonl"
+    source.write_text(json.dumps({"id": "t", "prompt": [{"role": "user", "content": "Tell me a story."}],
+                                  "completion": [{"role": "assistant", "content": "Once."}]}) + "\n")
+    out = tmp_path / "regen.jsonl"
+    assert main(["data", "regenerate", "--target", "stories260K", "--input", str(source), "--output", str(out),
+                 "--max-new-tokens", "8"]) == 0
+    (record,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert record["messages"][0] == {"role": "user", "content": "Tell me a story."}
+    assert record["messages"][-1]["role"] == "assistant"
+    source.write_text(json.dumps({"prompt": "Once upon", "completion": " a time"}) + "\n")
+    assert main(["data", "regenerate", "--target", "stories260K", "--input", str(source), "--output",
+                 str(tmp_path / "plain.jsonl")]) == 2
+    assert "regenerate needs conversations (ShareGPT or OpenAI), got plain prompt-completion records" in \
+        capsys.readouterr().err
+
+
 def test_regenerate_several_sampled_answers_per_prompt(tmp_path, chat_file, target_and_tokenizer, capsys):
     """--answers 3: each prompt answered three times (ids a, a#1, a#2), sampled apart; resumed by id; greedy refused."""
     target, tok = target_and_tokenizer
