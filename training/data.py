@@ -79,7 +79,7 @@ def _record(value: Any, where: str) -> dict[str, Any]:
 # `serve --record`'s /v1/completions answers), strings (plain text) or lists of messages (a conversation)
 FORMAT_FIELDS = {"sharegpt": "conversations", "openai": "messages", "text": "text", "completion": "completion"}
 PLAIN_FORMATS = ("text", "completion")  # tokenized as raw text: no chat template, no turns
-DATA_FORMATS = ("auto", *FORMAT_FIELDS)  # data.format / --format: "auto" detects it from the first record
+DATA_FORMATS = ("auto", *FORMAT_FIELDS)  # data.format / --format: "auto" reads each record's from its keys
 
 
 def detect_format(record: dict[str, Any]) -> str:
@@ -109,7 +109,7 @@ def build_dataset(
 
     Args:
         source: a file, folder or Hub dataset id (`read_records`), or a list of those; with fmt="auto" each
-            source's format is detected from its first record.
+            record's format is read from its keys (a source may mix formats).
         progress: show a progress bar while tokenizing (for sources of 1000 records or more).
         exclude: whitespace-normalised prompts (`sharegpt.benchmark_prompts`): conversations with a user turn among
             them are left out (a warning says how many), so heads are never trained on what they are measured on.
@@ -162,9 +162,12 @@ def _tokenized_rows(
     formats = []
     for number, record in enumerate(records):
         try:
-            formats.append(detect_format(record if isinstance(record, dict) else {}))
+            kind = detect_format(record if isinstance(record, dict) else {})
         except ValueError as err:
             raise ValueError(f"data source {str(source)!r}, record {number}: {err}") from err
+        if kind == "completion" and isinstance(record["completion"], list):  # a conversation in TRL's form
+            records[number], kind = as_conversation(record), "openai"
+        formats.append(kind)
     rows: list[dict[str, Any]] = []
     for kind in dict.fromkeys(formats):  # in the order they first appear
         rows += _format_rows([r for r, f in zip(records, formats, strict=True) if f == kind], source, tokenizer, kind,
@@ -190,7 +193,7 @@ def _format_rows(
         if not isinstance(record, dict) or field not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(f"data source {str(source)!r}, record {number}: the {fmt} format needs a {field!r} field, "
-                             f"found {keys} (data.format=auto detects the format from the first record)")
+                             f"found {keys} (data.format=auto reads each record's format from its keys)")
     with_images = sum(1 for r in records if has_images(r))
     read_images = bool(with_images) and processor is not None and fmt not in PLAIN_FORMATS
     if with_images and not read_images:  # (a vision-language dataset: LLaVA-Instruct, ALLaVA, ...)
