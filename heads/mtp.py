@@ -15,8 +15,8 @@ each tree in one forward, so the output is the target's (greedy identical, sampl
 The layer is built and loaded by transformers itself (`transformers.modeling_layers.MtpModel.from_pretrained`: the
 target's layer class, the checkpoint's MTP tensors renamed and converted, the embedding and lm_head shared with the
 target), so any family transformers knows the MTP layout of works. With several MTP layers (e.g. Step-3.5) only the
-first drafts, at every depth. A sliding-window MTP layer (Mellum's) attends to the whole context here: past its window
-its drafts differ from the shipped layer's (verification keeps the output exact).
+first drafts, at every depth. A sliding-window MTP layer (Mellum's) sees the last `sliding_window` positions, as
+transformers runs it.
 
 `MtpHeads` is a head type like the others once built: its weights are its own copy of the MTP layer (the target's
 embedding and lm_head borrowed, never saved), so it trains (`specheads train head.type=mtp`: fine-tuning the MTP layer
@@ -143,6 +143,9 @@ class MtpHeads(DraftHeads):
         per_type = nested is not None and bool(getattr(layer_config, "rope_parameters", None)) and bool(
             nested(layer_config.rope_parameters))
         self.rope_kwargs = {"layer_type": layer_config.layer_types[0]} if per_type else {}
+        # a sliding-window MTP layer (Mellum's) sees only the last `sliding_window` positions, as it was trained
+        types = getattr(layer_config, "layer_types", None) or []
+        self.sliding_window = layer_config.sliding_window if types[:1] == ["sliding_attention"] else None
         self.post_init()
 
     @property
@@ -195,10 +198,20 @@ class MtpHeads(DraftHeads):
         cache, layer 0), or None (training)."""
         embeds = self.target_parts.embed_tokens(input_ids).to(features.dtype)  # (B, T, h)
         position_embeddings = self.rotary_emb(embeds, position_ids, **self.rope_kwargs)
-        hidden = self.layer(embeds, features, position_embeddings=position_embeddings,
-                            attention_mask=attention_mask.to(features.dtype), position_ids=position_ids,
-                            **cache_kwargs(self.layer, past_key_values))
+        mask = attention_mask.to(features.dtype)
+        if self.sliding_window:
+            mask = self.outside_window_masked(mask, position_ids)
+        hidden = self.layer(embeds, features, position_embeddings=position_embeddings, attention_mask=mask,
+                            position_ids=position_ids, **cache_kwargs(self.layer, past_key_values))
         return hidden if self.shared_post_norm is None else self.shared_post_norm(hidden)
+
+    def outside_window_masked(self, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The (B or 1, 1, T, S) additive `mask` with the keys `sliding_window` or more positions behind each query
+        masked too. Key j sits at position j: true of every committed entry of the drafting cache (and of training's
+        keys); drafted entries sit after them, within a tree's depth of their queries, so never masked."""
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        far = position_ids[:, None, :, None] - keys >= self.sliding_window  # (B, 1, T, S)
+        return mask.masked_fill(far, torch.finfo(mask.dtype).min)
 
     def logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
         """(..., V) logits of the MTP layer's outputs through the target's lm_head (with its muP scaling when it has

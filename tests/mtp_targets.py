@@ -26,7 +26,7 @@ MTP_FAMILIES = {
                              first_k_dense_replace=1, n_group=1, topk_group=1)),
     "glm4_moe": (46, dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                           n_group=1, topk_group=1)),
-    "mellum": (2, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+    "mellum": (2, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                        layer_types=["sliding_attention", "full_attention", "full_attention"])),
 }
 MELLUM_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "shared_head.norm": "norm",
