@@ -17,6 +17,8 @@ from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.config import HeadsConfig
 
 DRAFT_LAYER_CHOICES = ("auto", "llama")
+# fields of a target's config that name its checkpoint, not its layers: left out of the layer configs heads keep
+CHECKPOINT_CONFIG_FIELDS = ("architectures", "_name_or_path", "transformers_version", "auto_map", "quantization_config")
 
 
 def draft_layer_config_from_target(target_config: PretrainedConfig, draft_layer: str = "auto") -> dict[str, Any]:
@@ -34,7 +36,7 @@ def draft_layer_config_from_target(target_config: PretrainedConfig, draft_layer:
     if draft_layer == "llama":
         return llama_layer_config_for(target_config)
     layer_config = target_config.to_dict()
-    for key in ("architectures", "_name_or_path", "transformers_version", "auto_map", "quantization_config"):
+    for key in CHECKPOINT_CONFIG_FIELDS:
         layer_config.pop(key, None)
     layer_config["num_hidden_layers"] = 1
     if layer_config.get("layer_types"):

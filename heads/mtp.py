@@ -36,7 +36,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.config import MTP_HEAD_TYPE, HeadsConfig
-from specheads.heads.eagle import decoder_classes
+from specheads.heads.eagle import CHECKPOINT_CONFIG_FIELDS, decoder_classes
 
 # Default trees (not measured on a real MTP model here): an MTP level costs one decoder layer of the target's family
 # (a mixture of experts on DeepSeek and GLM), about an EAGLE head's; on CPUs, where every verified node costs, smaller.
@@ -69,7 +69,7 @@ def mtp_layer_config(target_config: PretrainedConfig) -> dict[str, Any]:
     """The config (as a dict) of the target's MTP layers: transformers' `get_mtp_config()` (the target's text config
     with the MTP layers' counts and types), without the fields that name the checkpoint."""
     layer_config = target_config.get_mtp_config().to_dict()
-    for key in ("architectures", "_name_or_path", "transformers_version", "auto_map", "quantization_config"):
+    for key in CHECKPOINT_CONFIG_FIELDS:
         layer_config.pop(key, None)
     return layer_config
 
@@ -86,12 +86,13 @@ def load_mtp_model(target: PreTrainedModel) -> nn.Module:
     MtpModel = mtp_classes()[0]  # noqa: N806 (a class)
     text = target.config.get_text_config()
     shipped = getattr(text, "num_nextn_predict_layers", None) or getattr(text, "mtp_num_hidden_layers", None)
-    if mtp_layer_count(target) < 1 and shipped:  # in the checkpoint, but this transformers builds no MTP layer for it
+    declared = mtp_layer_count(target)
+    if declared < 1 and shipped:  # in the checkpoint, but this transformers builds no MTP layer for it
         raise ValueError(
             f"target {text.name_or_path or text.model_type!r} ships {shipped} MTP layer(s) but transformers "
             f"{transformers.__version__} does not load MTP layers for model_type={text.model_type!r} (no num_mtp_layers "
             "in its config class); MTP drafting needs a transformers release that does")
-    if mtp_layer_count(target) < 1:
+    if declared < 1:
         raise ValueError(
             f"target {text.name_or_path or text.model_type!r} (model_type={text.model_type!r}) declares no MTP layer "
             f"(num_mtp_layers={getattr(text, 'num_mtp_layers', None)!r}); MTP drafting needs a model shipped with one "
@@ -146,6 +147,8 @@ class MtpHeads(DraftHeads):
         # a sliding-window MTP layer (Mellum's) sees only the last `sliding_window` positions, as it was trained
         types = getattr(layer_config, "layer_types", None) or []
         self.sliding_window = layer_config.sliding_window if types[:1] == ["sliding_attention"] else None
+        # muP models scale the lm_head's input (transformers' MtpModel divides by this); None for the others
+        self.logits_divisor = getattr(layer_config, "logits_mup_width_multiplier", None)
         self.post_init()
 
     @property
@@ -216,8 +219,7 @@ class MtpHeads(DraftHeads):
     def logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
         """(..., V) logits of the MTP layer's outputs through the target's lm_head (with its muP scaling when it has
         one, as transformers' MtpModel applies it)."""
-        multiplier = self.config.draft_layer_config.get("logits_mup_width_multiplier")
-        hidden = predicted_features if multiplier is None else predicted_features / multiplier
+        hidden = predicted_features if self.logits_divisor is None else predicted_features / self.logits_divisor
         lm_head = self.target_parts.lm_head
         return lm_head(hidden.to(lm_head.weight.dtype))[..., : self.config.vocab_size]
 

@@ -71,9 +71,9 @@ class CpuKernels:
         from specheads.inference.int8_linear import use_int8_linears
 
         if getattr(self.heads, "shares_target_weights", False):
-            name = self.heads.config.draft_model_name_or_path or f"the target's {self.heads.config.head_type} layer"
-            raise ValueError(f"int8 draft layers: this draft ({name}) shares the target's own modules, which int8 "
-                             "would change for verification too; draft with the default layers (--draft-linear default)")
+            raise ValueError(f"int8 draft layers: this draft model ({self.heads.config.draft_model_name_or_path}) is "
+                             "made of the target's own layers, which int8 would change for verification too; draft "
+                             "with the default layers (--draft-linear default)")
         return use_int8_linears(self.heads, keep=self.heads.float32_linears)
 
     def use_certified_argmax(self) -> None:

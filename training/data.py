@@ -92,11 +92,14 @@ def detect_format(record: dict[str, Any]) -> str:
                      "expected 'conversations' (ShareGPT), 'messages' (OpenAI), 'text' or 'prompt' + 'completion'")
 
 
-def as_conversation(record: dict[str, Any]) -> dict[str, Any]:
-    """A prompt-completion record whose prompt and completion are lists of messages (TRL's conversational form) as an
-    OpenAI record: {"messages": prompt + completion, ...its other fields}."""
+def conversation_form(record: dict[str, Any], fmt: str) -> tuple[dict[str, Any], str]:
+    """(record, format) as it is read: a prompt-completion record whose prompt and completion are lists of messages
+    (TRL's conversational form) as the OpenAI record they make ({"messages": prompt + completion, ...its other
+    fields}), any other record as it is."""
+    if fmt != "completion" or not isinstance(record.get("completion"), list):
+        return record, fmt
     rest = {k: v for k, v in record.items() if k not in ("prompt", "completion")}
-    return {**rest, "messages": [*(record.get("prompt") or []), *record["completion"]]}
+    return {**rest, "messages": [*(record.get("prompt") or []), *record["completion"]]}, "openai"
 
 
 def build_dataset(
@@ -156,17 +159,17 @@ def _tokenized_rows(
     records = read_records(source)
     if not records:
         raise ValueError(f"data source {str(source)!r} holds no records")
-    if fmt != "auto":
+    if fmt not in ("auto", "completion"):
         return _format_rows(records, source, tokenizer, fmt, max_length, progress, exclude, processor, image_folder,
                             chat_template_kwargs)
     formats = []
     for number, record in enumerate(records):
         try:
-            kind = detect_format(record if isinstance(record, dict) else {})
+            kind = detect_format(record if isinstance(record, dict) else {}) if fmt == "auto" else fmt
         except ValueError as err:
             raise ValueError(f"data source {str(source)!r}, record {number}: {err}") from err
-        if kind == "completion" and isinstance(record["completion"], list):  # a conversation in TRL's form
-            records[number], kind = as_conversation(record), "openai"
+        if isinstance(record, dict):  # prompt-completion conversations (TRL's form) are read as conversations
+            records[number], kind = conversation_form(record, kind)
         formats.append(kind)
     rows: list[dict[str, Any]] = []
     for kind in dict.fromkeys(formats):  # in the order they first appear
@@ -184,8 +187,6 @@ def _format_rows(
     # imported here: image_records builds on this module's conversation helpers
     from specheads.training.image_records import has_images, tokenize_image_record
 
-    if fmt == "completion" and all(isinstance(r, dict) and isinstance(r.get("completion"), list) for r in records):
-        records, fmt = [as_conversation(r) for r in records], "openai"  # conversational prompt-completion records
     field = FORMAT_FIELDS.get(fmt)
     if field is None:
         raise ValueError(f"data format {fmt!r} is unknown; expected one of {sorted(FORMAT_FIELDS)} or 'auto'")

@@ -34,7 +34,7 @@ from specheads.training.conversations import asks_any, record_template_kwargs, t
 from specheads.training.data import (
     DATA_FORMATS,
     PROGRESS_MIN_RECORDS,
-    as_conversation,
+    conversation_form,
     detect_format,
     read_records,
 )
@@ -147,9 +147,7 @@ def record_prompt(record: dict[str, Any], source: str | Path, exclude: set[str] 
     Raises:
         ValueError: a plain-text record (regeneration answers conversations).
     """
-    fmt = detect_format(record)
-    if fmt == "completion" and isinstance(record["completion"], list):  # TRL's conversational prompt-completion
-        record, fmt = as_conversation(record), "openai"
+    record, fmt = conversation_form(record, detect_format(record))  # TRL's conversational prompt-completion: a chat
     if fmt in ("text", "completion"):
         raise ValueError(f"{source}: regenerate needs conversations (ShareGPT or OpenAI), got plain "
                          f"{'text' if fmt == 'text' else 'prompt-completion'} records")

@@ -65,6 +65,7 @@ def test_conversational_prompt_completion_records_read_as_conversations(tmp_path
     (tmp_path / "openai.jsonl").write_text(json.dumps({"messages": [user, answer]}) + "\n")
     trl, openai = (build_dataset(tmp_path / name, tok, progress=False) for name in ("trl.jsonl", "openai.jsonl"))
     assert trl[0] == openai[0] and "Hello friend." in _trained_text(tok, trl[0])
+    assert build_dataset(tmp_path / "trl.jsonl", tok, "completion", progress=False)[0] == openai[0]  # named format too
 
 
 def test_answers_before_any_user_turn_are_left_out_with_a_chat_template(tmp_path, target_and_tokenizer, caplog):
