@@ -15,6 +15,8 @@ FORMAT_VERSION = 1
 DRAFT_MODEL_HEAD_TYPE = "draft_model"
 # `MtpHeads` (heads/mtp.py): a multi-token-prediction layer of the target's, as the target ships it or fine-tuned
 MTP_HEAD_TYPE = "mtp"
+# head types that read several tapped target layers (`feature_layers`, fused by their `fc`) rather than the final state
+TAPPING_HEADS = ("eagle3", "dflash")
 # EAGLE-3 variants' norms (heads/eagle3.py): EAGLE-3.1's two, and two of vLLM speculators' drafters
 EAGLE3_NORM_FIELDS = ("eagle3_fc_norm", "eagle3_norm_output", "eagle3_norm_before_fc", "eagle3_norm_before_residual")
 # the fields of the default draft tree (`HeadsConfig.cpu_tree` may replace any of them on CPUs)
@@ -22,7 +24,7 @@ TREE_FIELDS = ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "
 
 # One line of help per field; also used by `specheads` docs and error messages.
 FIELD_HELP: dict[str, str] = {
-    "head_type": "Which draft architecture: one of specheads.HEAD_TYPES (medusa, eagle, eagle3), or 'mtp' (the target's own "
+    "head_type": "Which draft architecture: one of specheads.HEAD_TYPES (medusa, eagle, eagle3, dflash), or 'mtp' (the target's own "
     "multi-token-prediction layer, heads/mtp.py); 'draft_model' for a draft model wrapped as heads at run time "
     "(heads/draft_model.py; never saved).",
     "draft_model_name_or_path": "draft_model: the draft model's path or Hub id ('early-exit:N' for the target's first N "
@@ -35,11 +37,12 @@ FIELD_HELP: dict[str, str] = {
     "hidden_size": "The target's hidden size; the heads read and predict features of this width.",
     "vocab_size": "The target's vocabulary size; drafts are token ids below it.",
     "feature_layers": "Indices into the target's `hidden_states` tuple that the heads read "
-    "(num_hidden_layers = the final, post-norm state); EAGLE-3 fuses 2 or more (default 3).",
+    "(num_hidden_layers = the final, post-norm state); EAGLE-3 fuses 2 or more (default 3); DFlash fuses 1 or more "
+    "(default 3).",
     "num_heads": "Medusa: number of heads, i.e. tokens drafted ahead in one shot (t+2 .. t+K+1).",
     "num_layers": "Medusa: residual SiLU blocks per head. EAGLE-3: decoder layers of the draft (default 1): the first "
     "reads [embedding; feature], the others are plain layers of the same family on its output (vLLM's and SpecForge's "
-    "`num_hidden_layers`). EAGLE: 1.",
+    "`num_hidden_layers`). DFlash: the drafter's decoder layers (default 1; z-lab's 8B drafters: 5). EAGLE: 1.",
     "draft_layer_config": "EAGLE: the config (as a dict) of the one decoder layer the head owns; its `model_type` "
     "picks the layer class (the target's family when that layer has Llama's shape, else 'llama'). Its `hidden_size` is "
     "the draft's width: the target's for EAGLE heads (they predict target features); EAGLE-3 heads may be narrower "
@@ -63,6 +66,10 @@ FIELD_HELP: dict[str, str] = {
     "normalised feature (hidden_norm's output) instead of the feature itself.",
     "parallel_slot_token": "EAGLE-3 with parallel_depth: the target token whose embedding the parallel slots read "
     "(vLLM's `ptd_token_id`).",
+    "block_size": "DFlash: positions of the drafted block, the root and block_size-1 depths scored in ONE forward "
+    "(z-lab's `block_size`); trees draft at most block_size-1 deep. 0 for other head types.",
+    "block_mask_token": "DFlash: the target token whose embedding fills the block's positions after the root (z-lab's "
+    "`dflash_config.mask_token_id`).",
     "tree_depth": "Default draft tree depth (EAGLE dynamic trees).",
     "tree_top_k": "Default children expanded per node (EAGLE dynamic trees).",
     "tree_num_nodes": "Default number of draft nodes kept after global reranking (EAGLE dynamic trees).",
@@ -126,6 +133,8 @@ class HeadsConfig(PretrainedConfig):
         eagle_draft_vocab_size: int = 0,
         parallel_depth: int = 0,
         parallel_slot_token: int = 0,
+        block_size: int = 0,
+        block_mask_token: int = 0,
         eagle3_fc_norm: bool = False,
         eagle3_norm_output: bool = False,
         eagle3_norm_before_fc: bool = False,
@@ -172,6 +181,8 @@ class HeadsConfig(PretrainedConfig):
         self.eagle_draft_vocab_size = eagle_draft_vocab_size
         self.parallel_depth = parallel_depth
         self.parallel_slot_token = parallel_slot_token
+        self.block_size = block_size
+        self.block_mask_token = block_mask_token
         self.eagle3_fc_norm = eagle3_fc_norm
         self.eagle3_norm_output = eagle3_norm_output
         self.eagle3_norm_before_fc = eagle3_norm_before_fc
@@ -246,8 +257,9 @@ class HeadsConfig(PretrainedConfig):
                 f"HeadsConfig.target_adapter_sample={adapter_sample!r} is invalid; expected {{}} or a dict with keys "
                 f"weight, {', '.join(lists)} (lists of one length) ({FIELD_HELP['target_adapter_sample']})"
             )
-        if self.head_type in ("eagle", "eagle3") and not self.draft_layer_config:
-            raise ValueError("HeadsConfig.draft_layer_config is empty; EAGLE heads need their decoder layer's config")
+        if self.head_type in ("eagle", "eagle3", "dflash") and not self.draft_layer_config:
+            raise ValueError(f"HeadsConfig.draft_layer_config is empty; {self.head_type} heads need their decoder "
+                             "layers' config")
         if self.head_type in ("eagle", "eagle3"):
             self.validate_draft_width()
         if self.head_type == "eagle" and self.num_layers != 1:
@@ -270,6 +282,7 @@ class HeadsConfig(PretrainedConfig):
                 "eagle heads only (eagle3 heads use draft_vocab_size)"
             )
         self.validate_parallel_drafting()
+        self.validate_block_drafting()
         for name in EAGLE3_NORM_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -306,6 +319,19 @@ class HeadsConfig(PretrainedConfig):
         self.tree_depth = min(self.tree_depth, self.parallel_depth)
         if "tree_depth" in self.cpu_tree:
             self.cpu_tree["tree_depth"] = min(self.cpu_tree["tree_depth"], self.parallel_depth)
+
+    def validate_block_drafting(self) -> None:
+        """Raise a ValueError naming `block_size` / `block_mask_token` when they are invalid (DFlash heads)."""
+        size, token, dflash = self.block_size, self.block_mask_token, self.head_type == "dflash"
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 2 if dflash else size != 0):
+            expected = "an integer >= 2" if dflash else f"0 (block drafting is DFlash's; head_type={self.head_type!r})"
+            raise ValueError(f"HeadsConfig.block_size={size!r} is invalid; expected {expected} ({FIELD_HELP['block_size']})")
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
+            raise ValueError(f"HeadsConfig.block_mask_token={token!r} is invalid; expected a token id in [0, "
+                             f"vocab_size={self.vocab_size}) ({FIELD_HELP['block_mask_token']})")
+        if dflash and self.draft_layer_config.get("num_hidden_layers", self.num_layers) != self.num_layers:
+            raise ValueError(f"HeadsConfig.num_layers={self.num_layers} but draft_layer_config.num_hidden_layers="
+                             f"{self.draft_layer_config['num_hidden_layers']}; expected them equal (the draft's layers)")
 
     def validate_parallel_drafting(self) -> None:
         """Raise a ValueError naming `parallel_depth` / `parallel_slot_token` when they are invalid."""

@@ -64,6 +64,9 @@ def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:
                            ("tree_depth", "tree_top_k", "tree_num_nodes", "tree_stop_prob", "tree_min_prob")}
     if getattr(config, "parallel_depth", 0):  # P-EAGLE: every depth in one head forward
         summary["parallel_drafting"] = {"depth": config.parallel_depth, "slot_token": config.parallel_slot_token}
+    if getattr(config, "block_size", 0):  # DFlash: a block of positions drafted in one forward
+        summary["block_drafting"] = {"block_size": config.block_size, "mask_token": config.block_mask_token,
+                                     "feature_layers": list(config.feature_layers)}
     norms = [name for name in EAGLE3_NORM_FIELDS if getattr(config, name, False)]
     if norms:  # EAGLE-3.1's and other EAGLE-3 variants' norms
         summary["eagle3_norms"] = norms

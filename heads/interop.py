@@ -12,6 +12,8 @@ Formats (one module each, registered in `FORMAT_MODULES`, one line per format):
                   ``lm_head``, ``d2t`` (offsets), ``t2d``, see `specheads.heads.format_eagle3`.
 - ``eagle3-sglang`` the same tensors under ``layers.0.*`` (SGLang's layer naming), see
                   `specheads.heads.format_eagle3_sglang`.
+- ``dflash``      z-lab/dflash block drafters (``DFlashDraftModel``, ``dflash_config``), see
+                  `specheads.heads.format_dflash`.
 
 A format module is a plain module with:
 
@@ -59,6 +61,7 @@ FORMAT_MODULES: dict[str, str] = {
     "speculators": "specheads.heads.format_speculators",
     "eagle3": "specheads.heads.format_eagle3",
     "eagle3-sglang": "specheads.heads.format_eagle3_sglang",
+    "dflash": "specheads.heads.format_dflash",
 }
 FORMATS: tuple[str, ...] = tuple(FORMAT_MODULES)
 NATIVE_FORMAT = "specheads"  # what `detect_format` calls a folder written by `save_pretrained`
@@ -170,7 +173,8 @@ def detect_format(folder: str | os.PathLike) -> str:
     """Name the checkpoint format of a folder: one of `FORMATS`, or "specheads" for our own checkpoints.
 
     Rules, first match wins: ``head_type`` in config.json -> specheads; ``speculators_model_type`` ->
-    speculators; ``medusa_num_heads`` or a ``medusa_lm_head.*`` file -> medusa; an EAGLE-3 folder (architecture
+    speculators; ``medusa_num_heads`` or a ``medusa_lm_head.*`` file -> medusa; ``dflash_config`` or a ``DFlash*``
+    architecture -> dflash; an EAGLE-3 folder (architecture
     ``LlamaForCausalLMEagle3``, ``draft_vocab_size``, or ``d2t``/``t2d``/``midlayer.*`` tensors) -> eagle3-sglang
     when its layer tensors are ``layers.0.*``, else eagle3 (also for pickled weights, as SafeAILab releases ship);
     ``fc.weight`` + ``layers.0.*`` tensors, or a one-layer LlamaConfig-style config with pickled weights -> eagle.
@@ -195,6 +199,8 @@ def detect_format(folder: str | os.PathLike) -> str:
         return "speculators"
     if "medusa_num_heads" in config or medusa_files:
         return "medusa"
+    if "dflash_config" in config or any(str(a).startswith("DFlash") for a in config.get("architectures") or []):
+        return "dflash"
     names = tensor_names(folder / "model.safetensors")
     eagle3_arch = "LlamaForCausalLMEagle3" in (config.get("architectures") or [])
     if eagle3_arch or "draft_vocab_size" in config or {"d2t", "t2d"} & names:
@@ -218,7 +224,7 @@ def export_heads(heads_or_path: DraftHeads | str | os.PathLike, format: str, out
 
     Args:
         heads_or_path: loaded heads, or a specheads checkpoint folder / Hub id.
-        format: one of `FORMATS` ("medusa", "eagle", "speculators", "eagle3", "eagle3-sglang").
+        format: one of `FORMATS` ("medusa", "eagle", "speculators", "eagle3", "eagle3-sglang", "dflash").
         out_dir: the folder to write (created if needed; files of the same names are overwritten).
 
     Returns:

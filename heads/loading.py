@@ -13,6 +13,12 @@ from transformers import PreTrainedModel
 from specheads.heads import HEAD_CLASSES, HEAD_TYPES
 from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.heads.config import FIELD_HELP, MTP_HEAD_TYPE, HeadsConfig
+from specheads.heads.dflash import (
+    DEFAULT_BLOCK_SIZE,
+    default_dflash_feature_layers,
+    default_trees,
+    dflash_layer_config,
+)
 from specheads.heads.eagle import draft_layer_config_from_target
 from specheads.heads.eagle3 import default_eagle3_feature_layers, layer_config_of_width
 
@@ -50,8 +56,9 @@ def create_heads(
     if head_type not in HEAD_TYPES:
         raise ValueError(f"unknown head_type {head_type!r}; expected one of {HEAD_TYPES} (or {MTP_HEAD_TYPE!r} for a "
                          "target shipped with an MTP layer)")
-    if head_type == "medusa" and draft_layer != "auto":
-        raise ValueError(f"draft_layer={draft_layer!r} applies to EAGLE heads; Medusa heads own no decoder layer")
+    if head_type in ("medusa", "dflash") and draft_layer != "auto":
+        raise ValueError(f"draft_layer={draft_layer!r} applies to EAGLE heads; {head_type} heads "
+                         f"{'own no decoder layer' if head_type == 'medusa' else 'hold Qwen3 layers for any target'}")
     if draft_hidden_size is not None and head_type != "eagle3":
         raise ValueError(f"draft_hidden_size={draft_hidden_size!r} applies to eagle3 heads; {head_type} heads "
                          f"{'own no decoder layer' if head_type == 'medusa' else 'predict the target features, at its width'}")
@@ -73,6 +80,13 @@ def create_heads(
             fields["draft_layer_config"] = layer_config_of_width(fields["draft_layer_config"], draft_hidden_size)
     if head_type == "eagle3":  # three pre-norm layers, fused by the head
         fields["feature_layers"] = default_eagle3_feature_layers(text_config.num_hidden_layers)
+    if head_type == "dflash":  # a block drafter: its layers, taps, block and mask token (options may replace them)
+        pad = getattr(text_config, "pad_token_id", None)
+        trees = default_trees(options.get("block_size", DEFAULT_BLOCK_SIZE))
+        trees["cpu_tree"] = {k: v for k, v in trees["cpu_tree"].items() if k not in options}  # a given tree wins
+        fields.update(trees, block_size=DEFAULT_BLOCK_SIZE, block_mask_token=text_config.vocab_size - 1 if pad is None else pad,
+                      feature_layers=default_dflash_feature_layers(text_config.num_hidden_layers, 3),
+                      draft_layer_config=dflash_layer_config(text_config, options.get("num_layers", 1)))
     unknown = set(options) - set(FIELD_HELP)
     if unknown:
         raise ValueError(f"create_heads: unknown options {sorted(unknown)}; expected HeadsConfig fields")

@@ -51,8 +51,9 @@ def tree_candidates(lm: SpeculativeLM) -> list[Any]:
     # children per node come from the heads' draft vocabulary (EAGLE-3, or EAGLE with a d2t)
     vocab = lm.heads.draft_vocab_size
     candidates = [c for c in EAGLE_CANDIDATES if c["tree_top_k"] <= vocab]
-    parallel = getattr(lm.heads.config, "parallel_depth", 0)
-    if parallel:  # P-EAGLE heads draft at most their parallel depth: deeper candidates are capped there (once each)
+    config = lm.heads.config
+    parallel = getattr(config, "parallel_depth", 0) or max(getattr(config, "block_size", 0) - 1, 0)
+    if parallel:  # P-EAGLE / DFlash heads draft at most their parallel depth / block: deeper candidates are capped there
         capped = [{**c, "tree_depth": min(c["tree_depth"], parallel)} for c in candidates]
         candidates = [c for i, c in enumerate(capped) if c not in capped[:i]]
     if not candidates:

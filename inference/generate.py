@@ -18,6 +18,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specheads.heads.base import DraftHeads
+from specheads.heads.dflash import DFlashHeads
 from specheads.heads.draft_model import DraftModelHeads, check_drafting_source, draft_model_heads
 from specheads.heads.eagle import EagleHeads
 from specheads.heads.eagle3 import Eagle3Heads
@@ -35,6 +36,7 @@ from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
 from specheads.inference.corpus_lookup import CorpusLookup, corpus_for_target
 from specheads.inference.cpu_kernels import CpuKernels
+from specheads.inference.dflash_drafting import DFlashDrafter
 from specheads.inference.draft_model_drafting import DraftModelDrafter
 from specheads.inference.drafting import (
     Drafter,
@@ -174,22 +176,17 @@ class SpeculativeLM(CpuKernels):
             if tree is None and static.max_depth > heads.config.num_heads:
                 static = truncate_static_tree(static, heads.config.num_heads)  # the default tree, cut to the heads we have
             self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
-        elif isinstance(heads, (EagleHeads, Eagle3Heads, DraftModelHeads, MtpHeads)):
+        elif isinstance(heads, (EagleHeads, Eagle3Heads, DraftModelHeads, MtpHeads, DFlashHeads)):
             if tree is not None:
                 raise ValueError(f"{heads.config.head_type} drafting makes dynamic trees: use tree_depth / tree_top_k / "
                                  "tree_num_nodes (/ tree_stop_prob / tree_min_prob), not tree")
             parallel = isinstance(heads, Eagle3Heads) and heads.config.parallel_depth  # P-EAGLE: one forward a round
             drafter_class = (DraftModelDrafter if isinstance(heads, DraftModelHeads) else ParallelDrafter if parallel
-                             else EagleDrafter)
-            self.drafter = drafter_class(
-                heads,
-                depth=defaults["tree_depth"] if tree_depth is None else tree_depth,
-                top_k=defaults["tree_top_k"] if tree_top_k is None else tree_top_k,
-                num_nodes=defaults["tree_num_nodes"] if tree_num_nodes is None else tree_num_nodes,
-                stop_prob=defaults["tree_stop_prob"] if tree_stop_prob is None else tree_stop_prob,
-                min_prob=defaults["tree_min_prob"] if tree_min_prob is None else tree_min_prob,
-                dtype=self.target.dtype,
-            )
+                             else DFlashDrafter if isinstance(heads, DFlashHeads) else EagleDrafter)
+            given = dict(depth=tree_depth, top_k=tree_top_k, num_nodes=tree_num_nodes, stop_prob=tree_stop_prob,
+                         min_prob=tree_min_prob)  # None: the default's `tree_<name>`
+            shape = {name: defaults[f"tree_{name}"] if value is None else value for name, value in given.items()}
+            self.drafter = drafter_class(heads, **shape, dtype=self.target.dtype)
         else:
             raise TypeError(f"no drafter for head type {heads.config.head_type!r}")
         if isinstance(lookup, LookupDrafter):  # prompt lookup stays on, around the new heads' drafter
@@ -243,6 +240,7 @@ class SpeculativeLM(CpuKernels):
         if not isinstance(drafter, EagleDrafter):  # a caller's own (`use_drafter`)
             return {"kind": "custom", "drafter": type(drafter).__name__, **lookup}
         extra = {"parallel": True} if isinstance(drafter, ParallelDrafter) else {}  # P-EAGLE: one forward a round
+        extra |= {"block": True} if isinstance(drafter, DFlashDrafter) else {}  # DFlash: one block a round
         extra |= {"mtp": True} if isinstance(self.heads, MtpHeads) else {}  # the target's own MTP layer drafts
         if isinstance(drafter, DraftModelDrafter):  # and, for another tokenizer, the tokens it can draft
             mapping = self.heads.vocab_mapping

@@ -50,11 +50,11 @@ class ParallelDrafter(EagleDrafter):
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
-        heads, k, device = self.heads, self.top_k, features.device
+        heads, device = self.heads, features.device
         crop_cache(self.cache, self.committed)  # drops last round's parallel slots
         start, length, slots = self.committed, features.shape[0], self.depth - 1
 
-        # 1. One forward: the L new committed positions, then the parallel slots, causal over the cache and all of them.
+        # One forward: the L new committed positions, then the parallel slots, causal over the cache and all of them.
         total = length + slots
         tokens = torch.cat([next_tokens, self.slot_tokens])  # (L+S,)
         mask = self.causal_mask(start, total, device)
@@ -63,31 +63,39 @@ class ParallelDrafter(EagleDrafter):
         out = heads(features[None], tokens[None], positions, mask, self.cache, parallel_slots=(anchors, self.slot_depths))[0]
         self.committed = start + length
         by_depth = out[length - 1 :]  # (D, h) of the (L+S, h): row d scores depth d+1 (row 0: the root's own position)
+        return tree_of_depths(self, by_depth, next_tokens)
 
-        # 2. Depth 1: the top-k children of the root. Unconstrained, every depth's top-k at once.
-        constrained = self.allowed_after is not None
-        allowed = self.allowed_after(next_tokens.new_zeros(1, 0))[0] if constrained else None
+
+def tree_of_depths(drafter: EagleDrafter, by_depth: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+    """The tree of a drafter that scores every depth at once: `by_depth` (D, h) holds the heads' output whose logits
+    rank depth d+1 at row d, for any parent. Builds `drafter`'s `DraftPool` from them (top-k per depth, constrained
+    per path when `allowed_after` is set, early stop, best `num_nodes` kept) and returns (tree tokens, buffers) with
+    the root `next_tokens[-1]` first. Used by P-EAGLE's and DFlash's drafters."""
+    k = drafter.top_k
+    # 1. Depth 1: the top-k children of the root. Unconstrained, every depth's top-k at once.
+    constrained = drafter.allowed_after is not None
+    allowed = drafter.allowed_after(next_tokens.new_zeros(1, 0))[0] if constrained else None
+    if constrained:
+        scores, children = drafter.top_children(by_depth[0], allowed)  # (k,)
+    else:
+        all_scores, all_children = drafter.top_children(by_depth)  # (D, k) each
+        scores, children = all_scores[0], all_children[0]
+    pool = DraftPool(scores, children, by_depth[0])
+
+    # 2. Deeper levels: each frontier node's children are its depth's top-k (the same for every parent unless a
+    #    constraint filters them per path); stop early as EagleDrafter does.
+    for level in range(2, drafter.depth + 1):
+        if drafter.stop_prob > 0 and float(pool.frontier_scores[0]) < drafter.log_stop:
+            break
+        row = by_depth[level - 1].expand(k, -1)  # (k, h)
         if constrained:
-            scores, children = self.top_children(by_depth[0], allowed)  # (k,)
+            level_scores, level_children = drafter.top_children(row, drafter.allowed_after(pool.frontier_paths()))
         else:
-            all_scores, all_children = self.top_children(by_depth)  # (D, k) each
-            scores, children = all_scores[0], all_children[0]
-        pool = DraftPool(scores, children, by_depth[0])
+            level_scores = all_scores[level - 1].expand(k, k)
+            level_children = all_children[level - 1].expand(k, k)
+        pool.expand(row, level_scores, level_children)
 
-        # 3. Deeper levels: each frontier node's children are its depth's top-k (the same for every parent unless a
-        #    constraint filters them per path); stop early as EagleDrafter does.
-        for level in range(2, self.depth + 1):
-            if self.stop_prob > 0 and float(pool.frontier_scores[0]) < self.log_stop:
-                break
-            row = by_depth[level - 1].expand(k, -1)  # (k, h)
-            if constrained:
-                level_scores, level_children = self.top_children(row, self.allowed_after(pool.frontier_paths()))
-            else:
-                level_scores = all_scores[level - 1].expand(k, k)
-                level_children = all_children[level - 1].expand(k, k)
-            pool.expand(row, level_scores, level_children)
-
-        # 4. Keep the best num_nodes of the pool (those likely enough, with min_prob).
-        self.last_pool = pool
-        tree_tokens, parents = pool.best_subtree(self.num_nodes, next_tokens[-1:], self.log_min)
-        return tree_tokens, build_tree_buffers(parents, dtype=self.dtype, check=False)  # valid by construction
+    # 3. Keep the best num_nodes of the pool (those likely enough, with min_prob).
+    drafter.last_pool = pool
+    tree_tokens, parents = pool.best_subtree(drafter.num_nodes, next_tokens[-1:], drafter.log_min)
+    return tree_tokens, build_tree_buffers(parents, dtype=drafter.dtype, check=False)  # valid by construction

@@ -238,6 +238,8 @@ def tree_spec(description: dict[str, Any]) -> str:
         spec = ",".join(f"{description[key]:g}" for key in ("depth", "top_k", "nodes", "stop_prob", "min_prob"))
     if description.get("parallel"):
         spec += " (parallel drafting)"
+    if description.get("block"):
+        spec += " (block drafting)"
     lookup = description.get("lookup_tokens", 0)
     if lookup:
         grows = description.get("lookup_max_tokens")

@@ -91,6 +91,10 @@ class LossSection:
     # P-EAGLE (parallel_depth heads): share of the roots training depth d that also train depth d+1, drawn per batch
     # (COD sampling: nested subsets, depth d+1 trains ~ n * ratio^d roots; 1 = every root trains every depth)
     parallel_slot_ratio: float = 1.0
+    # DFlash: blocks anchored per sequence, drawn among the positions whose block predicts trained tokens (0: all)
+    dflash_blocks: int = 16
+    # DFlash: depth d of a block weighs exp(-(d-1)/gamma); 0 = the paper's (7, 5, 4 for blocks of 16, 10, 8)
+    dflash_gamma: float = 0.0
 
 
 @dataclass
@@ -275,6 +279,12 @@ class RunConfig:
         if not 0 < self.loss.parallel_slot_ratio <= 1:
             raise ValueError(f"loss.parallel_slot_ratio={self.loss.parallel_slot_ratio!r} is invalid; expected a share "
                              "in (0, 1] of the roots that train each next parallel depth")
+        if not isinstance(self.loss.dflash_blocks, int) or self.loss.dflash_blocks < 0:
+            raise ValueError(f"loss.dflash_blocks={self.loss.dflash_blocks!r} is invalid; expected blocks per sequence "
+                             ">= 0 (0: every eligible anchor)")
+        if not isinstance(self.loss.dflash_gamma, (int, float)) or self.loss.dflash_gamma < 0:
+            raise ValueError(f"loss.dflash_gamma={self.loss.dflash_gamma!r} is invalid; expected a decay > 0, or 0 for "
+                             "the DFlash paper's per block size")
         if self.eval_steps < 0:
             raise ValueError(f"eval_steps={self.eval_steps!r} is invalid; expected steps >= 0 (0: evaluate at the end)")
         if self.early_stopping_patience < 0:

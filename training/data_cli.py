@@ -330,12 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--max-length", type=int, default=512)
     dump.add_argument("--batch-size", type=int, default=8)
     dump.add_argument("--examples-per-shard", type=int, default=1024)
-    dump.add_argument("--head-type", default="eagle", choices=("medusa", "eagle", "eagle3", "mtp"),
-                      help="eagle3 also stores the 3 tapped layers its heads read (4x the disk of the others); the "
-                      "others read the final state only")
+    dump.add_argument("--head-type", default="eagle", choices=("medusa", "eagle", "eagle3", "dflash", "mtp"),
+                      help="eagle3 and dflash also store the 3 tapped layers their heads read (4x the disk of the "
+                      "others); the others read the final state only")
     dump.add_argument("--feature-layers", default=None,
-                      help="eagle3: the tapped hidden-state indices (2 or more), comma-separated (default EAGLE-3's [2, L//2, L-3]; "
-                      "must equal the heads' feature_layers)")
+                      help="eagle3 / dflash: the tapped hidden-state indices (eagle3: 2 or more), comma-separated "
+                      "(default EAGLE-3's [2, L//2, L-3], DFlash's spread from layer 2 to L-3; must equal the heads' "
+                      "feature_layers)")
     dump.add_argument("--image-folder", default=None, help="vision-language targets: where records' relative image "
                       "paths are read from (default: the data file's folder)")
     add_chat_template_kwargs(dump)
@@ -393,27 +394,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def tapped_layers_for(head_type: str, feature_layers: str | None, num_hidden_layers: int) -> list[int]:
-    """The layers a dump stores in front of the final state: EAGLE-3's tapped layers (3 by default), none for the
-    others.
+    """The layers a dump stores in front of the final state: the tapped layers of EAGLE-3 (3 by default, 2 or more)
+    and DFlash (3 by default, 1 or more) heads, none for the others.
 
     Raises:
-        SystemExit: --feature-layers given for another head type, or not 2 or more integers in [0, num_hidden_layers].
+        SystemExit: --feature-layers given for another head type, or not enough integers in [0, num_hidden_layers].
     """
+    from specheads.heads.config import TAPPING_HEADS
+    from specheads.heads.dflash import default_dflash_feature_layers
     from specheads.heads.eagle3 import default_eagle3_feature_layers
 
-    if head_type != "eagle3":
+    if head_type not in TAPPING_HEADS:
         if feature_layers:
-            raise SystemExit(f"--feature-layers is for --head-type eagle3 (got --head-type {head_type})")
+            raise SystemExit(f"--feature-layers is for --head-type {' or '.join(TAPPING_HEADS)} (got --head-type "
+                             f"{head_type})")
         return []
     if not feature_layers:
+        if head_type == "dflash":
+            return default_dflash_feature_layers(num_hidden_layers, 3)
         return default_eagle3_feature_layers(num_hidden_layers)
     try:
         layers = [int(part) for part in feature_layers.split(",")]
     except ValueError:
         layers = []
-    if len(layers) < 2 or not all(0 <= i <= num_hidden_layers for i in layers):
-        raise SystemExit(f"--feature-layers {feature_layers!r}: expected 2 or more (default 3) comma-separated hidden-state indices "
-                         f"in [0, {num_hidden_layers}]")
+    fewest = 2 if head_type == "eagle3" else 1
+    if len(layers) < fewest or not all(0 <= i <= num_hidden_layers for i in layers):
+        raise SystemExit(f"--feature-layers {feature_layers!r}: expected {fewest} or more (default 3) comma-separated "
+                         f"hidden-state indices in [0, {num_hidden_layers}]")
     return layers
 
 

@@ -102,6 +102,7 @@ def score_heads(
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}
     config.head.type = heads.config.head_type
     config.loss.input_noise = 0.0
+    config.loss.dflash_blocks = 0  # DFlash: a block at every position that predicts answer tokens
     if args.ttt_steps is not None:
         config.loss.ttt_steps = args.ttt_steps
     metrics = evaluate(

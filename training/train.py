@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from specheads import create_heads, load_heads, load_target
 from specheads.heads.base import DraftHeads
+from specheads.heads.config import TAPPING_HEADS
 from specheads.heads.eagle3 import Eagle3Heads
 from specheads.heads.hub import push_heads_folder
 from specheads.inference.multimodal import image_processor_for, takes_images
@@ -37,6 +38,7 @@ from specheads.training.chain_attention import use_ttt_chain_attention, wants_tt
 from specheads.training.checkpoints import latest_checkpoint, save_checkpoint
 from specheads.training.config import DRAFT_MODEL_HEAD_TYPE, RunConfig, load_run_config
 from specheads.training.data import BatchOrder, batch_to, build_dataset, micro_batches_for_process
+from specheads.training.dflash_loss import dflash_loss
 from specheads.training.draft_vocab import (
     build_draft_vocab,
     count_trained_tokens,
@@ -177,9 +179,9 @@ def compute_loss(
         return joint_loss(model, batch, config)
     hidden = heads.config.hidden_size
     if "features" in batch or can_skip_logits(target):
-        if "features" in batch:  # offline: [tapped layers (EAGLE-3) | final post-norm state] (EAGLE, Medusa: final)
+        if "features" in batch:  # offline: [tapped layers (EAGLE-3, DFlash) | final post-norm state] (others: final)
             stored, top1 = batch["features"], batch.get("target_top1")
-            features = stored[..., :-hidden] if heads.config.head_type == "eagle3" else stored[..., -hidden:]
+            features = stored[..., :-hidden] if heads.config.head_type in TAPPING_HEADS else stored[..., -hidden:]
         else:  # online, the same layout: [the heads' features | final], and no (B, T, V) logits from the forward
             stored = online_stored_features(target, batch["input_ids"], batch["attention_mask"], heads.select_features,
                                             batch.get("row_inputs"))
@@ -197,6 +199,9 @@ def compute_loss(
         rows = medusa_rows(batch["loss_mask"], heads.config.num_heads)  # (M,), (M,): the positions a head trains at
         medusa_logits = _HeadsView(model, heads, autocast).forward_in_heads_dtype(features[rows])  # (K, M, V)
         return medusa_loss(medusa_logits, target_logits, batch["input_ids"], batch["loss_mask"], config.loss, rows)
+    if heads.config.head_type == "dflash":  # blocks of the data's tokens and masks: no input noise
+        return dflash_loss(_HeadsView(model, heads, autocast), features, target_logits, batch["input_ids"],
+                           batch["attention_mask"], batch["loss_mask"], config.loss)
     noise = None
     if config.loss.input_noise > 0:
         batch_size, seq_len, hidden = features.shape
@@ -399,12 +404,12 @@ def train(config: RunConfig) -> dict[str, Any]:
                           f"({'data.eval_source' if config.data.eval_source else 'data.eval_fraction'}), "
                           f"training on {len(train_indices)}")
     token_counts = None
-    if config.head.type == "eagle3":
+    if config.head.type in TAPPING_HEADS:
         if config.feature_mode == "offline" and examples.tapped_layers != heads.config.feature_layers:
             raise ValueError(
                 f"the feature dump {config.data.features_dir} holds tapped_layers={examples.tapped_layers} but these "
-                f"eagle3 heads read feature_layers={heads.config.feature_layers}: dump again with `specheads data "
-                f"dump-features --head-type eagle3 --feature-layers {','.join(map(str, heads.config.feature_layers))}` "
+                f"{config.head.type} heads read feature_layers={heads.config.feature_layers}: dump again with `specheads "
+                f"data dump-features --head-type {config.head.type} --feature-layers {','.join(map(str, heads.config.feature_layers))}` "
                 "or train with feature_mode=online"
             )
     if config.head.type == "eagle3" or heads.draft_vocab_size < heads.config.vocab_size:

@@ -89,3 +89,21 @@ def any_target(request: pytest.FixtureRequest, stories260k) -> PreTrainedModel:
 def stories(stories260k):
     """The embedded stories260K target (model only)."""
     return stories260k[0]
+
+
+def default_feature_layers(head_type: str, num_hidden_layers: int) -> list[int]:
+    """The hidden states `create_heads` has heads of `head_type` read by default."""
+    from specheads.heads.dflash import default_dflash_feature_layers
+    from specheads.heads.eagle3 import default_eagle3_feature_layers
+
+    if head_type == "eagle3":
+        return default_eagle3_feature_layers(num_hidden_layers)
+    if head_type == "dflash":
+        return default_dflash_feature_layers(num_hidden_layers, 3)
+    return [num_hidden_layers]
+
+
+@pytest.fixture(scope="session")
+def expected_feature_layers() -> Callable[[str, int], list[int]]:
+    """`expected_feature_layers(head_type, num_hidden_layers)` -> the default `feature_layers` of fresh heads."""
+    return default_feature_layers

@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 import specheads
 from specheads import HEAD_TYPES, create_heads, load_heads
 from specheads.heads import DraftHeads
-from specheads.heads.eagle3 import default_eagle3_feature_layers
 from specheads.inference.generate import SpeculativeLM
 
 OPTIONS = {"medusa": {"num_heads": 3}, "eagle": {}}
@@ -30,6 +29,9 @@ def _outputs(heads: DraftHeads, target, eagle_inputs) -> torch.Tensor:
     with torch.no_grad():
         if heads.config.head_type == "medusa":
             return heads(inputs["features"])
+        if heads.config.head_type == "dflash":  # the context, then a block of as many tokens after it
+            positions = inputs["position_ids"]
+            return heads.logits(heads(inputs["features"], inputs["input_ids"], positions, positions + positions.shape[1]))
         return heads.logits(heads(**inputs))
 
 
@@ -77,7 +79,7 @@ def test_load_without_target_then_attach(saved, eagle_inputs):
     )
 
 
-def test_folder_contents(saved):
+def test_folder_contents(saved, expected_feature_layers):
     """The folder is a plain HF checkpoint: config.json with the target's description, safetensors, a card."""
     target, heads, folder = saved
     files = {p.name for p in folder.iterdir()}
@@ -93,8 +95,7 @@ def test_folder_contents(saved):
     assert config["hidden_size"] == target.config.hidden_size
     assert config["vocab_size"] == target.config.vocab_size
     layers = target.config.num_hidden_layers
-    expected_layers = default_eagle3_feature_layers(layers) if heads.config.head_type == "eagle3" else [layers]
-    assert config["feature_layers"] == expected_layers
+    assert config["feature_layers"] == expected_feature_layers(heads.config.head_type, layers)
 
     card = (folder / "README.md").read_text()
     assert "tiny-org/tiny-llama" in card

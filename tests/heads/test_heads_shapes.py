@@ -12,7 +12,6 @@ import torch
 
 from specheads import HEAD_TYPES, create_heads
 from specheads.heads import DraftHeads, EagleHeads, MedusaHeads
-from specheads.heads.eagle3 import default_eagle3_feature_layers
 
 DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "mistral": "MistralDecoderLayer"}
 
@@ -29,7 +28,7 @@ def test_head_types_are_registered():
 
 
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_create_heads_every_type(any_target, head_type):
+def test_create_heads_every_type(any_target, head_type, expected_feature_layers):
     """`create_heads` builds each registered type for each family, sized from the target's config."""
     torch.manual_seed(0)
     heads = create_heads(any_target, head_type)
@@ -39,7 +38,7 @@ def test_create_heads_every_type(any_target, head_type):
     assert heads.config.hidden_size == config.hidden_size
     assert heads.config.vocab_size == config.vocab_size
     layers = config.num_hidden_layers
-    assert heads.config.feature_layers == (default_eagle3_feature_layers(layers) if head_type == "eagle3" else [layers])
+    assert heads.config.feature_layers == expected_feature_layers(head_type, layers)
     assert heads.config.target_model_type == config.model_type
     assert heads.config.target_architectures == [type(any_target).__name__]
     assert next(heads.parameters()).dtype == any_target.dtype

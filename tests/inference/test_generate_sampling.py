@@ -200,13 +200,14 @@ def test_oracle_drafts_sample_the_exact_joint_law(six_token_target, chi_square, 
 def untrained_eagle_heads(target, head_type: str):
     """Untrained EAGLE heads; EAGLE-3 ones (and EAGLE ones with `eagle_draft_vocab_size`, head_type "eagle-vocab")
     draft from a reduced vocabulary without token 2 (d2t not the identity); "eagle-pruned" ones verify only the
-    nodes the heads find likely enough (trees of varying size); "eagle3-parallel" ones draft each tree in one forward."""
+    nodes the heads find likely enough (trees of varying size); "eagle3-parallel" ones draft each tree in one forward,
+    as "dflash" ones (a block drafter over the whole vocabulary) do."""
     torch.manual_seed(0)
     tree = dict(tree_depth=3, tree_top_k=3, tree_num_nodes=8)
     if head_type == "eagle-pruned":
         return create_heads(target, "eagle", tree_min_prob=0.04, **tree)
-    if head_type == "eagle":
-        return create_heads(target, "eagle", **tree)
+    if head_type in ("eagle", "dflash"):
+        return create_heads(target, head_type, **tree)
     if head_type == "eagle-vocab":
         heads = create_heads(target, "eagle", eagle_draft_vocab_size=5, **tree)
         heads.set_draft_vocab(torch.tensor([0, 1, 3, 4, 5]))
@@ -220,7 +221,7 @@ def untrained_eagle_heads(target, head_type: str):
 @pytest.mark.parametrize(
     ("setting", "head_type"),
     [*((setting, "eagle") for setting in SETTINGS), ("T=0.7,top_p=0.9", "eagle3"), ("T=1.0", "eagle-vocab"),
-     ("T=1.0", "eagle-pruned"), ("T=0.7,top_p=0.9", "eagle3-parallel")],
+     ("T=1.0", "eagle-pruned"), ("T=0.7,top_p=0.9", "eagle3-parallel"), ("T=1.0", "dflash")],
 )
 def test_untrained_eagle_heads_sample_the_exact_joint_law(six_token_target, chi_square, setting, head_type):
     """Untrained EAGLE / EAGLE-3 heads (top-3 siblings cover half the vocabulary, so they often hit): same law."""

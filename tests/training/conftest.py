@@ -15,6 +15,7 @@ from specheads import load_target
 from specheads.training.config import LossSection
 from specheads.training.data import build_dataset, collate
 from specheads.training.data_cli import regenerate
+from specheads.training.dflash_loss import dflash_loss
 from specheads.training.features import online_features
 from specheads.training.losses import eagle3_loss, eagle_loss, medusa_loss
 
@@ -60,6 +61,8 @@ def depth1_accuracy(heads, target, tok, stories_file: Path) -> float:
     with torch.no_grad():
         if heads.config.head_type == "medusa":
             out = medusa_loss(heads(features), logits, ids, loss_mask, LossSection())
+        elif heads.config.head_type == "dflash":  # depth 1 of blocks anchored at every position
+            out = dflash_loss(heads, features, logits, ids, attention, loss_mask, LossSection(dflash_blocks=0))
         elif heads.config.head_type == "eagle3":
             out = eagle3_loss(heads, features, logits, ids, attention, loss_mask, LossSection(ttt_steps=1))
         else:

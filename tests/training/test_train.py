@@ -93,7 +93,8 @@ def test_kill_then_resume_equals_uninterrupted(tmp_path, stories_file):
         assert torch.equal(ref[name], got[name]), name
 
 
-@pytest.mark.parametrize("recipe", ["medusa_stories260k", "eagle3_stories260k"])  # eagle3: the draft vocab comes back too
+# eagle3: the draft vocab comes back too; dflash: the same anchors are drawn again
+@pytest.mark.parametrize("recipe", ["medusa_stories260k", "eagle3_stories260k", "dflash_stories260k"])
 def test_stop_after_steps_then_resume_is_exact(tmp_path, stories_file, recipe):
     config = str(CONFIGS / f"{recipe}.yaml")
     steps = {"max_steps": 12, "save_steps": 4}
@@ -280,7 +281,7 @@ def test_deepspeed_auto_values_come_from_the_run_config():
     fill_deepspeed_config(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)), config)  # no DeepSpeed
 
 
-@pytest.mark.parametrize("head_type", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("head_type", ["medusa", "eagle", "eagle3", "dflash"])
 def test_heads_in_bf16_train_against_a_float32_target(head_type, stories_file, target_and_tokenizer):
     """DeepSpeed with bf16 turns the prepared heads' weights into bf16 without autocast, while the frozen target
     stays float32: the loss still runs (inputs cast to the heads' dtype, outputs back to float32), gradients
