@@ -35,6 +35,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from specheads.heads.base import DraftHeads
 from specheads.heads.config import HeadsConfig
 from specheads.heads.eagle import llama_layer_config_for
+from specheads.heads.target_rows_vocab import TargetRowsDraftVocab
 
 # create_heads' default block: z-lab's released drafters use 16; a CPU pays for every drafted row's lm_head
 DEFAULT_BLOCK_SIZE = 8
@@ -75,11 +76,13 @@ def loss_gamma(block_size: int) -> float:
     return PAPER_LOSS_GAMMA.get(block_size, block_size / 2)
 
 
-class DFlashHeads(DraftHeads):
+class DFlashHeads(TargetRowsDraftVocab, DraftHeads):
     """A DFlash block drafter reading a frozen target (see the module docstring).
 
     Modules: `fc` (n*h -> h, fuses the n tapped target layers), `hidden_norm` (on the fused context), `layers`
     (`num_layers` Qwen3 decoder layers, h wide), `norm` (final), `rotary_emb`. Names follow z-lab's checkpoints.
+    With `eagle_draft_vocab_size` > 0 drafting scores only the `d2t` rows of the target's lm_head
+    (heads/target_rows_vocab.py).
     """
 
     float32_linears = ("fc",)  # fuses the target's raw residual-stream features: float32 under int8 drafting
@@ -94,6 +97,7 @@ class DFlashHeads(DraftHeads):
         self.layers = nn.ModuleList([Qwen3DecoderLayer(self.layer_config, layer_idx=i) for i in range(config.num_layers)])
         self.norm = Qwen3RMSNorm(h, eps=self.layer_config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=self.layer_config)
+        self.init_draft_vocab()  # d2t: (Vd,) target id of each draft id; None = draft over the whole vocabulary
         self.post_init()
 
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -176,18 +180,6 @@ class DFlashHeads(DraftHeads):
         """Token logits of block outputs through the target's lm_head. (..., h) -> (..., V)"""
         lm_head = self.target_parts.lm_head
         return lm_head(hidden.to(lm_head.weight.dtype))
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The drafter's logits (over the whole vocabulary). (..., h) -> (..., V)"""
-        return self.logits(hidden)
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target ids of `draft_logits` indices: the same (DFlash drafts over the whole vocabulary)."""
-        return draft_ids
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

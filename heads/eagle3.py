@@ -14,7 +14,8 @@ from transformers import PreTrainedModel
 from specheads.heads.base import DraftHeads
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.config import HeadsConfig
-from specheads.heads.eagle import build_layer_config, check_draft_vocab, decoder_classes
+from specheads.heads.eagle import build_layer_config, decoder_classes
+from specheads.heads.target_rows_vocab import check_draft_vocab
 
 
 def default_eagle3_feature_layers(num_hidden_layers: int) -> list[int]:

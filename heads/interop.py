@@ -248,17 +248,17 @@ def export_heads(heads_or_path: DraftHeads | str | os.PathLike, format: str, out
             "with specheads (SpeculativeLM, serve)"
         )
     foreign_config = module.foreign_config(config)  # raises for variants the format cannot express
-    # An EAGLE head's draft vocabulary (d2t, `eagle_draft_vocab_size`) is a specheads drafting option over
+    # An EAGLE or DFlash head's draft vocabulary (d2t, `eagle_draft_vocab_size`) is a specheads drafting option over
     # unchanged weights: the other formats draft over the whole vocabulary, so it is left out.
-    dropped = {"d2t"} if config.head_type == "eagle" else set()
+    dropped = {"d2t"} if config.head_type in ("eagle", "dflash") else set()
     tensors = {
         module.foreign_name(name, config): tensor.detach().to("cpu").contiguous().clone()
         for name, tensor in heads.state_dict().items()
         if name not in dropped
     }
     if dropped & set(heads.state_dict()):
-        logger.warning("export: the eagle heads' %d-token draft vocabulary is not exported (%s drafts over the whole "
-                       "vocabulary)", config.eagle_draft_vocab_size, format)
+        logger.warning("export: the %s heads' %d-token draft vocabulary is not exported (%s drafts over the whole "
+                       "vocabulary)", config.head_type, config.eagle_draft_vocab_size, format)
     convert = getattr(module, "convert_for_export", None)  # optional: value changes (EAGLE-3 d2t offsets)
     if convert is not None:
         convert(tensors, config)

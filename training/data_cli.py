@@ -6,7 +6,7 @@
     specheads data regenerate --target MY_VLM --input llava_instruct.jsonl --output answers.jsonl   # with images
     specheads data synth-prompts --target T --count 20000 --output synth.jsonl --exclude bench.jsonl   # new prompts
     specheads data dump-features --target T --data regenerated.jsonl --out features/
-    specheads data draft-vocab --heads H --data regenerated.jsonl --size 8192 --out H-8k/   # EAGLE heads
+    specheads data draft-vocab --heads H --data regenerated.jsonl --size 8192 --out H-8k/   # EAGLE / DFlash heads
     specheads data draft-vocab --heads H3 --data regenerated.jsonl --size 16384 --out H3-16k/   # widen EAGLE-3
     specheads data lookup-corpus --target T --data regenerated.jsonl --out H/   # the target's answers, for lookup
 
@@ -341,10 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "paths are read from (default: the data file's folder)")
     add_chat_template_kwargs(dump)
     dump.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
-    vocab = sub.add_parser("draft-vocab", help="EAGLE heads: draft over the N most frequent trained tokens of the data "
+    vocab = sub.add_parser("draft-vocab", help="EAGLE / DFlash heads: draft over the N most frequent trained tokens of the data "
                            "(a cheaper draft projection on large vocabularies; outputs stay exact); EAGLE-3 heads: widen "
                            "their draft vocabulary to N (then train on from them)")
-    vocab.add_argument("--heads", required=True, help="trained eagle heads (folder or Hub id)")
+    vocab.add_argument("--heads", required=True, help="trained eagle, dflash or eagle3 heads (folder or Hub id)")
     vocab.add_argument("--data", required=True, help="their training data (JSON/JSONL/Parquet, a dataset folder, or a Hub dataset id[:split])")
     vocab.add_argument("--size", type=int, required=True, help="draft vocabulary size (e.g. 8192)")
     vocab.add_argument("--out", required=True, help="folder the heads with the draft vocabulary are saved to")
@@ -510,7 +510,7 @@ def data_main(argv: list[str]) -> int:
 def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name: str | None = None,
                     fmt: str = "auto", max_length: int = 768,
                     chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`specheads data draft-vocab`: save EAGLE heads that draft over the `size` most frequent trained tokens of
+    """`specheads data draft-vocab`: save EAGLE (or DFlash) heads that draft over the `size` most frequent trained tokens of
     `data` to `out`, or EAGLE-3 heads whose draft vocabulary is widened to `size` (their own tokens plus the most
     frequent others; train them on with `init_heads=out`). Returns a summary (out, draft_vocab_size, coverage of
     the trained tokens)."""
@@ -531,8 +531,9 @@ def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name
     target, tokenizer = load_target(target_name)
     heads = load_heads(heads_path, target=target)
     head_type = heads.config.head_type
-    if head_type not in ("eagle", "eagle3"):  # fail before tokenizing the data
-        raise ValueError(f"--heads {heads_path} holds {head_type} heads; draft-vocab applies to eagle and eagle3 heads")
+    if head_type not in ("eagle", "eagle3", "dflash"):  # fail before tokenizing the data
+        raise ValueError(f"--heads {heads_path} holds {head_type} heads; draft-vocab applies to eagle, eagle3 and "
+                         "dflash heads")
     if head_type == "eagle3" and size <= heads.draft_vocab_size:
         raise ValueError(f"--size {size}: these eagle3 heads already draft over {heads.draft_vocab_size} tokens; "
                          "draft-vocab widens an eagle3 vocabulary (a narrower one is chosen when training from scratch)")

@@ -122,29 +122,31 @@ def special_token_ids(tokenizer: Any, target: Any = None) -> list[int]:
 
 
 def eagle_heads_with_draft_vocab(heads: Any, draft_to_target: torch.Tensor) -> Any:
-    """A copy of trained EAGLE heads that drafts over `draft_to_target` only (`eagle_draft_vocab_size` = its length).
+    """A copy of trained EAGLE (or DFlash) heads that drafts over `draft_to_target` only (`eagle_draft_vocab_size` =
+    its length).
 
-    EAGLE heads score drafts through the target's lm_head, so the weights are unchanged: only the config and the
+    These heads score drafts through the target's lm_head, so the weights are unchanged: only the config and the
     `d2t` buffer differ. The copy is not attached to a target (`SpeculativeLM` / `attach_target` do that).
 
     Raises:
-        ValueError: `heads` are not EAGLE heads, or the ids are not a valid vocabulary (sorted, unique, < vocab_size).
+        ValueError: `heads` are not EAGLE or DFlash heads, or the ids are not a valid vocabulary (sorted, unique,
+            < vocab_size).
     """
-    from specheads.heads.eagle import EagleHeads
+    from specheads.heads.target_rows_vocab import TargetRowsDraftVocab
 
-    if type(heads) is not EagleHeads:
+    if not isinstance(heads, TargetRowsDraftVocab):
         raise ValueError(
-            f"a draft vocabulary can be added to eagle heads only, not {heads.config.head_type} heads "
+            f"a draft vocabulary can be added to eagle and dflash heads only, not {heads.config.head_type} heads "
             "(eagle3 heads get theirs when they are trained: head.options.draft_vocab_size)"
         )
     config = copy.deepcopy(heads.config)
     config.eagle_draft_vocab_size = int(draft_to_target.numel())
     config.validate_values()
-    reduced = EagleHeads(config)
+    reduced = type(heads)(config)
     weights = {k: v for k, v in heads.state_dict().items() if k != "d2t"}
     missing, unexpected = reduced.load_state_dict(weights, strict=False)
     if set(missing) != {"d2t"} or unexpected:  # the same architecture: only d2t may differ
-        raise RuntimeError(f"copying EAGLE heads: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(f"copying {config.head_type} heads: missing {missing}, unexpected {unexpected}")
     param = next(heads.parameters())
     reduced.to(device=param.device, dtype=param.dtype)
     reduced.set_draft_vocab(draft_to_target)

@@ -9,15 +9,18 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from specheads import SpeculativeLM, create_heads, load_heads
 from specheads.heads.describe import describe_heads
+from specheads.heads.interop import export_heads
 from specheads.inference.dflash_drafting import DFlashDrafter
 from specheads.inference.kv_cache import tree_cache
 from specheads.inference.tree import tree_spec
 from specheads.training.config import LossSection
 from specheads.training.data import collate
 from specheads.training.dflash_loss import block_anchors, block_attention_mask, dflash_loss
+from specheads.training.draft_vocab import eagle_heads_with_draft_vocab
 from specheads.training.train import _HeadsView
 
 from .conftest import TINY_PROMPT, hf_greedy
@@ -198,3 +201,25 @@ def test_save_load_round_trip(stories260k, trained_dflash, tmp_path):
     lm = SpeculativeLM.from_pretrained(target="stories260K", heads=tmp_path / "dflash")
     assert torch.equal(lm.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
     assert lm.last_stats["mean_accepted"] > 2
+
+
+def test_a_draft_vocabulary_drafts_over_its_rows_only_and_stays_exact(stories260k, trained_dflash, tmp_path):
+    """`eagle_draft_vocab_size` on DFlash heads (heads/target_rows_vocab.py): the drafter scores only the d2t rows of
+    the target's lm_head (the same logits there), trees hold those tokens only, outputs stay the target's, and the
+    vocabulary is saved with the heads and left out of the z-lab export."""
+    target, _ = stories260k
+    heads, prompts = trained_dflash
+    rows = torch.arange(0, 512, 2)  # every other token: the stories' next tokens are often outside
+    reduced = eagle_heads_with_draft_vocab(heads, rows)
+    reduced.attach_target(target)
+    assert reduced.draft_vocab_size == 256 and torch.equal(reduced.d2t, rows)
+    hidden = torch.randn(3, target.config.hidden_size)
+    torch.testing.assert_close(reduced.draft_logits(hidden), heads.logits(hidden)[:, rows])
+    lm = SpeculativeLM(target, reduced.eval())
+    for ids in prompts[:2]:
+        assert torch.equal(lm.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
+        assert all(int(t) % 2 == 0 for t in lm.drafter.last_pool.tokens[0])  # drafted from the vocabulary only
+    reduced.save_pretrained(tmp_path / "reduced")
+    assert torch.equal(load_heads(tmp_path / "reduced", target=target).d2t, rows)
+    export_heads(reduced, "dflash", tmp_path / "zlab")  # z-lab drafters score the whole vocabulary: d2t left out
+    assert "d2t" not in load_file(tmp_path / "zlab" / "model.safetensors")

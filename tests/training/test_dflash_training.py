@@ -68,6 +68,18 @@ def test_online_and_offline_features_train_alike(tmp_path, stories_file, capsys)
     assert "--head-type dflash --feature-layers 1,3,4" in capsys.readouterr().err
 
 
+def test_a_run_builds_the_draft_vocabulary_from_its_data(tmp_path, stories_file, target_and_tokenizer):
+    """`head.options.eagle_draft_vocab_size` on a DFlash run: the d2t of the most frequent trained tokens (and the
+    special ones) is chosen before step 1 and saved with the heads, which then draft over it."""
+    target, tok = target_and_tokenizer
+    out = tmp_path / "vocab"
+    extra = {"max_steps": 4, "save_steps": 4, "head.options.num_layers": 1, "head.options.eagle_draft_vocab_size": 128}
+    assert main(["train", str(CONFIG), *overrides(stories_file, out, **extra)]) == 0
+    heads = load_heads(out / "final", target=target)
+    assert heads.draft_vocab_size == 128 and heads.d2t.shape == (128,) and bool((heads.d2t[1:] > heads.d2t[:-1]).all())
+    assert set(tok.all_special_ids) <= set(heads.d2t.tolist())
+
+
 def test_two_processes_train_like_one(tmp_path, stories_file):
     """DDP: each process's micro batch draws the anchors the single process draws for it (seeded by its tokens)."""
     common = {"max_steps": 4, "save_steps": 4, "head.options.num_layers": 1, "loss.dflash_blocks": 4}
