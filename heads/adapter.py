@@ -162,11 +162,13 @@ def apply_target_adapter(
         FileNotFoundError: the checkpoint lacks the adapter folder its config names.
         ValueError: the merged target does not match the heads' fingerprint (another or an already adapted target).
     """
-    from specheads.heads.loading import CONFIG_NAME, _resolve_folder
+    from specheads.heads.loading import CONFIG_NAME, _resolve_folder, is_specheads_checkpoint
 
     folder = _resolve_folder(heads_path, revision, cache_dir, local_files_only)
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; is it a specheads checkpoint?")
+    if not is_specheads_checkpoint(folder):  # another project's heads have no adapter (load_heads converts them)
+        return target
     config = HeadsConfig.from_pretrained(folder)
     if not config.target_adapter:
         return target

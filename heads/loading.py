@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from specheads.heads.dflash import (
 )
 from specheads.heads.eagle import draft_layer_config_from_target
 from specheads.heads.eagle3 import default_eagle3_feature_layers, layer_config_of_width
+
+logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -156,8 +159,11 @@ def load_heads(
         cache_dir: HF cache folder for Hub ids (default: the HF_HUB_CACHE of this process).
         local_files_only: never contact the Hub; use the cache only.
 
-    specheads checkpoints are safetensors only (nothing is ever unpickled); foreign formats go through
-    `specheads.heads.interop.import_heads`.
+    specheads checkpoints are safetensors only (nothing is ever unpickled). A folder or repo in another project's
+    format (EAGLE-1/2/3, SGLang, Medusa, vLLM speculators, z-lab DFlash: `specheads.heads.interop.detect_format`) with
+    safetensors weights is converted in memory as `import_heads` converts it (checked tensor by tensor; the target is
+    `target`, else the one the folder records); `specheads import` saves such a conversion, and is the way for pickled
+    weights.
 
     Raises:
         FileNotFoundError: no such folder / repo, or it lacks config.json or model.safetensors.
@@ -167,14 +173,16 @@ def load_heads(
     config_file, weights_file = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; is it a specheads checkpoint?")
-    if not weights_file.is_file():
-        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-        hint = f" (found pickled {pickled}: specheads loads safetensors only)" if pickled else ""
-        raise FileNotFoundError(f"{folder} has no {WEIGHTS_NAME}{hint}")
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_file} is not valid JSON: {err}") from err
+    if isinstance(raw, dict) and "head_type" not in raw and "format_version" not in raw:
+        return load_foreign_heads(folder, target)  # another project's checkpoint: converted in memory
+    if not weights_file.is_file():
+        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = f" (found pickled {pickled}: specheads loads safetensors only)" if pickled else ""
+        raise FileNotFoundError(f"{folder} has no {WEIGHTS_NAME}{hint}")
     head_type = raw.get("head_type")
     if head_type not in HEAD_CLASSES:
         raise ValueError(f"{config_file}: head_type={head_type!r} is unknown; expected one of {tuple(HEAD_CLASSES)}")
@@ -199,3 +207,28 @@ def load_heads(
     return heads
 
 
+def is_specheads_checkpoint(folder: Path) -> bool:
+    """Whether `folder`'s config.json is a specheads heads config (False: none, unreadable, or another project's)."""
+    try:
+        raw = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(raw, dict) and ("head_type" in raw or "format_version" in raw)
+
+
+def load_foreign_heads(folder: Path, target: PreTrainedModel | None) -> DraftHeads:
+    """Heads from a folder in another project's format, converted in memory (`import_heads`), in eval mode and
+    attached to `target` when given.
+
+    Raises:
+        ValueError: the folder matches no known format (naming what `load_heads` expects), or the conversion fails.
+    """
+    from specheads.heads.interop import FORMATS, detect_format, import_heads
+
+    try:
+        fmt = detect_format(folder)
+    except ValueError as err:
+        raise ValueError(f"{folder / CONFIG_NAME} has no head_type: it is neither a specheads checkpoint nor one of the "
+                         f"formats {FORMATS} ({err})") from err
+    logger.info("%s is a %s checkpoint: converting it in memory (`specheads import` saves the conversion)", folder, fmt)
+    return import_heads(folder, format=fmt, target=target)

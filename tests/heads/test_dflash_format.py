@@ -111,6 +111,19 @@ def test_a_zlab_drafter_imports_and_computes_dflash_equations(stories260k, tmp_p
     assert torch.equal(lm.generate(ids, max_new_tokens=20), target.generate(ids, max_new_tokens=20, do_sample=False))
 
 
+def test_a_zlab_repo_loads_by_hub_id_as_it_is(stories260k, tmp_path, offline_hub_cache):
+    """`--heads z-lab/...` works as vLLM's `--speculative-config` model does: the repository's own files, converted
+    in memory (an offline Hub cache built by the test)."""
+    target, tokenizer = stories260k
+    tensors = zlab_folder(tmp_path / "zlab", target)
+    offline_hub_cache.publish(tmp_path / "zlab", "z-lab/stories260K-DFlash-b4")
+    lm = SpeculativeLM.from_pretrained(target="stories260K", heads="z-lab/stories260K-DFlash-b4")
+    assert lm.heads.config.head_type == "dflash" and lm.heads.config.feature_layers == [1, 3, 4]
+    assert torch.equal(lm.heads.fc.weight, tensors["fc.weight"])
+    ids = tokenizer("Tom had a ball", return_tensors="pt").input_ids
+    assert torch.equal(lm.generate(ids, max_new_tokens=16), target.generate(ids, max_new_tokens=16, do_sample=False))
+
+
 def test_export_then_import_round_trips(stories260k, tmp_path):
     target, _ = stories260k
     torch.manual_seed(0)

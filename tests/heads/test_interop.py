@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from specheads import create_heads, load_heads
+from specheads import SpeculativeLM, create_heads, load_heads
 from specheads.heads import DraftHeads
 from specheads.heads.interop import FORMATS, detect_format, export_heads, import_heads
 from specheads.inference.drafting import EagleDrafter
@@ -523,3 +523,26 @@ def test_a_folder_that_does_not_record_its_target_asks_for_one(stories, tmp_path
         import_heads(folder)
     heads = import_heads(folder, target="stories260K")  # a name: only its config is read
     assert heads.config.target_name_or_path == "stories260K" and heads.config.feature_layers == [5]
+
+
+def test_load_heads_converts_other_projects_folders_in_memory(stories, tmp_path, eagle_inputs):
+    """`load_heads` (and so `SpeculativeLM.from_pretrained`, `--heads` on every command) reads a folder in another
+    project's format as `import_heads` does: the same tensors, nothing written; pickled weights stay refused."""
+    medusa, _ = _medusa_folder(tmp_path / "medusa", stories)
+    eagle, _, _ = _eagle_folder(tmp_path / "eagle", stories)
+    for folder in (medusa, eagle):
+        loaded = load_heads(folder, target=stories)
+        imported = import_heads(folder, target=stories)
+        for name, tensor in imported.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], tensor), (folder.name, name)
+        assert not loaded.training and not (folder / "README.md").exists()  # nothing written next to them
+    lm = SpeculativeLM.from_pretrained(target="stories260K", heads=str(eagle))
+    ids = torch.tensor([[1, 403, 407, 261]])
+    assert torch.equal(lm.generate(ids, max_new_tokens=12), stories.generate(ids, max_new_tokens=12, do_sample=False))
+    pickled, _, _ = _eagle_folder(tmp_path / "pickled", stories, weights="pytorch_model.bin")
+    with pytest.raises(ValueError, match="pickled checkpoint"):
+        load_heads(pickled, target=stories)
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="has no head_type: it is neither a specheads checkpoint nor one of the formats"):
+        load_heads(tmp_path / "unknown", target=stories)
