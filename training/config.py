@@ -95,6 +95,8 @@ class LossSection:
     dflash_blocks: int = 16
     # DFlash: depth d of a block weighs exp(-(d-1)/gamma); 0 = the paper's (7, 5, 4 for blocks of 16, 10, 8)
     dflash_gamma: float = 0.0
+    # DFlash: accept-until-fail (AUF): depth d trains only in blocks whose depths 1..d-1 the draft got right
+    dflash_accept_until_fail: bool = False
 
 
 @dataclass

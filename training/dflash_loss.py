@@ -9,7 +9,9 @@ a sequence rides in one forward, all sharing the context's keys / values:
     keys:    context f_0 .. f_{T-1}  |  block 1 (B)  |  block 2 (B)  | ...
     block j: sees f_c for c < a_j    and its own B positions
 
-Depth d weighs exp(-(d-1) / gamma) (`loss.dflash_gamma`, 0: the paper's 7 / 5 / 4 for blocks of 16 / 10 / 8). Anchors
+Depth d weighs exp(-(d-1) / gamma) (`loss.dflash_gamma`, 0: the paper's 7 / 5 / 4 for blocks of 16 / 10 / 8). With
+`loss.dflash_accept_until_fail` (AUF, arXiv 2607.01893, as vLLM speculators' `auf`) depth d trains only in the blocks
+whose depths 1 .. d-1 the draft got right (what greedy verification would have accepted up to there). Anchors
 are drawn per sequence from a generator seeded with the batch's tokens (as P-EAGLE's COD roots), so a resumed run
 and any number of processes train the same blocks.
 """
@@ -100,6 +102,7 @@ def dflash_loss(
     gamma = config.dflash_gamma or loss_gamma(size)
     total, metrics, correct = hidden.new_zeros(()), {}, []
     real = anchors >= 0  # (B, m)
+    alive = real.clone()  # (B, m): blocks whose drafts were all right so far (accept-until-fail)
     for depth in range(1, size):
         label_position = anchors + depth - 1  # (B, m): the target's prediction of x_{a+d}
         inside = real & (label_position + 1 < length)
@@ -108,13 +111,16 @@ def dflash_loss(
         rows = trained.nonzero(as_tuple=True)  # (M,), (M,)
         tokens = input_ids.gather(1, (anchors + depth).clamp(0, length - 1))[rows]  # (M,) x_{a+d}
         ce, top1 = label_cross_entropy(heads.logits(hidden[rows[0], rows[1], depth]), labels, label_rows[rows], tokens)
-        depth_loss = rows_mean(ce)
-        total = total + math.exp(-(depth - 1) / gamma) * depth_loss
         hit = top1 == labels.top1[label_rows[rows]]  # (M,): the draft's argmax is the target's
+        # accept-until-fail: a depth trains only in blocks whose earlier depths the target would have accepted
+        weight = alive[rows].to(ce.dtype) if config.dflash_accept_until_fail else torch.ones_like(ce)
+        depth_loss = (ce * weight).sum() / weight.sum().clamp_min(1.0)
+        total = total + math.exp(-(depth - 1) / gamma) * depth_loss
         metrics[f"loss_depth{depth}"] = float(depth_loss.detach())
         metrics[f"acc_depth{depth}"] = float(rows_mean(hit.float()))
         grid = torch.zeros_like(real)
         grid[rows] = hit
+        alive &= grid
         correct.append(grid)  # untrained depths count as misses
     first = correct[0].new_zeros(real.shape)
     first[real] = True

@@ -6,6 +6,7 @@ test_generate_sampling.py)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -223,3 +224,35 @@ def test_a_draft_vocabulary_drafts_over_its_rows_only_and_stays_exact(stories260
     assert torch.equal(load_heads(tmp_path / "reduced", target=target).d2t, rows)
     export_heads(reduced, "dflash", tmp_path / "zlab")  # z-lab drafters score the whole vocabulary: d2t left out
     assert "d2t" not in load_file(tmp_path / "zlab" / "model.safetensors")
+
+
+class _ScriptedBlocks:
+    """A stand-in for DFlash heads whose block outputs are logits written in advance: depth 1 always drafts token 3,
+    depth 2 token 2 (`logits` is the identity), to test the loss's bookkeeping alone."""
+
+    config = type("Config", (), {"block_size": 3, "block_mask_token": 0})()
+
+    def __call__(self, features, block_ids, context_positions, block_positions, mask):
+        batch, width = block_ids.shape
+        out = torch.zeros(batch, width, 4)
+        out[:, 1::3, 3] = 5.0  # block position 1 (depth 1) -> token 3
+        out[:, 2::3, 2] = 5.0  # block position 2 (depth 2) -> token 2
+        return out.requires_grad_()
+
+    def logits(self, hidden):
+        return hidden
+
+
+def test_accept_until_fail_trains_a_depth_only_after_right_drafts():
+    """`loss.dflash_accept_until_fail`: depth 2 trains only in the blocks whose depth-1 draft was right. Blocks anchor
+    at 1..5; depth 1 (token 3) is right at anchors 2 and 4, where depth 2 (token 2) is right too, and wrong at 1 and 3."""
+    ids = torch.tensor([[3, 3, 2, 3, 2, 3, 2]])
+    target_logits = torch.nn.functional.one_hot(torch.cat([ids[:, 1:], ids[:, :1]], 1), 4).float() * 9  # argmax: next
+    mask = torch.ones_like(ids)
+    args = (_ScriptedBlocks(), torch.zeros(1, 7, 4), target_logits, ids, mask, mask)
+    plain = dflash_loss(*args, LossSection(dflash_blocks=0, labels="tokens"))
+    auf = dflash_loss(*args, LossSection(dflash_blocks=0, labels="tokens", dflash_accept_until_fail=True))
+    right, wrong = math.log(math.exp(5) + 3) - 5, math.log(math.exp(5) + 3)  # cross-entropies of the two cases
+    assert plain.metrics["loss_depth2"] == pytest.approx((2 * right + 2 * wrong) / 4)  # anchors 1-4 (5: past the end)
+    assert auf.metrics["loss_depth2"] == pytest.approx(right)  # anchors 2 and 4 only
+    assert auf.metrics["loss_depth1"] == plain.metrics["loss_depth1"] and plain.metrics["acc_depth2"] == 0.5
