@@ -38,8 +38,11 @@ def describe_heads(path_or_hub_id: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError / ValueError: not a loadable specheads checkpoint (as `load_heads`).
     """
     folder = _resolve_folder(path_or_hub_id, None, None, False)
-    if folder_kind(folder) == "draft_model":
+    kind = folder_kind(folder)
+    if kind == "draft_model":
         return describe_draft_model(folder)
+    if kind == "foreign":
+        return describe_foreign_heads(folder)
     heads = load_heads(folder)
     config = heads.config
     summary: dict[str, Any] = {
@@ -109,25 +112,44 @@ def check_heads_on_target(path_or_hub_id: str | os.PathLike, target: str) -> dic
 
 def folder_kind(folder: Path) -> str:
     """"draft_model" for a plain transformers model folder (a `model_type`, no specheads `head_type`, no other
-    project's heads layout), else "heads" (`load_heads` then names anything wrong).
-
-    Raises:
-        ValueError: the folder holds another project's heads (EAGLE, Medusa, speculators, ...): it says to import them.
-    """
+    project's heads layout), "foreign" for another project's heads (EAGLE, Medusa, speculators, DFlash, ...), else
+    "heads" (`load_heads` then names anything wrong)."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return "heads"
-    if not isinstance(config, dict) or "head_type" in config or "model_type" not in config:
+    if not isinstance(config, dict) or "head_type" in config or "format_version" in config:
         return "heads"
     from specheads.heads.interop import detect_format
 
     try:
-        fmt = detect_format(folder)
-    except ValueError:  # no heads layout: a model
-        return "draft_model"
-    raise ValueError(f"{folder} holds {fmt} heads in another project's format; bring them in first: specheads import "
-                     f"{folder} --format {fmt} --target TARGET --out DIR")
+        detect_format(folder)
+    except ValueError:  # no heads layout: a model, or (without a model_type) nothing `load_heads` reads
+        return "draft_model" if "model_type" in config else "heads"
+    return "foreign"
+
+
+def describe_foreign_heads(folder: Path) -> dict[str, Any]:
+    """What another project's heads folder holds, read as `load_heads` converts it (no target needed): its format, the
+    head type and fields it gives, its tensors' size, the target it records (if any) and how to use it."""
+    from specheads.heads.interop import detect_format, format_module
+
+    fmt = detect_format(folder)
+    module = format_module(fmt)
+    foreign = module.read(folder, False)  # safetensors only, as load_heads
+    fields = {k: v for k, v in foreign.fields.items() if k != "draft_layer_config"}
+    return {
+        "folder": str(folder),
+        "kind": "foreign",
+        "format": fmt,
+        "head_type": foreign.head_type or module.HEAD_TYPES[0],
+        "target": foreign.target_hint or None,
+        **fields,
+        "parameters": sum(t.numel() for t in foreign.tensors.values()),
+        "weights_mb": round(foreign.source.stat().st_size / 2**20, 2),
+        "use": f"--heads {folder} (converted in memory; `specheads import {folder} --format {fmt} --target TARGET --out "
+               "DIR` saves a specheads copy)",
+    }
 
 
 def card_base_model(folder: Path) -> str | None:

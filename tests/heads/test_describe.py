@@ -50,12 +50,16 @@ def test_info_command_checks_the_heads_against_a_target(stories260k, tmp_path, c
     (tmp_path / "empty").mkdir()
     assert main(["info", str(tmp_path / "empty")]) == 2
     assert "has no config.json" in capsys.readouterr().err
-    # another project's heads (not a draft model, though their config names a model_type): import them first
+    # another project's heads (not a draft model, though their config names a model_type): described as --heads reads
+    # them, and checked on a target by converting them in memory
     from specheads.heads.interop import export_heads
 
     export_heads(tmp_path / "heads", "eagle", tmp_path / "foreign")
-    assert main(["info", str(tmp_path / "foreign")]) == 2
-    assert "holds eagle heads in another project's format; bring them in first: specheads import" in capsys.readouterr().err
+    assert main(["info", str(tmp_path / "foreign"), "--target", "stories260K"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["kind"], summary["format"], summary["head_type"], summary["hidden_size"]) == ("foreign", "eagle",
+                                                                                                 "eagle", 64)
+    assert summary["check"] == {"target": "stories260K", "compatible": True} and "--heads" in summary["use"]
 
 
 def test_the_committed_cards_metrics_are_read():

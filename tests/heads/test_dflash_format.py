@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specheads import SpeculativeLM, create_heads
+from specheads.heads.describe import describe_heads
 from specheads.heads.interop import detect_format, export_heads, import_heads
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 8  # stories260K's attention shape, kept by the drafter
@@ -120,6 +121,9 @@ def test_a_zlab_repo_loads_by_hub_id_as_it_is(stories260k, tmp_path, offline_hub
     lm = SpeculativeLM.from_pretrained(target="stories260K", heads="z-lab/stories260K-DFlash-b4")
     assert lm.heads.config.head_type == "dflash" and lm.heads.config.feature_layers == [1, 3, 4]
     assert torch.equal(lm.heads.fc.weight, tensors["fc.weight"])
+    summary = describe_heads("z-lab/stories260K-DFlash-b4")  # `specheads info`: what --heads will read, no target needed
+    assert (summary["kind"], summary["format"], summary["head_type"], summary["block_size"]) == ("foreign", "dflash",
+                                                                                                "dflash", 4)
     ids = tokenizer("Tom had a ball", return_tensors="pt").input_ids
     assert torch.equal(lm.generate(ids, max_new_tokens=16), target.generate(ids, max_new_tokens=16, do_sample=False))
 
