@@ -156,8 +156,18 @@ class DraftHeads(PreTrainedModel):
         """Raise a ValueError naming `source` when loaded draft-vocabulary buffers are invalid (none here)."""
 
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The target features the heads read, from the target's `hidden_states` tuple. (B, T, h)"""
-        return hidden_states[self.config.feature_layers[0]]
+        """The target features the heads read, from the target's `hidden_states` tuple: the one tapped layer (B, T, h),
+        or the n tapped layers concatenated (B, T, n*h) (EAGLE-3, DFlash)."""
+        layers = self.config.feature_layers
+        return hidden_states[layers[0]] if len(layers) == 1 else torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+    @torch.no_grad()
+    def copy_target_final_norm(self, norm: nn.Module, target: PreTrainedModel) -> None:
+        """Start `norm` (the heads' final norm, which feeds the target's lm_head) from the target's final norm when the
+        target has one of the same shape."""
+        weight = getattr(getattr(getattr(target, "model", None), "norm", None), "weight", None)
+        if weight is not None and weight.shape == norm.weight.shape:
+            norm.weight.copy_(weight)
 
     def init_from_target(self, target: PreTrainedModel) -> None:
         """Initialise fresh weights from the target where the architecture does so (Medusa: lm_head copies)."""

@@ -8,6 +8,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from specheads.heads.target_rows_vocab import TargetRowsDraftVocab
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -276,7 +278,7 @@ class HeadsConfig(PretrainedConfig):
                 f"HeadsConfig.eagle_draft_vocab_size={subset!r} is invalid; expected an integer in [0, vocab_size="
                 f"{self.vocab_size}] ({FIELD_HELP['eagle_draft_vocab_size']})"
             )
-        if subset and self.head_type not in ("eagle", "dflash"):
+        if subset and not issubclass(HEAD_CLASSES.get(self.head_type, object), TargetRowsDraftVocab):
             raise ValueError(
                 f"HeadsConfig.eagle_draft_vocab_size={subset} is set for head_type={self.head_type!r}; it applies to "
                 "eagle and dflash heads only (eagle3 heads use draft_vocab_size)"

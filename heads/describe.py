@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specheads.heads.config import EAGLE3_NORM_FIELDS
-from specheads.heads.loading import WEIGHTS_NAME, _resolve_folder, load_heads
+from specheads.heads.loading import WEIGHTS_NAME, _resolve_folder, is_heads_config, load_heads
 
 METRICS_BLOCK = re.compile(r"## Metrics[^\n]*\n\s*```json\s*(\{.*?\})\s*```", re.DOTALL)  # "## Metrics (...)" too
 
@@ -118,7 +118,7 @@ def folder_kind(folder: Path) -> str:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return "heads"
-    if not isinstance(config, dict) or "head_type" in config or "format_version" in config:
+    if not isinstance(config, dict) or is_heads_config(config):
         return "heads"
     from specheads.heads.interop import detect_format
 

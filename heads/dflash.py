@@ -5,10 +5,10 @@ the root (the token the target just chose) and the others a fixed `block_mask_to
 bidirectionally inside the block and over the target's context, and position d of the block scores the token at
 depth d. The context is the target's own hidden states: the tapped layers (`feature_layers`, as EAGLE-3's) are
 fused by `fc` + `hidden_norm` and injected as extra keys / values into EVERY draft layer (KV injection), so the
-context never runs through the draft's MLPs and only its keys / values are cached between rounds:
+context never runs through the draft's MLPs and only its keys / values are kept between rounds:
 
     context c_0 .. c_{p-1} (fused target features)   ->  keys / values of every layer (cached)
-    block   [x_p, mask, mask, ..., mask] at p .. p+B-1  ->  queries (and keys / values, never cached)
+    block   [x_p, mask, mask, ..., mask] at p .. p+B-1  ->  queries (and keys / values, dropped after the round)
     output at block position p+d                      ->  lm_head -> the token at depth d (d = 1 .. B-1)
 
 The tokens are embedded with the target's embedding and scored with its lm_head (borrowed, never saved). The decoder
@@ -100,16 +100,9 @@ class DFlashHeads(TargetRowsDraftVocab, DraftHeads):
         self.init_draft_vocab()  # d2t: (Vd,) target id of each draft id; None = draft over the whole vocabulary
         self.post_init()
 
-    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Concatenate the n tapped target layers. Each (B, T, h) -> (B, T, n*h)."""
-        return torch.cat([hidden_states[i] for i in self.config.feature_layers], dim=-1)
-
     def init_from_target(self, target: Any) -> None:
         """Start the final norm from the target's final norm (the lm_head it feeds is the target's)."""
-        norm_weight = getattr(getattr(getattr(target, "model", None), "norm", None), "weight", None)
-        if norm_weight is not None and norm_weight.shape == self.norm.weight.shape:
-            with torch.no_grad():
-                self.norm.weight.copy_(norm_weight)
+        self.copy_target_final_norm(self.norm, target)
 
     @property
     def block_size(self) -> int:
@@ -134,8 +127,8 @@ class DFlashHeads(TargetRowsDraftVocab, DraftHeads):
             context_positions: (B, C) and block_positions: (B, S) positions (rotary).
             attention_mask: None (every query sees every key: drafting one block) or (B or 1, 1, S, K) bool or
                 additive over the K = cached + C + S keys, in that order.
-            past_key_values: a cache holding earlier context keys / values; the C new context positions are appended
-                to it (the block's never are).
+            past_key_values: a cache holding earlier context keys / values; the C new context positions and the S
+                block positions are appended to it (crop the block's before the next call: it is another block then).
 
         Returns:
             (B, S, h) the final norm's output at each block position (`logits` scores it).
@@ -168,10 +161,8 @@ class DFlashHeads(TargetRowsDraftVocab, DraftHeads):
         cos, sin = rotary  # (B, 1, C+S, head_dim)
         query = rotate(query, cos[:, :, num_context:], sin[:, :, num_context:])  # (B, heads, S, head_dim)
         key = rotate(key, cos, sin)  # (B, kv_heads, C+S, head_dim)
-        if cache is not None:  # only the context is kept: the next round's block is another one
-            context_keys, context_values = cache.update(key[:, :, :num_context], value[:, :, :num_context], index)
-            key = torch.cat([context_keys, key[:, :, num_context:]], dim=2)
-            value = torch.cat([context_values, value[:, :, num_context:]], dim=2)
+        if cache is not None:  # appended in place; the caller crops the block's entries before the next round
+            key, value = cache.update(key, value, index)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=attention.scaling,
                                              enable_gqa=key.shape[1] != query.shape[1])  # (B, heads, S, head_dim)
         return attention.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

@@ -179,10 +179,6 @@ class Eagle3Heads(DraftHeads):
         self.config.fit_trees_to_parallel_depth()
         self.mask_hidden = self._new_mask_hidden()
 
-    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Concatenate the n tapped (pre-norm) target layers. Each (B, T, h) -> (B, T, n*h)."""
-        return torch.cat([hidden_states[i] for i in self.config.feature_layers], dim=-1)
-
     def target_rows_at_draft_width(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of a (V, h) target embedding or lm_head (all, or `rows`) as this draft's width d: unchanged when d = h,
         else projected on the weight's `principal_directions`. (R, d), on the weight's device and dtype."""
@@ -202,10 +198,7 @@ class Eagle3Heads(DraftHeads):
             self.lm_head.weight.copy_(self.target_rows_at_draft_width(weight, self.d2t))
             if self.embed_tokens is not None:
                 self.embed_tokens.weight.copy_(self.target_rows_at_draft_width(target.get_input_embeddings().weight))
-            target_norm = getattr(getattr(target, "model", None), "norm", None)
-            norm_weight = getattr(target_norm, "weight", None)
-            if norm_weight is not None and norm_weight.shape == self.norm.weight.shape:
-                self.norm.weight.copy_(norm_weight)
+            self.copy_target_final_norm(self.norm, target)
 
     def forward(
         self,

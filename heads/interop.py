@@ -51,6 +51,7 @@ from specheads.heads.base import DraftHeads, check_heads_match_target
 from specheads.heads.config import HeadsConfig
 from specheads.heads.eagle3 import Eagle3Heads, default_eagle3_feature_layers
 from specheads.heads.loading import load_heads
+from specheads.heads.target_rows_vocab import TargetRowsDraftVocab
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ def export_heads(heads_or_path: DraftHeads | str | os.PathLike, format: str, out
     foreign_config = module.foreign_config(config)  # raises for variants the format cannot express
     # An EAGLE or DFlash head's draft vocabulary (d2t, `eagle_draft_vocab_size`) is a specheads drafting option over
     # unchanged weights: the other formats draft over the whole vocabulary, so it is left out.
-    dropped = {"d2t"} if config.head_type in ("eagle", "dflash") else set()
+    dropped = {"d2t"} if isinstance(heads, TargetRowsDraftVocab) else set()
     tensors = {
         module.foreign_name(name, config): tensor.detach().to("cpu").contiguous().clone()
         for name, tensor in heads.state_dict().items()

@@ -177,7 +177,7 @@ def load_heads(
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_file} is not valid JSON: {err}") from err
-    if isinstance(raw, dict) and "head_type" not in raw and "format_version" not in raw:
+    if isinstance(raw, dict) and not is_heads_config(raw):
         return load_foreign_heads(folder, target)  # another project's checkpoint: converted in memory
     if not weights_file.is_file():
         pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
@@ -207,13 +207,17 @@ def load_heads(
     return heads
 
 
+def is_heads_config(raw: Any) -> bool:
+    """Whether a parsed config.json is a specheads heads config (else: another project's, or a model's)."""
+    return isinstance(raw, dict) and ("head_type" in raw or "format_version" in raw)
+
+
 def is_specheads_checkpoint(folder: Path) -> bool:
     """Whether `folder`'s config.json is a specheads heads config (False: none, unreadable, or another project's)."""
     try:
-        raw = json.loads((folder / CONFIG_NAME).read_text())
+        return is_heads_config(json.loads((folder / CONFIG_NAME).read_text()))
     except (OSError, json.JSONDecodeError):
         return False
-    return isinstance(raw, dict) and ("head_type" in raw or "format_version" in raw)
 
 
 def load_foreign_heads(folder: Path, target: PreTrainedModel | None) -> DraftHeads:

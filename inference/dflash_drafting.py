@@ -1,7 +1,8 @@
 """DFlash drafting: a block drafter (heads/dflash.py) scores every depth of a tree in ONE forward.
 
 Each round feeds the drafter the target features of the positions committed since the last round (the context:
-their keys / values join the drafter's cache) and one block at the positions after them, [root, mask, ..., mask]:
+their keys / values join the drafter's cache, the block's are cropped next round) and one block at the positions after
+them, [root, mask, ..., mask]:
 
     cache: context c_0 .. c_{p-1}    block: x_p (the root) at p, mask at p+1 .. p+B-1
     output at p+d -> logits of the token at depth d
@@ -42,16 +43,14 @@ class DFlashDrafter(EagleDrafter):
         device = heads.fc.weight.device
         # (B,): the root's slot (filled each round), then the mask token
         self.block = torch.full((heads.block_size,), heads.config.block_mask_token, dtype=torch.long, device=device)
-        self.offsets = torch.arange(heads.block_size, device=device)  # (B,) block positions after the root's
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
-        crop_cache(self.cache, self.committed)  # the cache holds committed context only (a caller may roll it back)
+        crop_cache(self.cache, self.committed)  # drops last round's block (and anything a caller rolled back)
         start, length = self.committed, features.shape[0]
-        block = torch.cat([next_tokens[-1:], self.block[1:]])  # (B,): the root, then masks
-        context_positions = torch.arange(start, start + length, device=features.device)
-        block_positions = start + length + self.offsets
-        out = self.heads(features[None], block[None], context_positions[None], block_positions[None], None,
+        self.block[:1] = next_tokens[-1:]  # (B,): the root, then masks
+        positions = torch.arange(start, start + length + self.block.shape[0], device=features.device)[None]
+        out = self.heads(features[None], self.block[None], positions[:, :length], positions[:, length:], None,
                          self.cache)[0]  # (B, h)
         self.committed = start + length
         return tree_of_depths(self, out[1 : self.depth + 1], next_tokens)  # row d-1 scores depth d

@@ -122,10 +122,8 @@ def dflash_loss(
         grid[rows] = hit
         alive &= grid
         correct.append(grid)  # untrained depths count as misses
-    first = correct[0].new_zeros(real.shape)
-    first[real] = True
     metrics["loss"] = float(total.detach())
     metrics["acc"] = metrics["acc_depth1"]
-    metrics["sim_tau"] = chain_acceptance(correct, first.float())
+    metrics["sim_tau"] = chain_acceptance(correct, real.float())  # a chain per real block
     metrics["blocks"] = float(real.sum())
     return LossOutput(total, metrics)

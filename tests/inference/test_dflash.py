@@ -93,7 +93,7 @@ def test_create_heads_sizes_the_block_and_caps_the_trees(stories260k):
 
 
 def test_the_cached_context_equals_a_full_recompute(stories260k):
-    """Two rounds of the drafter (context keys / values cached, the block never) score the same depths as one forward
+    """Two rounds of the drafter (context keys / values cached, the first round's block cropped) score the same depths as one forward
     over the whole context and the block with no cache; the tree holds each depth's top-k of that forward."""
     target, tokenizer = stories260k
     heads = dflash_heads(target).eval()
@@ -117,7 +117,7 @@ def test_the_cached_context_equals_a_full_recompute(stories260k):
         steps = pool.scores[depth - 1].view(-1, 3) - (pool.scores[depth - 2].max() if depth > 1 else 0)
         torch.testing.assert_close(steps.sort(dim=-1, descending=True).values[0], top.values[depth - 1], atol=1e-5,
                                    rtol=0)
-    # the cache holds the context only, at its positions; a fresh cache gives the same keys
+    # the cache holds the context and this round's block, at their positions; a fresh cache gives the same keys
     cache = tree_cache()
     with torch.no_grad():
         heads(features[None], block, torch.arange(length)[None], (length + torch.arange(8))[None], None, cache)

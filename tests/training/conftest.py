@@ -31,6 +31,37 @@ def overrides(stories_file: Path, out: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def dump_features(stories_file: Path, out: Path, *extra: str) -> int:
+    """`specheads data dump-features` of `stories_file` for stories260K (64 tokens a story) into `out`, with `extra`
+    flags; the command's exit code."""
+    from specheads.cli import main
+
+    return main(["data", "dump-features", "--target", "stories260K", "--data", str(stories_file), "--out", str(out),
+                 "--max-length", "64", *extra])
+
+
+def assert_offline_trains_like_online(config: str, head_type: str, stories_file: Path, tmp_path: Path,
+                                       steps: dict) -> dict[str, torch.Tensor]:
+    """A feature dump of the taps [1, 3, 4] (`--head-type head_type`) records them, and `specheads train config` with
+    the `steps` overrides on it (`tmp_path/offline`) ends with the weights of the same run online (`tmp_path/online`),
+    to 1e-4. Returns those weights."""
+    from safetensors.torch import load_file
+
+    from specheads.cli import main
+
+    features = tmp_path / "features"
+    assert dump_features(stories_file, features, "--head-type", head_type, "--feature-layers", "1,3,4") == 0
+    assert json.loads((features / "index.json").read_text())["tapped_layers"] == [1, 3, 4]
+    for mode, extra in (("online", {}), ("offline", {"feature_mode": "offline", "data.features_dir": str(features)})):
+        assert main(["train", config, *overrides(stories_file, tmp_path / mode, **steps, **extra)]) == 0
+    a = load_file(tmp_path / "online" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "offline" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-4, rtol=1e-4, msg=name)
+    return a
+
+
 def assert_two_processes_train_like_one(config: str, stories_file: Path, tmp_path: Path, port: int,
                                         common: dict) -> None:
     """`specheads train config` with the `common` overrides in one process (`tmp_path/one`), then under `accelerate

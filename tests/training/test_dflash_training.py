@@ -7,13 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from specheads import create_heads, load_heads
 from specheads.cli import main
 from specheads.training.config import load_run_config
 
-from .conftest import CONFIGS, assert_two_processes_train_like_one, depth1_accuracy, overrides
+from .conftest import (
+    CONFIGS,
+    assert_offline_trains_like_online,
+    assert_two_processes_train_like_one,
+    depth1_accuracy,
+    dump_features,
+    overrides,
+)
 
 pytestmark = pytest.mark.slow
 CONFIG = CONFIGS / "dflash_stories260k.yaml"
@@ -45,22 +51,12 @@ def test_online_and_offline_features_train_alike(tmp_path, stories_file, capsys)
     steps = {"max_steps": 6, "save_steps": 6, "head.options.num_layers": 1}
 
     def dump(out: Path, *extra: str) -> int:
-        return main(["data", "dump-features", "--target", "stories260K", "--data", str(stories_file), "--out", str(out),
-                     "--max-length", "64", *extra])
+        return dump_features(stories_file, out, *extra)
 
     def train(out: Path, **extra) -> int:
         return main(["train", str(CONFIG), *overrides(stories_file, out, **steps, **extra)])
 
-    features = tmp_path / "features"
-    assert dump(features, "--head-type", "dflash", "--feature-layers", "1,3,4") == 0
-    assert json.loads((features / "index.json").read_text())["tapped_layers"] == [1, 3, 4]
-    assert train(tmp_path / "online") == 0
-    assert train(tmp_path / "offline", feature_mode="offline", **{"data.features_dir": str(features)}) == 0
-    a = load_file(tmp_path / "online" / "final" / "model.safetensors")
-    b = load_file(tmp_path / "offline" / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and "fc.weight" in a
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-4, rtol=1e-4, msg=name)
+    assert "fc.weight" in assert_offline_trains_like_online(str(CONFIG), "dflash", stories_file, tmp_path, steps)
     assert dump(tmp_path / "default_taps", "--head-type", "dflash") == 0  # DFlash's default taps on 5 layers
     assert json.loads((tmp_path / "default_taps" / "index.json").read_text())["tapped_layers"] == [2, 3]
     capsys.readouterr()

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from specheads import create_heads, load_heads
@@ -29,7 +28,7 @@ from specheads.training.features import online_features
 from specheads.training.losses import eagle3_loss
 from specheads.training.ttt import ttt_attention_mask, unroll_ttt
 
-from .conftest import CONFIGS, depth1_accuracy, overrides
+from .conftest import CONFIGS, assert_offline_trains_like_online, depth1_accuracy, dump_features, overrides
 
 NEG = torch.finfo(torch.float32).min
 
@@ -297,31 +296,12 @@ def test_eagle3_offline_features_train_like_online(tmp_path, stories_file, capsy
     steps = {"max_steps": 3, "save_steps": 3, "loss.ttt_steps": 2}
 
     def dump(out: Path, *extra: str) -> int:
-        args = [
-            "--target",
-            "stories260K",
-            "--data",
-            str(stories_file),
-            "--out",
-            str(out),
-            "--max-length",
-            "64",
-        ]
-        return main(["data", "dump-features", *args, *extra])
+        return dump_features(stories_file, out, *extra)
 
     def train(out: Path, **extra) -> int:
         return main(["train", config, *overrides(stories_file, out, **steps, **extra)])
 
-    features = tmp_path / "features"
-    assert dump(features, "--head-type", "eagle3", "--feature-layers", "1,3,4") == 0
-    assert json.loads((features / "index.json").read_text())["tapped_layers"] == [1, 3, 4]
-    assert train(tmp_path / "online") == 0
-    assert train(tmp_path / "offline", feature_mode="offline", **{"data.features_dir": str(features)}) == 0
-    a = load_file(tmp_path / "online" / "final" / "model.safetensors")
-    b = load_file(tmp_path / "offline" / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and "d2t" in a
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-4, rtol=1e-4, msg=name)
+    assert "d2t" in assert_offline_trains_like_online(config, "eagle3", stories_file, tmp_path, steps)
     # a dump without the tapped layers (or with others) is refused, naming the way out
     capsys.readouterr()
     for name, extra in (("plain", ()), ("default_taps", ("--head-type", "eagle3"))):
