@@ -21,6 +21,7 @@ import torch
 from specheads.atomic_files import write_atomically
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.medusa import MedusaHeads
+from specheads.inference.chain_verify import ChainVerifier
 from specheads.inference.fast_path import TreeVerifier
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.kv_cache import crop_cache, tree_cache
@@ -42,15 +43,20 @@ EAGLE_CANDIDATES = [
     {"tree_depth": 5, "tree_top_k": 4, "tree_num_nodes": 10, "tree_stop_prob": 0.2, "tree_min_prob": 0.03},
 ]
 MEDUSA_CANDIDATES = ["medusa_small", "medusa_default"]
+CHAIN_DEPTHS = [2, 3, 4, 5, 6, 8]  # the candidates for a hybrid target, which verifies one chain a round
 
 
 def tree_candidates(lm: SpeculativeLM) -> list[Any]:
     """The trees `autotune_tree` tries for these heads: static tree names (Medusa) or dynamic tree shapes."""
     if isinstance(lm.heads, MedusaHeads):
+        if lm.verifies_chains:
+            return [f"chain{depth}" for depth in CHAIN_DEPTHS if depth <= lm.heads.config.num_heads]
         return list(MEDUSA_CANDIDATES)
     # children per node come from the heads' draft vocabulary (EAGLE-3, or EAGLE with a d2t)
     vocab = lm.heads.draft_vocab_size
     candidates = [c for c in EAGLE_CANDIDATES if c["tree_top_k"] <= vocab]
+    if lm.verifies_chains:
+        candidates = [{"tree_depth": depth, "tree_top_k": 1, "tree_num_nodes": depth} for depth in CHAIN_DEPTHS]
     config = lm.heads.config
     parallel = getattr(config, "parallel_depth", 0) or max(getattr(config, "block_size", 0) - 1, 0)
     if parallel:  # P-EAGLE / DFlash heads draft at most their parallel depth / block: deeper candidates are capped there
@@ -84,6 +90,8 @@ def verification_cost_ms(
     """
     if fast_path:
         return _fast_path_verification_ms(lm, input_ids, node_counts, repeats)
+    if lm.verifies_chains:
+        return _chain_verification_ms(lm, input_ids, node_counts, repeats)
     target = lm.target
     cache = tree_cache()
     target(input_ids=input_ids.to(target.device), **cache_kwargs(target, cache), use_cache=True)
@@ -118,6 +126,27 @@ def _fast_path_verification_ms(
         verifier = TreeVerifier(target, cache, n, lm.heads.select_features)
         verifier.load(prompt[-1:].repeat(n), build_tree_buffers(_chain(n, target.device), dtype=target.dtype), prefix)
         costs[n] = _median_ms(verifier.run, repeats)  # the warm-up run captures the graph
+    return costs
+
+
+def _chain_verification_ms(
+    lm: SpeculativeLM, input_ids: torch.Tensor, node_counts: list[int], repeats: int
+) -> dict[int, float]:
+    """`verification_cost_ms` for a hybrid target: a `ChainVerifier`'s forward over an N-token chain, undone after
+    each run (its states put back, its attention caches cut)."""
+    target, prompt = lm.target, input_ids[0].to(lm.target.device)
+    verifier = ChainVerifier(target, lm.heads.select_features, argmax=lm.certified_argmax)
+    verifier.prefill(prompt, 0)
+    costs = {}
+    for n in node_counts:
+        tree = build_tree_buffers(_chain(n, target.device), dtype=target.dtype)
+        tokens = prompt[-1:].repeat(n)
+
+        def verify(tokens: torch.Tensor = tokens, tree: TreeBuffers = tree) -> None:
+            verifier.verify_argmax(tokens, tree, prompt.shape[0])
+            verifier.undo()
+
+        costs[n] = _median_ms(verify, repeats)
     return costs
 
 

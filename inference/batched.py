@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.batch_request import BatchRequest, check_batching_options
+from specheads.inference.chain_verify import CHAINS_ONLY
 from specheads.inference.chunked_prefill import ChunkedPrefill
 from specheads.inference.drafting import Drafter, constrain_drafts, eagle_drafter_in, start_sequence
 from specheads.inference.kv_cache import (
@@ -150,6 +151,9 @@ class BatchEngine:
 
     def __init__(self, lm: Any, stats: dict[str, Any] | None = None, isolate_errors: bool = False,
                  max_round_nodes: int | str | AutoRoundBudget | None = None, prefill_chunk: int | None = None) -> None:
+        if getattr(lm, "verifies_chains", False):
+            raise ValueError(f"{CHAINS_ONLY}, one row at a time: batched decoding (BatchEngine, the server, generate "
+                             "--prompts) is not available for it; call SpeculativeLM.generate per prompt")
         if not hasattr(lm.drafter, "fork"):
             raise ValueError(f"batched decoding needs a drafter with fork(); {type(lm.drafter).__name__} has none")
         if prefill_chunk is None:

@@ -41,6 +41,7 @@ from specheads.inference.graphed_round import GraphedGreedyRound
 from specheads.inference.lookup import LookupDrafter
 from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_static, write_tree_mask
 from specheads.inference.static_drafting import StaticEagleDrafter
+from specheads.inference.target_support import verifies_chains
 from specheads.inference.tree import TreeBuffers
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
 
@@ -395,6 +396,8 @@ def use_fast_path(
         reason = f"the target's sliding window ({window}) <= prompt + max_new_tokens + tree nodes ({needed_positions})"
     elif batched:
         reason = "batched=True verifies several rows in one forward; the fast path runs one row at a time"
+    elif verifies_chains(target):
+        reason = "the target's recurrent / convolution states are verified a chain a round on the eager path only"
     if requested is None:
         return reason is None and batch_size == 1 and target.device.type == "cuda"
     if requested and reason is not None:

@@ -34,6 +34,7 @@ from specheads.inference.batch_request import (
 )
 from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
+from specheads.inference.chain_verify import CHAINS_ONLY, ChainVerifier, chain_shape, chain_static_tree
 from specheads.inference.corpus_lookup import CorpusLookup, corpus_for_target
 from specheads.inference.cpu_kernels import CpuKernels
 from specheads.inference.dflash_drafting import DFlashDrafter
@@ -65,8 +66,9 @@ from specheads.inference.sampling import SamplingParams, choose_token
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder, generate_output
 from specheads.inference.stopping import StopChecker, emit_tokens
-from specheads.inference.target_support import check_tree_verification
+from specheads.inference.target_support import check_tree_verification, verifies_chains
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
+from specheads.inference.tree_description import describe_tree
 from specheads.inference.verify import DynamicTreeVerifier
 from specheads.targets import load_target
 
@@ -140,9 +142,10 @@ class SpeculativeLM(CpuKernels):
     ) -> None:
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
-        check_tree_verification(target)  # ALiBi, recurrent layers, ...: refused by name, never served inexactly
+        check_tree_verification(target, chains=True)  # ALiBi, recurrent layers, ...: refused by name, never inexact
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
+        self.verifies_chains = verifies_chains(target)  # a hybrid: one chain a round (inference/chain_verify.py)
         self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob, tree_min_prob)
         self.configure_lookup(lookup_tokens, lookup_max_ngram, lookup_max_tokens, lookup_corpus, corpus_tokens)
         self.last_stats: dict[str, Any] = {}
@@ -175,6 +178,7 @@ class SpeculativeLM(CpuKernels):
             static = tree if isinstance(tree, StaticTree) else load_static_tree(tree or defaults["static_tree"])
             if tree is None and static.max_depth > heads.config.num_heads:
                 static = truncate_static_tree(static, heads.config.num_heads)  # the default tree, cut to the heads we have
+            static = chain_static_tree(static, tree is None) if self.verifies_chains else static
             self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
         elif isinstance(heads, (EagleHeads, Eagle3Heads, DraftModelHeads, MtpHeads, DFlashHeads)):
             if tree is not None:
@@ -186,6 +190,7 @@ class SpeculativeLM(CpuKernels):
             given = dict(depth=tree_depth, top_k=tree_top_k, num_nodes=tree_num_nodes, stop_prob=tree_stop_prob,
                          min_prob=tree_min_prob)  # None: the default's `tree_<name>`
             shape = {name: defaults[f"tree_{name}"] if value is None else value for name, value in given.items()}
+            shape = chain_shape(shape, tree_top_k) if self.verifies_chains else shape
             self.drafter = drafter_class(heads, **shape, dtype=self.target.dtype)
         else:
             raise TypeError(f"no drafter for head type {heads.config.head_type!r}")
@@ -214,6 +219,8 @@ class SpeculativeLM(CpuKernels):
         (None: a fixed length), and the guesses of `lookup_corpus` (up to `corpus_tokens` nodes; None = none).
         Kept when `configure_tree` changes the heads' tree."""
         check_lookup_settings(lookup_tokens, lookup_max_ngram, lookup_max_tokens, corpus_tokens)
+        if self.verifies_chains and (lookup_tokens or lookup_corpus is not None):
+            raise ValueError(f"{CHAINS_ONLY}: lookup_tokens / lookup_corpus graft a second branch; pass neither")
         if lookup_corpus is not None:
             lookup_corpus = corpus_for_target(lookup_corpus, self.target.get_input_embeddings().num_embeddings)
         heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
@@ -225,29 +232,9 @@ class SpeculativeLM(CpuKernels):
         )
 
     def tree_description(self) -> dict[str, Any]:
-        """The current tree, for logs and benchmark JSON (`lookup_tokens`: the prompt-lookup branch, 0 = none)."""
-        drafter, lookup = self.drafter, {"lookup_tokens": 0}
-        if isinstance(drafter, LookupDrafter):
-            lookup = {"lookup_tokens": drafter.num_tokens, "lookup_max_tokens": drafter.max_tokens,
-                      "lookup_max_ngram": drafter.index.max_ngram}
-            if drafter.corpus is not None:
-                lookup.update(corpus_tokens=drafter.corpus_tokens, corpus_size=drafter.corpus.num_tokens,
-                              corpus_online_tokens=drafter.corpus.online_tokens, corpus_min_gain=drafter.corpus.min_gain)
-            drafter = drafter.drafter
-        if isinstance(drafter, MedusaDrafter):
-            return {"kind": "static", "name": drafter.tree.name, "nodes": drafter.tree.parents.shape[0] - 1,
-                    "depth": drafter.tree.max_depth, **lookup}
-        if not isinstance(drafter, EagleDrafter):  # a caller's own (`use_drafter`)
-            return {"kind": "custom", "drafter": type(drafter).__name__, **lookup}
-        extra = {"parallel": True} if isinstance(drafter, ParallelDrafter) else {}  # P-EAGLE: one forward a round
-        extra |= {"block": True} if isinstance(drafter, DFlashDrafter) else {}  # DFlash: one block a round
-        extra |= {"mtp": True} if isinstance(self.heads, MtpHeads) else {}  # the target's own MTP layer drafts
-        if isinstance(drafter, DraftModelDrafter):  # and, for another tokenizer, the tokens it can draft
-            mapping = self.heads.vocab_mapping
-            extra = {"draft_model": self.heads.config.draft_model_name_or_path,
-                     **({"shared_vocab": mapping.num_shared} if mapping is not None else {})}
-        return {"kind": "dynamic", "depth": drafter.depth, "top_k": drafter.top_k, "nodes": drafter.num_nodes,
-                "stop_prob": drafter.stop_prob, "min_prob": drafter.min_prob, **extra, **lookup}
+        """The current tree, for logs and benchmark JSON (`lookup_tokens`: the prompt-lookup branch, 0 = none;
+        `chain`: a hybrid target verifying one chain a round; inference/tree_description.py)."""
+        return describe_tree(self)
 
     @classmethod
     def from_pretrained(
@@ -430,9 +417,9 @@ class SpeculativeLM(CpuKernels):
         stats = {"new_tokens": 0, "target_forwards": 0, "rounds": 0, "accepted_counts": [], "prefill_seconds": 0.0,
                  "reused_prompt_tokens": 0}
         start = time.perf_counter()
-        can_batch = hasattr(self.drafter, "fork")
+        can_batch = hasattr(self.drafter, "fork") and not self.verifies_chains  # chains: row by row
         if prompt_cache is not None:
-            check_prompt_cache_call(prompt_cache, len(prompts), batched)
+            check_prompt_cache_call(prompt_cache, len(prompts), batched, self.verifies_chains)
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
         if prediction is not None and runner is not None:
@@ -447,14 +434,16 @@ class SpeculativeLM(CpuKernels):
         if batched is None:
             batched = len(prompts) > 1 and can_batch and runner is None and not inputs
         if batched and not can_batch:
-            raise ValueError(f"batched=True needs a drafter with fork(); {type(self.drafter).__name__} has none: use "
-                             "batched=False")
+            raise ValueError(f"{CHAINS_ONLY}: its rows run one after another, use batched=False" if self.verifies_chains
+                             else f"batched=True needs a drafter with fork(); {type(self.drafter).__name__} has none: "
+                             "use batched=False")
         if batched:
             stops = [None if criteria is None else StopChecker(criteria, p) for p in prompts]
             rows = generate_batched(self, prompts, max_new_tokens, params, eos, acceptance, stats, stops, recorders,
                                     prediction)
         else:
-            verifier = runner if runner is not None else DynamicTreeVerifier(
+            verifier_class = ChainVerifier if self.verifies_chains else DynamicTreeVerifier
+            verifier = runner if runner is not None else verifier_class(
                 self.target, self.heads.select_features, argmax=None if params.reads_sequence else self.certified_argmax
             )
             rows = []
@@ -562,6 +551,8 @@ class SpeculativeLM(CpuKernels):
         while not done:
             # draft
             tokens, tree = drafter.propose(features, next_tokens)
+            if isinstance(verifier, ChainVerifier):  # its root alone once enough accepted tokens wait to be rerun
+                tokens, tree = verifier.limit(tokens, tree)
             # verify + accept
             if argmax_only:
                 target_argmax, node_features = verifier.verify_argmax(tokens, tree, prefix_length)  # (N,), (N, h)

@@ -196,10 +196,14 @@ def images_key(inputs: dict[str, torch.Tensor] | None, prompt_length: int) -> st
                                if not (value.dim() == 2 and value.shape[-1] == prompt_length)})
 
 
-def check_prompt_cache_call(prompt_cache: object, rows: int, batched: bool | None) -> None:
-    """Refuse, naming the value, a `generate(prompt_cache=...)` call the cache cannot serve."""
+def check_prompt_cache_call(prompt_cache: object, rows: int, batched: bool | None, chains: bool = False) -> None:
+    """Refuse, naming the value, a `generate(prompt_cache=...)` call the cache cannot serve (`chains`: the target is
+    a hybrid verified one chain a round, whose recurrent states cannot be cut back to a shared prefix)."""
     if not isinstance(prompt_cache, PromptCache):
         raise TypeError(f"prompt_cache must be a specheads PromptCache, got {type(prompt_cache).__name__}")
+    if chains:
+        raise ValueError("prompt_cache cannot hold this target's conversation: its recurrent / convolution states "
+                         "cannot be cut back to the prefix a later prompt shares (pass no prompt_cache)")
     if rows != 1:
         raise ValueError(f"prompt_cache serves one conversation: batch size 1 (num_return_sequences 1), got {rows} rows")
     if batched:

@@ -7,8 +7,11 @@ keys and values by slicing the KV cache. A target is served exactly only if all 
 - positions come from `position_ids` (rotary or learned embeddings). ALiBi models (BLOOM, MPT, Falcon with
   `alibi=True`) derive their position biases from key indices or the 2-D padding mask instead, so a tree's
   nodes would sit at the wrong distances (MPT then emits other tokens than its own `generate`: a silent error).
-- every layer is attention with a KV cache. Recurrent and linear-attention layers (Mamba, Jamba, RecurrentGemma,
-  Qwen3-Next, MiniMax, ...) fold every token into a state that cannot be cut back to the accepted path.
+- every layer is attention with a KV cache. Recurrent, linear-attention and convolution layers fold every token
+  into a state that cannot be cut back to the accepted path, and read a tree's nodes as one sequence. The hybrid
+  families of `CHAIN_FAMILIES` (Qwen3.5, Qwen3-Next, LFM2, Granite 4, Falcon-H1, Nemotron-H, ...) are served with
+  one CHAIN of drafts a round instead (inference/chain_verify.py); the others (Mamba, Mamba-2, Jamba,
+  RecurrentGemma, MiniMax, ...) are refused.
 - the attention pattern is one the verifier rebuilds for tree nodes: full, or a sliding window (`verify.py`).
   Llama 4's chunked layers are served only while the whole run stays inside one chunk.
 
@@ -24,6 +27,18 @@ from specheads.heads.cache_keyword import declared_parameters
 
 # attention patterns a tree forward reproduces (sliding windows are applied to the tree mask in verify.py)
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+# Hybrid families (text model_type) verified one chain a round (inference/chain_verify.py): transformers keeps their
+# layers' states in its `LinearAttention*` cache layers, which can be copied and put back, and their forward continues
+# a cached state over several new tokens exactly (tests/inference/test_hybrid_targets.py checks both per family).
+# Mamba, Mamba-2 and Jamba continue a cached state over one new token only (their scan over several starts from
+# zero), MiniMax keeps a cache of its own: they stay refused.
+CHAIN_FAMILIES = frozenset({
+    "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",  # Gated DeltaNet + gated attention
+    "lfm2", "lfm2_moe",  # short convolutions + attention
+    "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "zamba2",  # Mamba-2 + attention
+    "olmo_hybrid",
+})
 
 
 def uses_alibi(config) -> bool:
@@ -46,20 +61,35 @@ def unwrapped(target: PreTrainedModel) -> PreTrainedModel:
             return target
 
 
-def tree_verification_problem(target: PreTrainedModel) -> str | None:
-    """Why `target` cannot verify token trees exactly (see the module docstring), or None when it can."""
+def verifies_chains(target: PreTrainedModel) -> bool:
+    """Whether `target` is a hybrid of `CHAIN_FAMILIES`, served with one chain of drafts a round."""
+    return unwrapped(target).config.get_text_config().model_type in CHAIN_FAMILIES
+
+
+def _chain_hint(chains: bool) -> str:
+    if not chains:
+        return ""
+    return f" (the hybrids served with a chain of drafts a round: {', '.join(sorted(CHAIN_FAMILIES))})"
+
+
+def tree_verification_problem(target: PreTrainedModel, chains: bool = False) -> str | None:
+    """Why `target` cannot verify token trees exactly (see the module docstring), or None when it can; with
+    `chains`, why it cannot verify a chain of drafts (None also for the hybrids of `CHAIN_FAMILIES`)."""
     target = unwrapped(target)
     config = target.config.get_text_config()
     name = f"{type(target).__name__} (model_type={config.model_type!r})"
     if getattr(config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder model; speculative decoding here serves decoder-only targets"
+    if chains and config.model_type in CHAIN_FAMILIES:
+        return None
     if getattr(type(target), "_is_stateful", False):
         return (f"{name} keeps a recurrent state in its layers, which cannot be cut back to the accepted path of a "
-                "token tree")
+                f"token tree{_chain_hint(chains)}")
     other = sorted(set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES - {"chunked_attention"})
     if other:
         return (f"{name} has {', '.join(other)} layers; a token tree can only be verified by attention layers "
-                f"({', '.join(sorted(SUPPORTED_LAYER_TYPES))}) whose KV cache is cut back to the accepted path")
+                f"({', '.join(sorted(SUPPORTED_LAYER_TYPES))}) whose KV cache is cut back to the accepted path"
+                f"{_chain_hint(chains)}")
     if getattr(config, "cross_attention_layers", None):
         return (f"{name} has layers that cross-attend to the image (Mllama), whose image mask transformers' generate "
                 "extends at every step and a tree forward does not; its hidden states also skip those layers")
@@ -72,9 +102,10 @@ def tree_verification_problem(target: PreTrainedModel) -> str | None:
     return None
 
 
-def check_tree_verification(target: PreTrainedModel) -> None:
-    """Raise a ValueError naming the target and the reason when it cannot verify token trees exactly."""
-    problem = tree_verification_problem(target)
+def check_tree_verification(target: PreTrainedModel, chains: bool = False) -> None:
+    """Raise a ValueError naming the target and the reason when it cannot verify token trees (with `chains`: token
+    trees or, for the hybrids of `CHAIN_FAMILIES`, chains) exactly."""
+    problem = tree_verification_problem(target, chains)
     if problem is not None:
         raise ValueError(f"this target cannot be served with exact speculative decoding: {problem}")
 

@@ -7,6 +7,7 @@ token the target itself chose last round, parent -1); every other node's parent 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -188,13 +189,17 @@ def chain_tree(depth: int) -> StaticTree:
 
 
 def load_static_tree(name_or_path: str) -> StaticTree:
-    """Load a static tree from a YAML file (`paths: [[0], [1], [0, 0], ...]`) or a name under configs/trees/."""
+    """Load a static tree from a YAML file (`paths: [[0], [1], [0, 0], ...]`), a name under configs/trees/, or
+    'chain<depth>' (`chain_tree`)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.is_file():
         text, name = path.read_text(), path.stem
     else:
         trees = resources.files("specheads.configs") / "trees"
         candidate = trees / f"{name_or_path}.yaml"
+        chain = re.fullmatch(r"chain([1-9][0-9]*)", name_or_path)
+        if chain and not candidate.is_file():
+            return chain_tree(int(chain.group(1)))  # 'chain<depth>': any depth
         if not candidate.is_file():
             known = sorted(p.name.removesuffix(".yaml") for p in trees.iterdir() if p.name.endswith(".yaml"))
             raise ValueError(f"static tree {name_or_path!r} not found; expected a YAML path or one of {known}")

@@ -136,6 +136,10 @@ class DynamicTreeVerifier:
         self.cache = tree_cache()
         self.position_offset = 0  # the text positions' offset from cache indices (`multimodal.position_offset`)
 
+    def new_cache(self) -> Cache:
+        """An empty cache for a new sequence (`kv_cache.tree_cache`)."""
+        return tree_cache()
+
     def prefill(
         self,
         prompt: torch.Tensor,
@@ -153,7 +157,7 @@ class DynamicTreeVerifier:
         held part already holds the images)."""
         if held is not None and inputs:
             raise ValueError("prefill: a held cache already holds the prompt's images; give inputs without held")
-        self.cache, shared = (tree_cache(), None) if held is None else held
+        self.cache, shared = (self.new_cache(), None) if held is None else held
         start = 0 if shared is None else shared.shape[0]
         out = self.target(
             input_ids=prompt[None, start:], **cache_kwargs(self.target, self.cache), use_cache=True,

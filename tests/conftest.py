@@ -38,6 +38,31 @@ OTHER_FAMILIES = {
     "starcoder2": {},  # LayerNorm and an ungated MLP with biases: keeps its own layer
 }
 
+# Hybrid families (recurrent / convolution layers beside attention), verified one chain a round
+# (inference/chain_verify.py): one state layer then one attention layer each, with sizes that fit hidden 64.
+_DELTANET = dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                 linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+_MAMBA2 = dict(mamba_d_state=8, mamba_n_heads=4, mamba_d_head=32, mamba_chunk_size=8)
+HYBRID_FAMILIES = {
+    "qwen3_5_text": _DELTANET,  # Gated DeltaNet (Qwen3.5)
+    "qwen3_5_moe_text": dict(_DELTANET, **_EXPERTS),
+    "qwen3_next": dict(_DELTANET, **_EXPERTS),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # short convolutions (LFM2)
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_experts=2, num_experts_per_tok=1,
+                     moe_intermediate_size=32, num_dense_layers=1),
+    "granitemoehybrid": dict(_MAMBA2, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1,
+                             shared_intermediate_size=64),  # Mamba-2 (Granite 4)
+    "bamba": dict(_MAMBA2, attn_layer_indices=[1]),
+    "nemotron_h": dict(hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8,
+                       n_groups=1, chunk_size=8),
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                      mamba_chunk_size=8),  # attention and Mamba-2 side by side in every layer
+    "zamba2": dict(mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8, layers_block_type=["mamba", "hybrid"],
+                   chunk_size=8),
+    "olmo_hybrid": {},
+}
+
 
 def build_tiny_target(family: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
     """A random 2-layer target of `family` (a transformers model_type; hidden 64, vocab 97, no EOS), in eval mode
@@ -54,7 +79,7 @@ def build_tiny_target(family: str = "llama", seed: int = 0, **overrides) -> PreT
         eos_token_id=None,  # no EOS by default: tests that want one pass eos_token_id
         pad_token_id=0,
     )
-    fields.update(OTHER_FAMILIES.get(family, {}))
+    fields.update(OTHER_FAMILIES.get(family, HYBRID_FAMILIES.get(family, {})))
     fields.update(overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))

@@ -1,0 +1,181 @@
+"""Verification for hybrid targets: recurrent or convolution layers beside attention, one chain of drafts a round.
+
+A Gated DeltaNet, Mamba-2 or short-convolution layer (Qwen3.5, Qwen3-Next, LFM2, Granite 4, Falcon-H1, Nemotron-H,
+...) folds every token it reads into a fixed-size state. Two things follow for speculative decoding:
+
+- a token TREE cannot be verified in one forward: the layer reads its input as one sequence, so a node would see
+  its siblings' tokens, not only its ancestors'. A CHAIN of drafts can: it is a sequence. So these targets verify
+  one chain a round (the drafter's best path: `tree_top_k=1`), as vLLM and SGLang serve them.
+- the state cannot be cut back to the accepted prefix of the chain as keys / values can: transformers' layers
+  return only the state after their last input token. So before each verification the states are copied
+  (`snapshot_states`); when the whole chain is accepted the state after it is right and is kept; otherwise the
+  states are put back, the attention layers' caches cut to the same length, and the accepted tokens become
+  PENDING: the next verification runs them again, in front of its chain, in the same forward. Their keys, values
+  and states are then the same as if they had never been rolled back (the target's forward continues a cached
+  state over several tokens exactly: `target_support.CHAIN_FAMILIES` lists the families tested for it), and the
+  round costs one forward of a few more tokens, not a second forward.
+
+Pending tokens pile up while rounds stop short of their chain's end. Once `max_pending` are waiting, a round
+verifies the root alone (its one token is certain, so the state after it is kept): one forward that commits the
+pending tokens and emits one token, as a plain decoding step would.
+
+Only the eager path verifies chains (`SpeculativeLM.generate`, one row at a time); batched rows, prompt caches and
+the GPU fast path refuse these targets by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from specheads.heads.cache_keyword import cache_kwargs
+from specheads.inference.tree import StaticTree, TreeBuffers, build_tree_buffers, chain_tree
+from specheads.inference.verify import DynamicTreeVerifier, no_logits
+
+MAX_PENDING = 16  # pending tokens before a round verifies its root alone (docstring above)
+CHAINS_ONLY = "this target (recurrent / convolution layers beside attention) verifies one chain of drafts a round"
+
+# one linear-attention layer's states: ({index: conv state}, {index: recurrent state}), None where not yet created
+LayerStates = tuple[dict[int, torch.Tensor | None], dict[int, torch.Tensor | None]]
+
+
+def state_layers(cache: Cache) -> list[LinearAttentionCacheLayerMixin]:
+    """The cache's layers that keep convolution / recurrent states (transformers' `LinearAttention*` layers)."""
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def snapshot_states(cache: Cache) -> list[LayerStates]:
+    """Copies of every state layer's convolution and recurrent states (small: no sequence dimension)."""
+    def copies(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
+        return {index: None if state is None else state.clone() for index, state in states.items()}
+
+    return [(copies(layer.conv_states), copies(layer.recurrent_states)) for layer in state_layers(cache)]
+
+
+def restore_states(cache: Cache, snapshot: list[LayerStates]) -> None:
+    """Put the states `snapshot_states` copied back, in place (the tensors keep their addresses)."""
+    for layer, (conv, recurrent) in zip(state_layers(cache), snapshot, strict=True):
+        for saved, current in ((conv, layer.conv_states), (recurrent, layer.recurrent_states)):
+            for index, state in saved.items():
+                if state is not None:
+                    current[index].copy_(state)
+
+
+def crop_attention(cache: Cache, length: int) -> None:
+    """Keep the first `length` positions of every attention layer's keys / values."""
+    for layer in cache.layers:
+        if isinstance(layer, CacheLayerMixin) and getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
+
+
+def chain_shape(shape: dict, given_top_k: int | None) -> dict:
+    """A dynamic tree `shape` (depth, top_k, num_nodes, ...) made a chain: top-k 1, `depth` drafted nodes at most.
+    `given_top_k` (the caller's own `tree_top_k`) above 1 is refused by name; the checkpoint's default is replaced."""
+    if given_top_k is not None and given_top_k != 1:
+        raise ValueError(f"{CHAINS_ONLY}: tree_top_k must be 1, got {given_top_k}")
+    return dict(shape, top_k=1, num_nodes=min(shape["num_nodes"], shape["depth"]))
+
+
+def chain_static_tree(tree: StaticTree, is_default: bool) -> StaticTree:
+    """A Medusa static tree made a chain: the default becomes the chain as deep as it; a tree the caller gave must be
+    one (refused by name otherwise)."""
+    is_chain = tree.parents.shape[0] == tree.max_depth + 1
+    if is_chain:
+        return tree
+    if not is_default:
+        raise ValueError(f"{CHAINS_ONLY}: static tree {tree.name!r} has {tree.parents.shape[0] - 1} nodes over "
+                         f"{tree.max_depth} depths; give a chain (`chain_tree(depth)`, or the name 'chain<depth>')")
+    return chain_tree(tree.max_depth)
+
+
+def check_chain(tree: TreeBuffers) -> None:
+    """Refuse a tree that is not one chain (node i the child of node i - 1): a state layer cannot verify it."""
+    if int(tree.depth[-1]) != tree.num_nodes - 1:
+        raise ValueError(f"this target verifies one chain of drafts a round (its recurrent / convolution states "
+                         f"read tokens as one sequence), got a tree of {tree.num_nodes} nodes and depth "
+                         f"{int(tree.depth.max())}; draft with tree_top_k=1 and no lookup branches")
+
+
+class ChainVerifier(DynamicTreeVerifier):
+    """`DynamicTreeVerifier` for targets with state layers: verifies chains, rolls states back through pending
+    tokens (module docstring). Same calls: `prefill`, then per round `verify` / `verify_argmax` and `compact`.
+
+    Args:
+        target, select_features, argmax: as `DynamicTreeVerifier`'s.
+        max_pending: pending tokens at which a round verifies its root alone (`limit`).
+    """
+
+    def __init__(self, target: PreTrainedModel, select_features, argmax=None, max_pending: int | None = None) -> None:
+        super().__init__(target, select_features, argmax=argmax)
+        self.max_pending = MAX_PENDING if max_pending is None else max_pending
+        self.pending = torch.zeros(0, dtype=torch.long, device=target.device)  # (P,) accepted, not in the cache
+        self.snapshot: list[LayerStates] = []
+        self.chain = self.pending  # (N,) the chain the last verification ran
+        self.committed = 0  # the cache's positions before the last verification
+        self.root_only = build_tree_buffers(torch.tensor([-1], device=target.device), dtype=target.dtype)
+
+    def new_cache(self) -> Cache:
+        """transformers' own cache for the target: it builds the state layers its state layers write."""
+        return DynamicCache(config=self.target.config)
+
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int, held=None, inputs=None, held_offset: int = 0):
+        if held is not None:
+            raise ValueError("a prompt cache cannot be continued on a target with recurrent / convolution states: "
+                             "their state cannot be cut back to a shared prefix")
+        self.pending = self.pending[:0]
+        return super().prefill(prompt, max_new_tokens, inputs=inputs)
+
+    def limit(self, tokens: torch.Tensor, tree: TreeBuffers) -> tuple[torch.Tensor, TreeBuffers]:
+        """The round's chain: the drafted one, or its root alone once `max_pending` tokens wait (module docstring)."""
+        if self.pending.shape[0] >= self.max_pending:
+            return tokens[:1], self.root_only
+        return tokens, tree
+
+    def _forward(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int, with_logits: bool):
+        """Pending tokens + the (N,) chain in one forward from the committed state. Returns the chain's logits
+        (N, V) or None, and hidden states (N, h) each."""
+        check_chain(tree)
+        pending = self.pending.shape[0]
+        self.committed = prefix_length - pending  # positions in the cache
+        self.snapshot, self.chain = snapshot_states(self.cache), tokens
+        fed = torch.cat([self.pending, tokens])  # (P + N,)
+        start = self.committed + self.position_offset
+        out = self.target(
+            input_ids=fed[None],
+            position_ids=torch.arange(start, start + fed.shape[0], device=fed.device)[None],
+            **cache_kwargs(self.target, self.cache),
+            use_cache=True,
+            output_hidden_states=True,
+            **({"logits_to_keep": tokens.shape[0]} if with_logits else no_logits(fed.device)),
+        )
+        logits = out.logits[0, -tokens.shape[0]:] if with_logits else None
+        return logits, tuple(h[0, pending:] for h in out.hidden_states)
+
+    def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden_states = self._forward(tokens, tree, prefix_length, with_logits=True)
+        return logits, self.select_features(hidden_states)
+
+    def verify_argmax(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.argmax is None:
+            logits, features = self.verify(tokens, tree, prefix_length)
+            return logits.argmax(dim=-1), features
+        _, hidden_states = self._forward(tokens, tree, prefix_length, with_logits=False)
+        return self.argmax(hidden_states[-1]), self.select_features(hidden_states)
+
+    def compact(self, prefix_length: int, path: torch.Tensor) -> None:
+        """Keep the accepted (L,) prefix of the chain: all of it in the cache when L = N, else as pending tokens
+        after the states are put back as they were before the verification."""
+        accepted = path.shape[0]
+        if accepted == self.chain.shape[0]:
+            self.pending = self.pending[:0]
+            return
+        self.undo()
+        self.pending = torch.cat([self.pending, self.chain[:accepted]])
+
+    def undo(self) -> None:
+        """Undo the last verification: the states put back as they were before it, the attention caches cut to the
+        committed positions (pending tokens stay pending)."""
+        restore_states(self.cache, self.snapshot)
+        crop_attention(self.cache, self.committed)

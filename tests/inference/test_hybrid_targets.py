@@ -1,0 +1,214 @@
+"""Hybrid targets (recurrent / convolution layers beside attention: Qwen3.5, Qwen3-Next, LFM2, Granite 4, Bamba,
+Nemotron-H, Falcon-H1, Zamba2, OLMo-Hybrid) verify one chain of drafts a round (inference/chain_verify.py).
+
+Tiny random targets of each family (`tests/conftest.py` HYBRID_FAMILIES). What the chain verifier relies on is
+checked per family (a cached state continues over several tokens exactly; copied states put back give the same
+logits again), then its output: the target's own greedy tokens with every rejection depth hit, the pending tokens
+committed by root-only rounds, sampling's exact law (chi-square), heads trained on a hybrid target's features, and
+what it cannot serve refused by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specheads import HEAD_TYPES, SpeculativeLM, create_heads
+from specheads.inference import chain_verify
+from specheads.inference.batched import BatchEngine
+from specheads.inference.chain_verify import crop_attention, restore_states, snapshot_states
+from specheads.inference.prompt_cache import PromptCache
+from specheads.inference.target_support import CHAIN_FAMILIES, verifies_chains
+from specheads.inference.tree import build_tree_buffers, chain_tree
+
+from ..conftest import HYBRID_FAMILIES
+from .conftest import hf_greedy, make_heads
+
+PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35, 8, 9, 79]])
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "train"
+
+
+def test_the_tested_families_are_the_served_ones():
+    assert set(HYBRID_FAMILIES) == CHAIN_FAMILIES
+
+
+def continuation_error(target, split: int = 12, rollback: bool = False) -> float:
+    """Largest logit difference, relative to the largest logit, between one forward over 18 tokens and a forward over
+    the last 18 - `split` that continues the cache of the first `split`; with `rollback`, that continuation runs
+    after another one was undone (states put back, attention cut)."""
+    ids = torch.randint(2, 90, (1, 18), generator=torch.Generator().manual_seed(0))
+    full = target(ids).logits
+    cache = DynamicCache(config=target.config)
+    target(ids[:, :split], past_key_values=cache, use_cache=True)
+    positions = torch.arange(split, ids.shape[1])[None]
+    if rollback:
+        saved = snapshot_states(cache)
+        target(ids[:, split:].flip(1), past_key_values=cache, use_cache=True, position_ids=positions)
+        restore_states(cache, saved)
+        crop_attention(cache, split)
+    part = target(ids[:, split:], past_key_values=cache, use_cache=True, position_ids=positions).logits
+    return float((part - full[:, split:]).abs().max() / full.abs().max())
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_FAMILIES))
+def test_each_served_family_continues_a_cached_state_exactly(tiny_target_factory, family):
+    """What chain verification rests on: several new tokens continue a cached state as one forward over all would,
+    and states copied before a forward and put back after it undo that forward."""
+    target = tiny_target_factory(family, initializer_range=0.2)  # sharp weights: a state lost would show
+    assert verifies_chains(target)
+    assert continuation_error(target) < 1e-5
+    assert continuation_error(target, rollback=True) < 1e-5
+
+
+@pytest.mark.parametrize(("family", "overrides"), [("mamba2", dict(num_heads=4, head_dim=32, state_size=8, n_groups=1,
+                                                                    chunk_size=8)),
+                                                   ("jamba", dict(attn_layer_period=2, attn_layer_offset=1,
+                                                                  expert_layer_period=2, num_experts=2))])
+def test_families_whose_scan_restarts_from_zero_stay_refused(tiny_target_factory, family, overrides):
+    """Mamba-2 and Jamba continue a cached state over one new token only: over several their scan starts from zero
+    (the check above fails for them), so a chain would be verified wrongly: refused, naming what is served."""
+    target = tiny_target_factory(family, initializer_range=0.2, **overrides)
+    assert continuation_error(target) > 1e-2
+    with pytest.raises(ValueError, match="keeps a recurrent state .* served with a chain of drafts a round: .*qwen3_5"):
+        SpeculativeLM(target, create_heads(target, "eagle3"))
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_FAMILIES))
+def test_chains_give_the_targets_greedy_output(tiny_target_factory, oracle_drafter, family, monkeypatch):
+    """An oracle chain that breaks at every depth in turn: the target's greedy tokens, and each round keeps exactly
+    the drafts that were right, whether the last round's tokens were kept in the cache or run again as pending."""
+    monkeypatch.setattr(chain_verify, "MAX_PENDING", 10_000)  # never a root-only round (the next test has them)
+    target = tiny_target_factory(family, initializer_range=0.2)  # sharp weights: a state left wrong changes tokens
+    reference = hf_greedy(target, PROMPT, 60)
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    drafter = oracle_drafter(reference[0].tolist() + [0] * 8, 97, depth=4, corruption_rate=0.05, rescue_rate=0.0,
+                             decoy_rate=0.0, cycle_rejections=True)
+    lm.use_drafter(drafter)
+    assert torch.equal(lm.generate(PROMPT, max_new_tokens=60), reference)
+    drafter.check_accepted()
+    assert set(drafter.accepted) == set(range(5))  # every depth was where a chain broke, and whole chains were kept
+
+
+def test_every_head_type_drafts_a_chain_and_stays_exact(tiny_target_factory):
+    """The heads' own drafters draft chains on these targets (top-k 1, the checkpoint's depth), Medusa's default
+    tree becomes the chain as deep; the output is the target's."""
+    target = tiny_target_factory("qwen3_5_text")
+    reference = hf_greedy(target, PROMPT, 30)
+    for head_type in sorted(HEAD_TYPES, key=lambda name: name == "medusa"):  # Medusa last: given a static tree below
+        lm = SpeculativeLM(target, make_heads(target, head_type))
+        described = lm.tree_description()
+        assert described["chain"] and described.get("top_k", 1) == 1, described
+        assert described["nodes"] == described["depth"], described
+        assert torch.equal(lm.generate(PROMPT, max_new_tokens=30), reference), head_type
+    lm.configure_tree(chain_tree(3))  # a chain given by the caller is taken as it is
+    assert lm.tree_description()["name"] == "chain3"
+
+
+def test_pending_tokens_are_committed_by_a_root_only_round(tiny_target_factory, oracle_drafter, monkeypatch):
+    """Rounds that stop short pile their accepted tokens up as pending; at `max_pending` a round verifies its root
+    alone, which commits them: exact, and those rounds are there (no drafted token kept)."""
+    monkeypatch.setattr(chain_verify, "MAX_PENDING", 4)
+    target = tiny_target_factory("qwen3_next", initializer_range=0.2)
+    reference = hf_greedy(target, PROMPT, 50)
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    drafter = oracle_drafter(reference[0].tolist() + [0] * 8, 97, depth=5, corruption_rate=0.15, rescue_rate=0.0,
+                             decoy_rate=0.0, seed=3)
+    lm.use_drafter(drafter)
+    assert torch.equal(lm.generate(PROMPT, max_new_tokens=50), reference)
+    cut = [i for i, (kept, right) in enumerate(zip(drafter.accepted, drafter.expected_accepts)) if kept != right]
+    assert cut and all(drafter.accepted[i] == 0 for i in cut)  # the root-only rounds: only they differ
+
+
+def test_sampling_follows_the_exact_law(tiny_target_factory, chi_square):
+    """A six-token Qwen3.5 (one Gated DeltaNet layer, one attention layer): the first three sampled tokens, over
+    chains of untrained EAGLE-3 heads (often right among six tokens), follow the target's exact joint law."""
+    from .test_generate_sampling import PROMPT as LAW_PROMPT
+    from .test_generate_sampling import ArgmaxTreeDrafter, ExactLaw, sample_first_three
+
+    class LawChainDrafter(ArgmaxTreeDrafter):
+        """The exact law's likeliest token, then its likeliest successor: a chain right about half the time."""
+
+        def build(self, g):
+            nexts = [self.law.p2[g[0]]] + [self.law.p3[g[0], b] for b in range(6)] if len(g) == 1 else (
+                [self.law.p3[g[0], g[1]]] + [torch.ones(6)] * 6)
+            first = int(nexts[0].argmax())
+            return torch.tensor([g[-1], first, int(nexts[1 + first].argmax())]), build_tree_buffers(
+                torch.tensor([-1, 0, 1]))
+
+    target = tiny_target_factory("qwen3_5_text", seed=1, vocab_size=6, initializer_range=0.2)  # next-token p ~0.3-0.6
+    law = ExactLaw(target, LAW_PROMPT, temperature=0.8)
+    lm = SpeculativeLM(target, create_heads(target, "eagle3"))
+    lm.use_drafter(LawChainDrafter(law))
+    samples = sample_first_three(lm, 2000, seed=2, prompt=LAW_PROMPT, temperature=0.8)
+    result = chi_square(samples, law.joint())
+    assert result.passed, result
+    assert result.dof >= 10, result
+    assert lm.accepted_drafts > 0.5 * len(samples)
+
+
+def test_heads_trained_on_a_hybrid_target_get_drafts_accepted(tiny_target_factory):
+    """Training reads a hybrid target's features as any other's: EAGLE-3 heads trained (~5 s) on the target's own
+    greedy text get more than two tokens a round accepted on it, and the output stays the target's."""
+    from specheads.training.config import load_run_config
+    from specheads.training.data import collate
+    from specheads.training.train import compute_loss
+
+    target = tiny_target_factory("qwen3_5_text")
+    config = load_run_config(CONFIGS / "eagle3_stories260k.yaml")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 97, (1, 6), generator=g) for _ in range(4)]
+    rows = [hf_greedy(target, ids, 40)[0].tolist() for ids in prompts]
+    batch = collate([{"input_ids": row, "loss_mask": [0] * 6 + [1] * 40} for row in rows])
+    torch.manual_seed(0)
+    heads = create_heads(target, "eagle3", tree_depth=5).train()
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    for _ in range(120):
+        loss = compute_loss(config, heads, heads, target, batch, [0, 1]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    lm = SpeculativeLM(target, heads.eval())
+    accepted = []
+    for ids in prompts:
+        assert torch.equal(lm.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
+        accepted.append(lm.last_stats["mean_accepted"])
+    assert sum(accepted) / len(accepted) > 2.0, accepted
+
+
+def test_what_chains_cannot_serve_is_refused_by_name(tiny_target_factory):
+    target = tiny_target_factory("lfm2")
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    with pytest.raises(ValueError, match="one chain of drafts a round: tree_top_k must be 1, got 4"):
+        lm.configure_tree(tree_depth=4, tree_top_k=4, tree_num_nodes=10)
+    with pytest.raises(ValueError, match="lookup_tokens / lookup_corpus graft a second branch"):
+        lm.configure_lookup(8)
+    with pytest.raises(ValueError, match="its rows run one after another, use batched=False"):
+        lm.generate(torch.cat([PROMPT, PROMPT]), max_new_tokens=4, batched=True)
+    with pytest.raises(ValueError, match="prompt_cache cannot hold this target's conversation"):
+        lm.generate(PROMPT, max_new_tokens=4, prompt_cache=PromptCache())
+    with pytest.raises(ValueError, match="fast_path=True is not available: .*a chain a round on the eager path"):
+        lm.generate(PROMPT, max_new_tokens=4, fast_path=True)
+    with pytest.raises(ValueError, match="batched decoding .* is not available for it"):
+        BatchEngine(lm)
+    medusa = SpeculativeLM(target, make_heads(target, "medusa"))
+    with pytest.raises(ValueError, match="static tree 'medusa_small' has .* give a chain"):
+        medusa.configure_tree("medusa_small")
+    out = lm.generate(torch.cat([PROMPT, PROMPT]), max_new_tokens=10)  # a batch runs row by row
+    assert torch.equal(out[1:], hf_greedy(target, PROMPT, 10))
+
+
+def test_tree_auto_tries_chains(tiny_target_factory):
+    """`--tree auto` on a hybrid target times chains of several depths (and the chain verifier's forward per length)."""
+    from specheads.inference.autotune import CHAIN_DEPTHS, autotune_tree
+
+    target = tiny_target_factory("lfm2")
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    report = autotune_tree(lm, [PROMPT], max_new_tokens=8)
+    assert [trial["tree"]["depth"] for trial in report["trials"]] == CHAIN_DEPTHS
+    assert all(trial["tree"]["top_k"] == 1 and trial["tree"]["chain"] for trial in report["trials"])
+    assert set(report["verification_ms_by_nodes"]) >= {depth + 1 for depth in CHAIN_DEPTHS}  # with the root
+    assert all(ms > 0 for ms in report["verification_ms_by_nodes"].values())
+    assert torch.equal(lm.generate(PROMPT, max_new_tokens=20), hf_greedy(target, PROMPT, 20))
