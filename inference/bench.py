@@ -44,6 +44,7 @@ from specheads.inference.prompts import (
     tokenize_prompts,
 )
 from specheads.inference.round_budget import parse_max_round_nodes
+from specheads.inference.target_support import unwrapped
 from specheads.inference.tree import tree_options
 
 SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-path -> graphed_rounds= / fast_path=
@@ -239,7 +240,9 @@ def run_prompt(
                 f"{first} (reduced-precision kernels differ by shape; use --dtype float32 for a bit-exact check)",
                 stacklevel=1,
             )
-    if args.prompt_lookup and not sample:
+    # transformers refuses assisted generation (prompt lookup included) on stateful targets (Qwen3.5, Mamba-2 hybrids)
+    assists = not getattr(type(unwrapped(target)), "_is_stateful", False)
+    if args.prompt_lookup and not sample and assists:
         out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **images,
                                                 prompt_lookup_num_tokens=args.prompt_lookup, **gen_kwargs, **constrained()))
         row["prompt_lookup_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
@@ -249,7 +252,7 @@ def run_prompt(
     assisted = ({"assistant_model": assistant} if assistant is not None
                 else {"assistant_early_exit": early_exit} if early_exit is not None
                 else {"use_mtp": True} if getattr(args, "mtp", None) else None)
-    if assisted is not None and not images:  # (a text draft model cannot read the images)
+    if assisted is not None and not images and assists:  # (a text draft model cannot read the images)
         out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **assisted, **gen_kwargs,
                                                 **constrained()))
         row["assisted_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
@@ -431,7 +434,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if bad:
         raise ValueError(f"--modes {sorted(bad)} unknown; expected greedy and/or sample")
     static_decoder = None
-    if lm.target.device.type == "cuda":  # our own compiled plain decoding, sized for the longest prompt
+    # our own compiled plain decoding, sized for the longest prompt (its static cache holds attention layers only)
+    if lm.target.device.type == "cuda" and not lm.verifies_chains:
         longest = max(p.input_ids.shape[-1] for p in prompts)
         # a later turn also holds the earlier questions and answers (re-tokenized answers: a margin per answer)
         longest += (turns - 1) * (longest + args.max_new_tokens + 64)

@@ -15,9 +15,14 @@ A Gated DeltaNet, Mamba-2 or short-convolution layer (Qwen3.5, Qwen3-Next, LFM2,
   state over several tokens exactly: `target_support.CHAIN_FAMILIES` lists the families tested for it), and the
   round costs one forward of a few more tokens, not a second forward.
 
+Convolution-only state layers (LFM2's short convolutions) need none of this: their state is the layer's last few
+inputs, which transformers keeps whole while it records the past (`activate_past_recording`), so a crop cuts them
+back exactly, as it cuts keys and values: nothing runs again.
+
 Pending tokens pile up while rounds stop short of their chain's end. Once `max_pending` are waiting, a round
-verifies the root alone (its one token is certain, so the state after it is kept): one forward that commits the
-pending tokens and emits one token, as a plain decoding step would.
+verifies the root and the chain's first draft only: accepted, that short chain is whole, so the state after it is
+kept and the pending tokens are committed (two tokens emitted); rejected, the root joins the pending tokens and the
+next round tries again. Against verifying the root alone (certain, one token): SCRIPT_RESULT.
 
 Only the eager path verifies chains (`SpeculativeLM.generate`, one row at a time); batched rows, prompt caches and
 the GPU fast path refuse these targets by name.
@@ -33,7 +38,8 @@ from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.tree import StaticTree, TreeBuffers, build_tree_buffers, chain_tree
 from specheads.inference.verify import DynamicTreeVerifier, no_logits
 
-MAX_PENDING = 16  # pending tokens before a round verifies its root alone (docstring above)
+MAX_PENDING = 16  # pending tokens before a round verifies its first draft only (docstring above)
+CUT_DEPTH = 1  # the drafts such a round verifies (0: its root alone)
 CHAINS_ONLY = "this target (recurrent / convolution layers beside attention) verifies one chain of drafts a round"
 
 # one linear-attention layer's states: ({index: conv state}, {index: recurrent state}), None where not yet created
@@ -104,17 +110,21 @@ class ChainVerifier(DynamicTreeVerifier):
 
     Args:
         target, select_features, argmax: as `DynamicTreeVerifier`'s.
-        max_pending: pending tokens at which a round verifies its root alone (`limit`).
+        max_pending: pending tokens at which a round verifies its root and first `cut_depth` drafts only (`limit`).
+        cut_depth: how many drafts such a round keeps (0: its root alone).
     """
 
-    def __init__(self, target: PreTrainedModel, select_features, argmax=None, max_pending: int | None = None) -> None:
+    def __init__(self, target: PreTrainedModel, select_features, argmax=None, max_pending: int | None = None,
+                 cut_depth: int | None = None) -> None:
         super().__init__(target, select_features, argmax=argmax)
         self.max_pending = MAX_PENDING if max_pending is None else max_pending
+        self.cut_depth = CUT_DEPTH if cut_depth is None else cut_depth
         self.pending = torch.zeros(0, dtype=torch.long, device=target.device)  # (P,) accepted, not in the cache
         self.snapshot: list[LayerStates] = []
         self.chain = self.pending  # (N,) the chain the last verification ran
         self.committed = 0  # the cache's positions before the last verification
-        self.root_only = build_tree_buffers(torch.tensor([-1], device=target.device), dtype=target.dtype)
+        self.croppable = False  # convolution states only: cut back by a crop, no pending tokens (set by `prefill`)
+        self.cut_chain = build_tree_buffers(torch.arange(-1, self.cut_depth, device=target.device), dtype=target.dtype)
 
     def new_cache(self) -> Cache:
         """transformers' own cache for the target: it builds the state layers its state layers write."""
@@ -125,12 +135,19 @@ class ChainVerifier(DynamicTreeVerifier):
             raise ValueError("a prompt cache cannot be continued on a target with recurrent / convolution states: "
                              "their state cannot be cut back to a shared prefix")
         self.pending = self.pending[:0]
-        return super().prefill(prompt, max_new_tokens, inputs=inputs)
+        out = super().prefill(prompt, max_new_tokens, inputs=inputs)
+        layers = state_layers(self.cache)
+        # convolution states only (no recurrent ones): recorded whole from here on, cut back by `crop` (docstring)
+        self.croppable = bool(layers) and all(layer.is_croppable for layer in layers)
+        if self.croppable:
+            self.cache.activate_past_recording()
+        return out
 
     def limit(self, tokens: torch.Tensor, tree: TreeBuffers) -> tuple[torch.Tensor, TreeBuffers]:
-        """The round's chain: the drafted one, or its root alone once `max_pending` tokens wait (module docstring)."""
-        if self.pending.shape[0] >= self.max_pending:
-            return tokens[:1], self.root_only
+        """The round's chain: the drafted one, or its root and first `cut_depth` drafts once `max_pending` tokens wait
+        (module docstring)."""
+        if self.pending.shape[0] >= self.max_pending and tokens.shape[0] > self.cut_depth + 1:
+            return tokens[: self.cut_depth + 1], self.cut_chain
         return tokens, tree
 
     def _forward(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int, with_logits: bool):
@@ -139,7 +156,7 @@ class ChainVerifier(DynamicTreeVerifier):
         check_chain(tree)
         pending = self.pending.shape[0]
         self.committed = prefix_length - pending  # positions in the cache
-        self.snapshot, self.chain = snapshot_states(self.cache), tokens
+        self.snapshot, self.chain = ([] if self.croppable else snapshot_states(self.cache)), tokens
         fed = torch.cat([self.pending, tokens])  # (P + N,)
         start = self.committed + self.position_offset
         out = self.target(
@@ -168,14 +185,26 @@ class ChainVerifier(DynamicTreeVerifier):
         """Keep the accepted (L,) prefix of the chain: all of it in the cache when L = N, else as pending tokens
         after the states are put back as they were before the verification."""
         accepted = path.shape[0]
-        if accepted == self.chain.shape[0]:
+        if self.croppable:  # nothing pending: the convolution states are cut back with the keys and values
+            self.crop(self.chain.shape[0] - accepted)
+        elif accepted == self.chain.shape[0]:
             self.pending = self.pending[:0]
-            return
-        self.undo()
-        self.pending = torch.cat([self.pending, self.chain[:accepted]])
+        else:
+            self.undo()
+            self.pending = torch.cat([self.pending, self.chain[:accepted]])
+
+    def crop(self, removed: int) -> None:
+        """Convolution states only: drop the last `removed` positions of every layer (0 still trims the recorded
+        convolution inputs back to a kernel's width)."""
+        for layer in state_layers(self.cache):
+            layer.crop(-removed)
+        crop_attention(self.cache, self.committed + self.chain.shape[0] - removed)
 
     def undo(self) -> None:
-        """Undo the last verification: the states put back as they were before it, the attention caches cut to the
-        committed positions (pending tokens stay pending)."""
+        """Undo the last verification: the states put back as they were before it (or cut back), the attention caches
+        cut to the committed positions (pending tokens stay pending)."""
+        if self.croppable:
+            self.crop(self.chain.shape[0])
+            return
         restore_states(self.cache, self.snapshot)
         crop_attention(self.cache, self.committed)

@@ -551,7 +551,7 @@ class SpeculativeLM(CpuKernels):
         while not done:
             # draft
             tokens, tree = drafter.propose(features, next_tokens)
-            if isinstance(verifier, ChainVerifier):  # its root alone once enough accepted tokens wait to be rerun
+            if isinstance(verifier, ChainVerifier):  # a shorter chain once enough accepted tokens wait to be rerun
                 tokens, tree = verifier.limit(tokens, tree)
             # verify + accept
             if argmax_only:

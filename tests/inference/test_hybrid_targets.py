@@ -4,12 +4,13 @@ Nemotron-H, Falcon-H1, Zamba2, OLMo-Hybrid) verify one chain of drafts a round (
 Tiny random targets of each family (`tests/conftest.py` HYBRID_FAMILIES). What the chain verifier relies on is
 checked per family (a cached state continues over several tokens exactly; copied states put back give the same
 logits again), then its output: the target's own greedy tokens with every rejection depth hit, the pending tokens
-committed by root-only rounds, sampling's exact law (chi-square), heads trained on a hybrid target's features, and
+committed by shortened rounds, sampling's exact law (chi-square), heads trained on a hybrid target's features, and
 what it cannot serve refused by name.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,12 @@ from transformers import DynamicCache
 from specheads import HEAD_TYPES, SpeculativeLM, create_heads
 from specheads.inference import chain_verify
 from specheads.inference.batched import BatchEngine
-from specheads.inference.chain_verify import crop_attention, restore_states, snapshot_states
+from specheads.inference.chain_verify import ChainVerifier, crop_attention, restore_states, snapshot_states
 from specheads.inference.prompt_cache import PromptCache
 from specheads.inference.target_support import CHAIN_FAMILIES, verifies_chains
 from specheads.inference.tree import build_tree_buffers, chain_tree
 
-from ..conftest import HYBRID_FAMILIES
+from ..conftest import HYBRID_FAMILIES, build_tiny_target
 from .conftest import hf_greedy, make_heads
 
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35, 8, 9, 79]])
@@ -76,11 +77,29 @@ def test_families_whose_scan_restarts_from_zero_stay_refused(tiny_target_factory
         SpeculativeLM(target, create_heads(target, "eagle3"))
 
 
+@pytest.mark.parametrize(("family", "croppable"), [("lfm2", True), ("qwen3_5_text", False), ("bamba", False)])
+def test_a_chain_stopped_short_leaves_the_target_as_if_only_its_kept_part_ran(tiny_target_factory, family, croppable):
+    """After a verification keeps 2 of a chain's 4 tokens, the next one's logits are those of one forward over the
+    whole kept sequence: convolution-only states (LFM2) cut back in place, nothing pending; recurrent ones (Gated
+    DeltaNet, Mamba-2) put back, the kept tokens pending."""
+    target = tiny_target_factory(family, initializer_range=0.2)
+    verifier = ChainVerifier(target, lambda hidden_states: hidden_states[-1])
+    prompt = PROMPT[0]
+    verifier.prefill(prompt, 16)
+    chain = build_tree_buffers(torch.arange(-1, 3))
+    verifier.verify(torch.tensor([5, 6, 7, 8]), chain, prompt.shape[0])
+    verifier.compact(prompt.shape[0], torch.arange(2))
+    assert verifier.croppable == croppable and (verifier.pending.numel() == 0) == croppable
+    logits, _ = verifier.verify(torch.tensor([9, 10, 11, 12]), chain, prompt.shape[0] + 2)
+    whole = target(torch.cat([prompt, torch.tensor([5, 6, 9, 10, 11, 12])])[None]).logits[0, -4:]
+    assert (logits - whole).abs().max() / whole.abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("family", sorted(HYBRID_FAMILIES))
 def test_chains_give_the_targets_greedy_output(tiny_target_factory, oracle_drafter, family, monkeypatch):
     """An oracle chain that breaks at every depth in turn: the target's greedy tokens, and each round keeps exactly
     the drafts that were right, whether the last round's tokens were kept in the cache or run again as pending."""
-    monkeypatch.setattr(chain_verify, "MAX_PENDING", 10_000)  # never a root-only round (the next test has them)
+    monkeypatch.setattr(chain_verify, "MAX_PENDING", 10_000)  # never a shortened round (the next test has them)
     target = tiny_target_factory(family, initializer_range=0.2)  # sharp weights: a state left wrong changes tokens
     reference = hf_greedy(target, PROMPT, 60)
     lm = SpeculativeLM(target, make_heads(target, "eagle3"))
@@ -107,10 +126,13 @@ def test_every_head_type_drafts_a_chain_and_stays_exact(tiny_target_factory):
     assert lm.tree_description()["name"] == "chain3"
 
 
-def test_pending_tokens_are_committed_by_a_root_only_round(tiny_target_factory, oracle_drafter, monkeypatch):
-    """Rounds that stop short pile their accepted tokens up as pending; at `max_pending` a round verifies its root
-    alone, which commits them: exact, and those rounds are there (no drafted token kept)."""
+@pytest.mark.parametrize("cut_depth", [0, 1])
+def test_pending_tokens_are_committed_by_a_shortened_round(tiny_target_factory, oracle_drafter, monkeypatch, cut_depth):
+    """Rounds that stop short pile their accepted tokens up as pending; at `max_pending` a round verifies its root and
+    first `cut_depth` drafts only, which commits them when accepted whole: exact, and those rounds are there (the
+    only ones to keep fewer drafts than were right, at most `cut_depth`)."""
     monkeypatch.setattr(chain_verify, "MAX_PENDING", 4)
+    monkeypatch.setattr(chain_verify, "CUT_DEPTH", cut_depth)
     target = tiny_target_factory("qwen3_next", initializer_range=0.2)
     reference = hf_greedy(target, PROMPT, 50)
     lm = SpeculativeLM(target, make_heads(target, "eagle3"))
@@ -119,7 +141,7 @@ def test_pending_tokens_are_committed_by_a_root_only_round(tiny_target_factory, 
     lm.use_drafter(drafter)
     assert torch.equal(lm.generate(PROMPT, max_new_tokens=50), reference)
     cut = [i for i, (kept, right) in enumerate(zip(drafter.accepted, drafter.expected_accepts)) if kept != right]
-    assert cut and all(drafter.accepted[i] == 0 for i in cut)  # the root-only rounds: only they differ
+    assert cut and all(drafter.accepted[i] == min(cut_depth, drafter.expected_accepts[i]) for i in cut)
 
 
 def test_sampling_follows_the_exact_law(tiny_target_factory, chi_square):
@@ -212,3 +234,25 @@ def test_tree_auto_tries_chains(tiny_target_factory):
     assert set(report["verification_ms_by_nodes"]) >= {depth + 1 for depth in CHAIN_DEPTHS}  # with the root
     assert all(ms > 0 for ms in report["verification_ms_by_nodes"].values())
     assert torch.equal(lm.generate(PROMPT, max_new_tokens=20), hf_greedy(target, PROMPT, 20))
+
+
+def test_bench_runs_a_hybrid_target_from_its_folder(tmp_path, stories260k):
+    """`specheads bench --tree auto` on a Qwen3.5 folder (stories260K's tokenizer, random weights): chains chosen,
+    greedy outputs identical, and transformers' prompt-lookup peer (which refuses stateful models) left out."""
+    from specheads.inference.bench import bench_main
+
+    _, tokenizer = stories260k
+    target = build_tiny_target("qwen3_5_text", vocab_size=512, eos_token_id=None)
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    create_heads(target, "eagle3").save_pretrained(tmp_path / "heads")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat\n")
+    out = tmp_path / "bench" / "results.json"
+    argv = ["--target", str(tmp_path / "target"), "--heads", str(tmp_path / "heads"), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--threads", "1", "--tree", "auto", "--out", str(out)]
+    assert bench_main(argv) == 0
+    results = json.loads(out.read_text())
+    assert results["greedy_identical"] is True
+    assert results["tree"]["chain"] and results["tree"]["top_k"] == 1, results["tree"]
+    assert all("prompt_lookup_tokens_per_second" not in row for row in results["per_prompt"])

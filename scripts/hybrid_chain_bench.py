@@ -1,0 +1,135 @@
+"""Chain verification on a hybrid target of a real model's shape: what the engine makes of drafts that are right a
+given fraction of the time, side by side with plain `generate` (timing only: random weights, so no trained heads
+exist for it; an oracle that knows the greedy answer drafts each round's chain and gets each token right with
+probability `--accept`, so everything after its first wrong token is rejected).
+
+For every prompt the plain greedy baseline runs first (its output is the oracle's answer key), then each
+`--max-pending` and `--cut-depth` setting (inference/chain_verify.py: pending tokens before a round verifies only its
+first `cut-depth` drafts) in alternating order,
+so machine noise hits all alike; outputs are checked identical. Prints and writes JSON: tokens/s ratios, tau.
+
+    python scripts/hybrid_chain_bench.py --family lfm2 --accept 0.7 --depth 4 --max-pending 1,4,8,16,32
+    python scripts/hybrid_chain_bench.py --family lfm2 --accept 0.6,0.8 --depth 3,5 --max-pending 16 --cut-depth 0,1,2
+    python scripts/hybrid_chain_bench.py --family qwen3_5_text --accept 0.6,0.8 --depth 3,5 --cpu-linear onednn
+
+The shapes: LFM2-350M (hidden 1024, 16 layers: 10 short-convolution, 6 attention, vocabulary 65,536) and a
+Qwen3.5-0.8B-like text model (hidden 1024, 24 layers: Gated DeltaNet and attention 3 : 1; vocabulary cut to 65,536
+so the lm_head weighs as LFM2's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from specheads import SpeculativeLM, create_heads
+from specheads.inference import chain_verify
+from specheads.inference.tree import TreeBuffers, build_tree_buffers
+
+SHAPES = {
+    "lfm2": dict(hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
+                 num_key_value_heads=8, vocab_size=65536,
+                 layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv",
+                              "full_attention", "conv", "full_attention", "conv", "full_attention", "conv",
+                              "full_attention", "conv"]),
+    "qwen3_5_text": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, linear_num_value_heads=16, linear_num_key_heads=16,
+                         linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=65536,
+                         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6),
+}
+
+
+class ChainOracle:
+    """Drafts the next `depth` tokens of the known greedy answer, each right with probability `accept` (seeded)."""
+
+    def __init__(self, answer: list[int], depth: int, accept: float, seed: int = 0) -> None:
+        self.answer, self.depth, self.accept, self.seed = answer, depth, accept, seed
+        self.buffers = build_tree_buffers(torch.arange(-1, depth))
+
+    def reset(self) -> None:
+        self.rng, self.committed = random.Random(self.seed), 0
+
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        self.committed += next_tokens.shape[0]
+        root = self.committed
+        chain = [self.answer[root]]
+        for d in range(1, self.depth + 1):
+            true = self.answer[root + d] if root + d < len(self.answer) else 0
+            chain.append(true if self.rng.random() < self.accept else (true + 1) % 65536)
+        return torch.tensor(chain), self.buffers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(SHAPES), default="lfm2")
+    parser.add_argument("--accept", default="0.7", help="comma list: each drafted token's chance to be right")
+    parser.add_argument("--depth", default="4", help="comma list: drafted tokens per chain")
+    parser.add_argument("--max-pending", default="16", help="comma list of chain_verify.MAX_PENDING values")
+    parser.add_argument("--cut-depth", default="1", help="comma list of chain_verify.CUT_DEPTH values")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cpu-linear", choices=["default", "onednn"], default="default")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(AutoConfig.for_model(args.family, **SHAPES[args.family])).eval()
+    target.generation_config.eos_token_id = None  # every answer runs its full length
+    lm = SpeculativeLM(target, create_heads(target, "eagle3"))
+    if args.cpu_linear == "onednn":
+        lm.use_onednn_linears()  # the target's linear layers, which plain `generate` runs too
+    settings = list(itertools.product([float(a) for a in args.accept.split(",")],
+                                      [int(d) for d in args.depth.split(",")],
+                                      [int(p) for p in args.max_pending.split(",")],
+                                      [int(c) for c in args.cut_depth.split(",")]))
+    generator = torch.Generator().manual_seed(1)
+    results = {setting: {"ratios": [], "taus": []} for setting in settings}
+    baseline_tps = []
+    with torch.no_grad():
+        target.generate(torch.randint(5, 30000, (1, 8)), max_new_tokens=4, do_sample=False)  # warm-up
+        for index in range(args.prompts):
+            ids = torch.randint(5, 30000, (1, args.prompt_tokens), generator=generator)
+            start = time.perf_counter()
+            reference = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+            plain_tps = args.max_new_tokens / (time.perf_counter() - start)
+            baseline_tps.append(plain_tps)
+            answer = reference[0].tolist()
+            order = settings if index % 2 == 0 else settings[::-1]
+            for accept, depth, max_pending, cut_depth in order:
+                chain_verify.MAX_PENDING, chain_verify.CUT_DEPTH = max_pending, cut_depth
+                lm.use_drafter(ChainOracle(answer, depth, accept, seed=index))
+                out = lm.generate(ids, max_new_tokens=args.max_new_tokens)
+                if not torch.equal(out, reference):
+                    raise SystemExit(f"prompt {index}: output differs from plain generate ({accept}, {depth}, "
+                                     f"{max_pending}, {cut_depth})")
+                stats = lm.last_stats
+                results[(accept, depth, max_pending, cut_depth)]["ratios"].append(stats["tokens_per_second"] / plain_tps)
+                results[(accept, depth, max_pending, cut_depth)]["taus"].append(stats["mean_accepted"])
+            print(f"prompt {index + 1}/{args.prompts}: plain {plain_tps:.1f} tokens/s", flush=True)
+    rows = []
+    for (accept, depth, max_pending, cut_depth), result in results.items():
+        rows.append({"accept": accept, "depth": depth, "max_pending": max_pending, "cut_depth": cut_depth,
+                     "speedup_median": statistics.median(result["ratios"]), "tau": statistics.mean(result["taus"])})
+        print(f"accept {accept:.2f} depth {depth} max_pending {max_pending:>5} cut_depth {cut_depth}: "
+              f"tau {rows[-1]['tau']:.2f}, "
+              f"{rows[-1]['speedup_median']:.2f}x plain generate")
+    report = {"family": args.family, "shape": SHAPES[args.family], "threads": args.threads,
+              "cpu_linear": args.cpu_linear, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+              "plain_tokens_per_second_median": statistics.median(baseline_tps), "settings": rows,
+              "torch": torch.__version__}
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
