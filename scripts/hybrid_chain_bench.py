@@ -31,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specheads import SpeculativeLM, create_heads
 from specheads.inference import chain_verify
+from specheads.inference.autotune import verification_cost_ms
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
 SHAPES = {
@@ -49,8 +50,8 @@ SHAPES = {
 class ChainOracle:
     """Drafts the next `depth` tokens of the known greedy answer, each right with probability `accept` (seeded)."""
 
-    def __init__(self, answer: list[int], depth: int, accept: float, seed: int = 0) -> None:
-        self.answer, self.depth, self.accept, self.seed = answer, depth, accept, seed
+    def __init__(self, answer: list[int], depth: int, accept: float, seed: int = 0, vocab_size: int = 65536) -> None:
+        self.answer, self.depth, self.accept, self.seed, self.vocab_size = answer, depth, accept, seed, vocab_size
         self.buffers = build_tree_buffers(torch.arange(-1, depth))
 
     def reset(self) -> None:
@@ -62,7 +63,7 @@ class ChainOracle:
         chain = [self.answer[root]]
         for d in range(1, self.depth + 1):
             true = self.answer[root + d] if root + d < len(self.answer) else 0
-            chain.append(true if self.rng.random() < self.accept else (true + 1) % 65536)
+            chain.append(true if self.rng.random() < self.accept else (true + 1) % self.vocab_size)
         return torch.tensor(chain), self.buffers
 
 
@@ -92,6 +93,10 @@ def main() -> None:
                                       [int(p) for p in args.max_pending.split(",")],
                                       [int(c) for c in args.cut_depth.split(",")]))
     generator = torch.Generator().manual_seed(1)
+    # what a verification forward costs by tokens fed (pending + chain), after a prompt
+    cost_ms = verification_cost_ms(lm, torch.randint(5, 30000, (1, args.prompt_tokens), generator=generator),
+                                   [1, 2, 4, 6, 8, 12, 16, 24], repeats=5)
+    print("verification ms by tokens: " + ", ".join(f"{n}: {ms:.0f}" for n, ms in cost_ms.items()), flush=True)
     results = {setting: {"ratios": [], "taus": []} for setting in settings}
     baseline_tps = []
     with torch.no_grad():
@@ -125,6 +130,7 @@ def main() -> None:
     report = {"family": args.family, "shape": SHAPES[args.family], "threads": args.threads,
               "cpu_linear": args.cpu_linear, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
               "plain_tokens_per_second_median": statistics.median(baseline_tps), "settings": rows,
+              "verification_ms_by_tokens": cost_ms,
               "torch": torch.__version__}
     if args.out:
         with open(args.out, "w") as handle:

@@ -159,6 +159,18 @@ def build_tiny_vlm(family: str, seed: int = 0) -> tuple[PreTrainedModel, torch.T
         inputs = dict(pixel_values=torch.randn(64, 3 * 2 * 4 * 4, generator=pixels),
                       image_grid_thw=torch.tensor([[1, 8, 8]]),
                       mm_token_type_ids=torch.tensor([[int(i == VLM_IMAGE) for i in ids]]))
+    elif family == "qwen3_5":  # a hybrid (Gated DeltaNet + attention, verified a chain a round) with M-RoPE
+        text = dict(VLM_TEXT, initializer_range=0.3, **HYBRID_FAMILIES["qwen3_5_text"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 0.25})
+        vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                      intermediate_size=32, out_hidden_size=32, num_position_embeddings=16)
+        config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=VLM_IMAGE,
+                                      video_token_id=151, vision_start_token_id=VLM_START, vision_end_token_id=VLM_END)
+        ids = [3, 14, VLM_START, *[VLM_IMAGE] * 16, VLM_END, 15, 92, 65]  # 8 x 8 patches, merged 2 x 2
+        inputs = dict(pixel_values=torch.randn(64, 3 * 2 * 4 * 4, generator=pixels),
+                      image_grid_thw=torch.tensor([[1, 8, 8]]),
+                      mm_token_type_ids=torch.tensor([[int(i == VLM_IMAGE) for i in ids]]))
     elif family == "gemma3":  # bidirectional attention inside the image, sliding-window layers
         config = AutoConfig.for_model(
             "gemma3", text_config=dict(model_type="gemma3_text", head_dim=16, sliding_window=8, **VLM_TEXT),
@@ -175,7 +187,7 @@ def build_tiny_vlm(family: str, seed: int = 0) -> tuple[PreTrainedModel, torch.T
         inputs = dict(pixel_values=torch.randn(1, 1, 3, 16, 16, generator=pixels),
                       pixel_attention_mask=torch.ones(1, 1, 16, 16, dtype=torch.bool))
     else:
-        raise ValueError(f"no tiny vision-language target for {family!r}; expected one of {VLM_FAMILIES}")
+        raise ValueError(f"no tiny vision-language target for {family!r}; expected one of {VLM_FAMILIES} or qwen3_5")
     model = AutoModelForImageTextToText.from_config(config)
     return model.eval().requires_grad_(False), torch.tensor([ids]), inputs
 

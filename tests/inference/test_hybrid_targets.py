@@ -256,3 +256,21 @@ def test_bench_runs_a_hybrid_target_from_its_folder(tmp_path, stories260k):
     assert results["greedy_identical"] is True
     assert results["tree"]["chain"] and results["tree"]["top_k"] == 1, results["tree"]
     assert all("prompt_lookup_tokens_per_second" not in row for row in results["per_prompt"])
+
+
+def test_a_qwen3_5_reading_an_image_gives_its_greedy_output(tiny_vlm_factory, oracle_drafter, monkeypatch):
+    """Qwen3.5 as its checkpoints are (a vision-language model, M-RoPE): with an image in the prompt, heads' chains and
+    an oracle's chains broken at every depth (pending tokens run again at their text positions, which carry the
+    image grid's offset) give the target's own greedy tokens."""
+    monkeypatch.setattr(chain_verify, "MAX_PENDING", 4)
+    target, ids, inputs = tiny_vlm_factory("qwen3_5")
+    reference = target.generate(ids, max_new_tokens=40, do_sample=False, **inputs)
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    assert lm.verifies_chains
+    assert torch.equal(lm.generate(ids, max_new_tokens=40, **inputs), reference)
+    vocab = target.config.get_text_config().vocab_size
+    drafter = oracle_drafter(reference[0].tolist() + [0] * 8, vocab, depth=4, corruption_rate=0.1, rescue_rate=0.0,
+                             decoy_rate=0.0, cycle_rejections=True)
+    lm.use_drafter(drafter)
+    assert torch.equal(lm.generate(ids, max_new_tokens=40, **inputs), reference)
+    assert max(drafter.accepted) >= 3  # long chains were kept, and short ones left tokens pending
