@@ -18,9 +18,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specheads.inference.batched import BatchEngine, BatchRequest
+from specheads.inference.batched import BatchRequest
 from specheads.inference.openai_api import finish_reason
 from specheads.inference.prompts import Prompt
+from specheads.inference.serial_engine import engine_for
 from specheads.training.data_cli import done_ids, drop_torn_line
 
 
@@ -56,7 +57,7 @@ def generate_file(
     written = done_ids(out)
     todo = deque((index, p) for index, p in enumerate(prompts) if p.prompt_id not in written)
     already = len(prompts) - len(todo)  # answered by an earlier run
-    engine = BatchEngine(lm)
+    engine = engine_for(lm)  # a hybrid target's prompts: one after another (inference/serial_engine.py)
     asked: dict[int, Prompt] = {}  # id(request) -> its prompt
     start, tokens, forwards, answered = time.perf_counter(), 0, 0, 0
     bar = tqdm(total=len(prompts), initial=already, desc="generate", unit="prompt",

@@ -424,7 +424,7 @@ class SpeculativeLM(CpuKernels):
         stats["fast_path"] = runner is not None
         if prediction is not None and runner is not None:
             raise ValueError("prediction= is drafted from on the eager path only: pass fast_path=False with it")
-        check_prediction(prediction, self.heads.config.vocab_size)
+        check_prediction(prediction, self.heads.config.vocab_size, self.verifies_chains)
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
             runner.graphed_prefill = self.graphed_prefill

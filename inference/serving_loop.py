@@ -1,4 +1,5 @@
-"""A `BatchEngine` driven by one background thread, for callers on many threads (the server's clients).
+"""A `BatchEngine` driven by one background thread, for callers on many threads (the server's clients); for a hybrid
+target, whose rows run one at a time, a `SerialEngine` (inference/serial_engine.py).
 
 Callers `submit` requests from any thread and wait on the returned `Ticket`. The loop thread lets waiting requests
 join the running batch before each round (up to `max_batch` rows), runs the round, and wakes the callers whose
@@ -17,8 +18,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .batched import BatchEngine, BatchRequest
+from .batched import BatchRequest
 from .prompt_cache import PromptCachePool
+from .serial_engine import engine_for
 
 COUNTERS = {  # name -> what `ServingLoop.metrics` counts under it, over the loop's lifetime
     "requests_finished": "requests that ended normally (EOS, max_new_tokens, a stop)",
@@ -78,7 +80,7 @@ class ServingLoop:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: expected an integer >= 1")
         self.lm, self.max_batch, self.pool = lm, max_batch, pool
-        self.engine = BatchEngine(lm, isolate_errors=True)
+        self.engine = engine_for(lm, isolate_errors=True)
         # lifetime totals for monitoring (`metrics`); written by the loop thread only
         self.totals = dict.fromkeys(COUNTERS, 0)
         self.accepted_by_depth: dict[str, int] = {}  # "d" -> rounds whose d-th drafted token was accepted
@@ -146,7 +148,8 @@ class ServingLoop:
         try:
             for ticket in joining:
                 self._running[id(ticket.request)] = ticket
-                if self.pool is not None and ticket.pooled and ticket.request.prompt_cache is None:
+                if (self.pool is not None and ticket.pooled and ticket.request.prompt_cache is None
+                        and not getattr(self.lm, "verifies_chains", False)):  # a hybrid's states: no kept caches
                     ticket.request.prompt_cache = self.pool.take(ticket.request.prompt)
             ended = self.engine.add([t.request for t in joining]) if joining else []
             ended += self.engine.step()
@@ -155,7 +158,7 @@ class ServingLoop:
             for ticket in self._running.values():
                 ticket._end(err)
             self._running = {}
-            self.engine = BatchEngine(self.lm, isolate_errors=True)
+            self.engine = engine_for(self.lm, isolate_errors=True)
             return
         self.totals["batched_forwards"] += self.engine.stats["batched_forwards"] - forwards_before
         for request in ended:

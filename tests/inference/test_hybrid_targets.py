@@ -213,8 +213,12 @@ def test_what_chains_cannot_serve_is_refused_by_name(tiny_target_factory):
         lm.generate(PROMPT, max_new_tokens=4, prompt_cache=PromptCache())
     with pytest.raises(ValueError, match="fast_path=True is not available: .*a chain a round on the eager path"):
         lm.generate(PROMPT, max_new_tokens=4, fast_path=True)
-    with pytest.raises(ValueError, match="batched decoding .* is not available for it"):
+    with pytest.raises(ValueError, match="BatchEngine cannot batch its rows; the server and generate --prompts"):
         BatchEngine(lm)
+    with pytest.raises(ValueError, match="prediction: .* drafted as a second branch"):
+        lm.generate(PROMPT, max_new_tokens=4, prediction=[5, 6, 7])
+    with pytest.raises(ValueError, match="prediction: .* drafted as a second branch"):
+        lm.batch_request(PROMPT, max_new_tokens=4, prediction=[5, 6, 7])
     medusa = SpeculativeLM(target, make_heads(target, "medusa"))
     with pytest.raises(ValueError, match="static tree 'medusa_small' has .* give a chain"):
         medusa.configure_tree("medusa_small")
@@ -274,3 +278,115 @@ def test_a_qwen3_5_reading_an_image_gives_its_greedy_output(tiny_vlm_factory, or
     lm.use_drafter(drafter)
     assert torch.equal(lm.generate(ids, max_new_tokens=40, **inputs), reference)
     assert max(drafter.accepted) >= 3  # long chains were kept, and short ones left tokens pending
+
+
+def test_the_serving_loop_answers_a_hybrids_requests_one_after_another(tiny_target_factory):
+    """The server's loop (and generate --prompts) take a `SerialEngine` for a hybrid target: requests from several
+    threads are answered whole, in turn, exactly and streamed; a request given up while it waits is not run, and one
+    given up while it runs stops after its round in progress."""
+    import threading
+
+    from specheads.inference.serial_engine import SerialEngine
+    from specheads.inference.serving_loop import ServingLoop
+
+    target = tiny_target_factory("qwen3_5_text")
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    loop = ServingLoop(lm, max_batch=4)
+    assert isinstance(loop.engine, SerialEngine)
+    prompts = [PROMPT, PROMPT[:, :5], PROMPT[:, 2:]]
+
+    class Collect:
+        def __init__(self) -> None:
+            self.parts: list[list[int]] = []
+            self.ended = False
+
+        def put(self, tokens: torch.Tensor) -> None:
+            self.parts.append(tokens.tolist())
+
+        def end(self) -> None:
+            self.ended = True
+
+    streamers = [Collect() for _ in prompts]
+    requests = [lm.batch_request(ids, max_new_tokens=30, streamer=s) for ids, s in zip(prompts, streamers)]
+    threads = [threading.Thread(target=loop.run, args=(r,)) for r in requests]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for request, ids, streamer in zip(requests, prompts, streamers):
+        assert request.new_tokens == hf_greedy(target, ids, 30)[0, ids.shape[1]:].tolist()
+        assert streamer.parts[0] == ids[0].tolist() and sum(streamer.parts[1:], []) == request.new_tokens
+        assert streamer.ended and request.target_forwards > 0
+    metrics = loop.metrics()
+    assert metrics["requests_finished"] == 3 and metrics["generated_tokens"] == 90
+
+    class CancelAfterFirstTokens(Collect):
+        def put(self, tokens: torch.Tensor) -> None:
+            super().put(tokens)
+            if len(self.parts) > 1:
+                request.cancelled = True  # the client is gone after the first emitted tokens
+
+    request = lm.batch_request(PROMPT, max_new_tokens=30, streamer=CancelAfterFirstTokens())
+    loop.run(request)
+    assert 0 < len(request.new_tokens) < 30
+    engine = SerialEngine(lm)
+    waiting = lm.batch_request(PROMPT, max_new_tokens=30)
+    waiting.cancelled = True
+    engine.add([waiting])
+    assert engine.step() == [waiting] and waiting.new_tokens == [] and engine.stats["target_forwards"] == 0
+    loop.close()
+
+
+def test_generate_prompts_answers_a_hybrids_file_in_turn(tmp_path, stories260k):
+    """`generate --prompts FILE` (inference/batch_file.py) on a hybrid target: every prompt answered exactly."""
+    from specheads.inference.batch_file import generate_file
+    from specheads.inference.prompts import Prompt
+
+    _, tokenizer = stories260k
+    target = build_tiny_target("qwen3_5_text", vocab_size=512, eos_token_id=None)
+    lm = SpeculativeLM(target, create_heads(target, "eagle3"), tokenizer=tokenizer)
+    texts = ["Once upon a time", "The cat sat", "A dog ran home"]
+    prompts = [Prompt(prompt_id=str(i), category="story", text=text, input_ids=tokenizer(text, return_tensors="pt").input_ids)
+               for i, text in enumerate(texts)]
+    summary = generate_file(lm, prompts, tmp_path / "answers.jsonl", max_batch=3, max_new_tokens=12, show_progress=False)
+    records = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert summary["answered"] == 3 and len(records) == 3
+    for record, prompt in zip(sorted(records, key=lambda r: r["id"]), prompts):
+        expected = hf_greedy(target, prompt.input_ids, 12)[0, prompt.input_ids.shape[1]:]
+        assert record["answer"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_the_server_answers_a_hybrid_target_over_http(stories260k):
+    """`specheads serve` on a hybrid (Qwen3.5 of stories260K's vocabulary): chat answers are the target's greedy ones,
+    a later turn runs its whole conversation (no kept cache), and completions stream."""
+    import threading
+
+    from specheads.inference.server import CompletionService, make_server
+
+    from .test_server import TEMPLATE, chat_ids, greedy_text, post
+
+    _, tokenizer = stories260k
+    target = build_tiny_target("qwen3_5_text", vocab_size=512, eos_token_id=None)
+    lm = SpeculativeLM(target, create_heads(target, "eagle3"), tokenizer=tokenizer)
+    service = CompletionService(lm, "hybrid", {"max_new_tokens": 16}, cache_slots=2, chat_template=TEMPLATE)
+    httpd = make_server(service, "127.0.0.1", 0, quiet=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        messages = [{"role": "user", "content": "Tom had a big red ball"}]
+        status, body = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 16})
+        assert status == 200, body
+        answer = body["choices"][0]["message"]["content"]
+        assert answer == greedy_text(target, tokenizer, chat_ids(tokenizer, messages), 16)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Where did it go"}]
+        status, body = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 16})
+        assert body["choices"][0]["message"]["content"] == greedy_text(target, tokenizer, chat_ids(tokenizer, messages), 16)
+        assert body["specheads"]["reused_prompt_tokens"] == 0
+        request = {"prompt": "Once upon a time", "max_tokens": 12, "stream": True,
+                   "stream_options": {"include_usage": True}}
+        status, events = post(url + "/v1/completions", request)  # (random weights: text pieces of broken UTF-8)
+        assert status == 200 and events[-1]["usage"]["completion_tokens"] == 12
+        assert len([e for e in events if e["choices"] and e["choices"][0]["text"]]) > 1
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
