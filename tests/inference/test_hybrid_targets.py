@@ -10,6 +10,7 @@ what it cannot serve refused by name.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -144,9 +145,11 @@ def test_pending_tokens_are_committed_by_a_shortened_round(tiny_target_factory, 
     assert cut and all(drafter.accepted[i] == min(cut_depth, drafter.expected_accepts[i]) for i in cut)
 
 
-def test_sampling_follows_the_exact_law(tiny_target_factory, chi_square):
-    """A six-token Qwen3.5 (one Gated DeltaNet layer, one attention layer): the first three sampled tokens, over
-    chains of untrained EAGLE-3 heads (often right among six tokens), follow the target's exact joint law."""
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
+def test_sampling_follows_the_exact_law(tiny_target_factory, chi_square, family):
+    """A six-token Qwen3.5 (one Gated DeltaNet layer, one attention layer: states put back, pending tokens) and LFM2
+    (a short convolution: cut in place): the first three sampled tokens, over chains drafted from the exact law (right
+    about half the time), follow the target's exact joint law."""
     from .test_generate_sampling import PROMPT as LAW_PROMPT
     from .test_generate_sampling import ArgmaxTreeDrafter, ExactLaw, sample_first_three
 
@@ -160,7 +163,7 @@ def test_sampling_follows_the_exact_law(tiny_target_factory, chi_square):
             return torch.tensor([g[-1], first, int(nexts[1 + first].argmax())]), build_tree_buffers(
                 torch.tensor([-1, 0, 1]))
 
-    target = tiny_target_factory("qwen3_5_text", seed=1, vocab_size=6, initializer_range=0.2)  # next-token p ~0.3-0.6
+    target = tiny_target_factory(family, seed=1, vocab_size=6, initializer_range=0.2)  # next-token p ~0.3-0.6
     law = ExactLaw(target, LAW_PROMPT, temperature=0.8)
     lm = SpeculativeLM(target, create_heads(target, "eagle3"))
     lm.use_drafter(LawChainDrafter(law))
@@ -390,3 +393,14 @@ def test_the_server_answers_a_hybrid_target_over_http(stories260k):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "nemotron_h"])
+def test_the_cpu_kernels_serve_hybrids_exactly(tiny_target_factory, family):
+    """oneDNN linear layers, int8 heads, grouped attention and the certified bf16 argmax (what `make bench` runs) on
+    a hybrid target: the output of its own `generate` on the same layers."""
+    target = copy.deepcopy(tiny_target_factory(family, initializer_range=0.2))
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    used = lm.use_cpu_kernels(cpu_linear="onednn", draft_linear="int8", cpu_attention="auto", cpu_argmax="bf16")
+    assert used["cpu_argmax"] == "bf16" and used["cpu_linear"] == "onednn"
+    assert torch.equal(lm.generate(PROMPT, max_new_tokens=30), hf_greedy(target, PROMPT, 30))
