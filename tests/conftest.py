@@ -147,24 +147,18 @@ def build_tiny_vlm(family: str, seed: int = 0) -> tuple[PreTrainedModel, torch.T
             vision_config=dict(model_type="clip_vision_model", projection_dim=16, **small_vision))
         ids = [3, 14, *[VLM_IMAGE] * 16, 15, 92, 65]  # (16 / 4)^2 patches
         inputs = dict(pixel_values=torch.randn(1, 3, 16, 16, generator=pixels))
-    elif family in ("qwen2_vl", "qwen2_5_vl"):
-        text = dict(VLM_TEXT, initializer_range=0.3,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    elif family in ("qwen2_vl", "qwen2_5_vl", "qwen3_5"):  # M-RoPE; Qwen3.5: a hybrid, verified a chain a round
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+        text = dict(VLM_TEXT, initializer_range=0.3, rope_parameters=rope)
         vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
-        vision.update(dict(embed_dim=16) if family == "qwen2_vl" else
-                      dict(intermediate_size=32, out_hidden_size=32, fullatt_block_indexes=[0], window_size=8))
-        config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=VLM_IMAGE,
-                                      video_token_id=151, vision_start_token_id=VLM_START, vision_end_token_id=VLM_END)
-        ids = [3, 14, VLM_START, *[VLM_IMAGE] * 16, VLM_END, 15, 92, 65]  # 8 x 8 patches, merged 2 x 2
-        inputs = dict(pixel_values=torch.randn(64, 3 * 2 * 4 * 4, generator=pixels),
-                      image_grid_thw=torch.tensor([[1, 8, 8]]),
-                      mm_token_type_ids=torch.tensor([[int(i == VLM_IMAGE) for i in ids]]))
-    elif family == "qwen3_5":  # a hybrid (Gated DeltaNet + attention, verified a chain a round) with M-RoPE
-        text = dict(VLM_TEXT, initializer_range=0.3, **HYBRID_FAMILIES["qwen3_5_text"],
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0],
-                                     "mrope_interleaved": True, "partial_rotary_factor": 0.25})
-        vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                      intermediate_size=32, out_hidden_size=32, num_position_embeddings=16)
+        if family == "qwen2_vl":
+            vision.update(embed_dim=16)
+        elif family == "qwen2_5_vl":
+            vision.update(intermediate_size=32, out_hidden_size=32, fullatt_block_indexes=[0], window_size=8)
+        else:  # Gated DeltaNet and gated attention layers, a quarter of each head rotated
+            text.update(HYBRID_FAMILIES["qwen3_5_text"])
+            rope.update(mrope_section=[1, 1, 0], mrope_interleaved=True, partial_rotary_factor=0.25)
+            vision.update(intermediate_size=32, out_hidden_size=32, num_position_embeddings=16)
         config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=VLM_IMAGE,
                                       video_token_id=151, vision_start_token_id=VLM_START, vision_end_token_id=VLM_END)
         ids = [3, 14, VLM_START, *[VLM_IMAGE] * 16, VLM_END, 15, 92, 65]  # 8 x 8 patches, merged 2 x 2
