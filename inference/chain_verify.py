@@ -25,57 +25,32 @@ kept and the pending tokens are committed (two tokens emitted); rejected, the ro
 next round tries again. Against verifying the root alone (certain, one token): the same taus within 1%, on a
 Qwen3.5-like shape with oracle chains (scripts/hybrid_chain_bench.py; README, Results, "Hybrid targets").
 
-Only the eager path verifies chains (`SpeculativeLM.generate`, one row at a time); batched rows, prompt caches and
-the GPU fast path refuse these targets by name.
+Only the eager path verifies chains (`SpeculativeLM.generate`, one row at a time; the server's requests one after
+another, inference/serial_engine.py); rows batched into one forward and the GPU fast path refuse these targets by
+name. A prompt cache (multi-turn chat) keeps a hybrid's cache when the next prompt continues all it holds: its states
+are those after its last position, which a later prompt that differs earlier cannot use (`kv_cache.cut_back`).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache
 
 from specheads.heads.cache_keyword import cache_kwargs
+from specheads.inference.kv_cache import (
+    LayerStates,
+    crop_cache,
+    restore_states,
+    snapshot_states,
+    state_layers,
+)
 from specheads.inference.tree import StaticTree, TreeBuffers, build_tree_buffers, chain_tree
 from specheads.inference.verify import DynamicTreeVerifier, no_logits
 
 MAX_PENDING = 16  # pending tokens before a round verifies its first draft only (docstring above)
 CUT_DEPTH = 1  # the drafts such a round verifies (0: its root alone)
 CHAINS_ONLY = "this target (recurrent / convolution layers beside attention) verifies one chain of drafts a round"
-
-# one linear-attention layer's states: ({index: conv state}, {index: recurrent state}), None where not yet created
-LayerStates = tuple[dict[int, torch.Tensor | None], dict[int, torch.Tensor | None]]
-
-
-def state_layers(cache: Cache) -> list[LinearAttentionCacheLayerMixin]:
-    """The cache's layers that keep convolution / recurrent states (transformers' `LinearAttention*` layers)."""
-    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
-
-
-def snapshot_states(cache: Cache) -> list[LayerStates]:
-    """Copies of every state layer's convolution and recurrent states (small: no sequence dimension)."""
-    def copies(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
-        return {index: None if state is None else state.clone() for index, state in states.items()}
-
-    return [(copies(layer.conv_states), copies(layer.recurrent_states)) for layer in state_layers(cache)]
-
-
-def restore_states(cache: Cache, snapshot: list[LayerStates]) -> None:
-    """Put the states `snapshot_states` copied back, in place (the tensors keep their addresses)."""
-    for layer, (conv, recurrent) in zip(state_layers(cache), snapshot, strict=True):
-        for saved, current in ((conv, layer.conv_states), (recurrent, layer.recurrent_states)):
-            for index, state in saved.items():
-                if state is not None:
-                    current[index].copy_(state)
-
-
-def crop_attention(cache: Cache, length: int) -> None:
-    """Keep the first `length` positions of every attention layer's keys / values."""
-    for layer in cache.layers:
-        if isinstance(layer, CacheLayerMixin) and getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys[:, :, :length]
-            layer.values = layer.values[:, :, :length]
-
 
 def chain_shape(shape: dict, given_top_k: int | None) -> dict:
     """A dynamic tree `shape` (depth, top_k, num_nodes, ...) made a chain: top-k 1, `depth` drafted nodes at most.
@@ -132,11 +107,10 @@ class ChainVerifier(DynamicTreeVerifier):
         return DynamicCache(config=self.target.config)
 
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int, held=None, inputs=None, held_offset: int = 0):
-        if held is not None:
-            raise ValueError("a prompt cache cannot be continued on a target with recurrent / convolution states: "
-                             "their state cannot be cut back to a shared prefix")
+        """`DynamicTreeVerifier.prefill`; a `held` cache must hold the states after exactly its features' positions
+        (`PromptCache` hands a hybrid's over only when the prompt continues all it holds)."""
         self.pending = self.pending[:0]
-        out = super().prefill(prompt, max_new_tokens, inputs=inputs)
+        out = super().prefill(prompt, max_new_tokens, held=held, inputs=inputs, held_offset=held_offset)
         layers = state_layers(self.cache)
         # convolution states only (no recurrent ones): recorded whole from here on, cut back by `crop` (docstring)
         self.croppable = bool(layers) and all(layer.is_croppable for layer in layers)
@@ -199,7 +173,7 @@ class ChainVerifier(DynamicTreeVerifier):
         convolution inputs back to a kernel's width)."""
         for layer in state_layers(self.cache):
             layer.crop(-removed)
-        crop_attention(self.cache, self.committed + self.chain.shape[0] - removed)
+        crop_cache(self.cache, self.committed + self.chain.shape[0] - removed)
 
     def undo(self) -> None:
         """Undo the last verification: the states put back as they were before it (or cut back), the attention caches
@@ -208,4 +182,4 @@ class ChainVerifier(DynamicTreeVerifier):
             self.crop(self.chain.shape[0])
             return
         restore_states(self.cache, self.snapshot)
-        crop_attention(self.cache, self.committed)
+        crop_cache(self.cache, self.committed)

@@ -92,8 +92,7 @@ class ChatSession:
         self.generate_options = generate_options
         self.tools, self.tool_parser = self._tools(tools, tool_parser, renderer)
         self.last_calls: list[ToolCall] = []  # the calls the last answer made (with `tools`)
-        # a hybrid target's recurrent states cannot be cut back to a shared prefix: each turn runs the conversation
-        self.cache = PromptCache() if reuse_cache and not getattr(lm, "verifies_chains", False) else None
+        self.cache = PromptCache() if reuse_cache else None
         self.messages: list[dict[str, Any]] = []
         self.images: list[Any] = []  # the conversation's images (PIL), in the order its messages show them
         self.last_stats: dict[str, Any] = {}

@@ -419,7 +419,7 @@ class SpeculativeLM(CpuKernels):
         start = time.perf_counter()
         can_batch = hasattr(self.drafter, "fork") and not self.verifies_chains  # chains: row by row
         if prompt_cache is not None:
-            check_prompt_cache_call(prompt_cache, len(prompts), batched, self.verifies_chains)
+            check_prompt_cache_call(prompt_cache, len(prompts), batched)
         runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
         stats["fast_path"] = runner is not None
         if prediction is not None and runner is not None:
@@ -583,6 +583,7 @@ class SpeculativeLM(CpuKernels):
         if isinstance(drafter, LookupDrafter):  # an online corpus learns the answer
             drafter.remember(prompt, new_tokens)
         if prompt_cache is not None:
-            prompt_cache.store_call(prompt, new_tokens, prefix_length, verifier.cache, torch.cat(committed_features),
+            in_cache = prefix_length - len(getattr(verifier, "pending", ()))  # a hybrid's pending tokens are not
+            prompt_cache.store_call(prompt, new_tokens, in_cache, verifier.cache, torch.cat(committed_features),
                                     self.target, self.heads, inputs, getattr(verifier, "position_offset", 0))
         return new_tokens

@@ -1,4 +1,5 @@
-"""The one place that touches `transformers` cache internals: keep the accepted path, drop the rest.
+"""The one place that touches `transformers` cache internals: keep the accepted path, drop the rest (and a hybrid
+target's convolution / recurrent states: copied, put back, cut back).
 
 Cache APIs moved between transformers 5.x releases (5.23's `DynamicCache.crop` takes a negative count
 of tokens to drop; 5.17 took a length). These helpers work on `cache.layers[i].keys / .values`
@@ -17,7 +18,7 @@ path below): +2.4% tokens/s.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionCacheLayerMixin
 
 INITIAL_CAPACITY = 256  # positions a layer's buffers hold at first; they double when a forward needs more
 
@@ -85,8 +86,9 @@ def cache_length(cache: Cache) -> int:
 
 
 def layers_with_entries(cache: Cache) -> list:
-    """The layers that hold keys / values (transformers creates them lazily, at the first forward)."""
-    return [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel() > 0]
+    """The layers that hold keys / values (transformers creates them lazily, at the first forward; a hybrid target's
+    state-only layers have none)."""
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0]
 
 
 def crop_cache(cache: Cache, length: int) -> None:
@@ -179,3 +181,45 @@ def row_cache(cache: Cache, row: int, positions: torch.Tensor) -> Cache:
             continue
         single.update(layer.keys[row : row + 1, :, positions], layer.values[row : row + 1, :, positions], index)
     return single
+
+
+# --- hybrid targets' states (inference/chain_verify.py): convolution / recurrent states beside keys and values ---
+# one linear-attention layer's states: ({index: conv state}, {index: recurrent state}), None where not yet created
+LayerStates = tuple[dict[int, torch.Tensor | None], dict[int, torch.Tensor | None]]
+
+
+def state_layers(cache: Cache) -> list[LinearAttentionCacheLayerMixin]:
+    """The cache's layers that keep convolution / recurrent states (transformers' `LinearAttention*` layers)."""
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def snapshot_states(cache: Cache) -> list[LayerStates]:
+    """Copies of every state layer's convolution and recurrent states (small: no sequence dimension)."""
+    def copies(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
+        return {index: None if state is None else state.clone() for index, state in states.items()}
+
+    return [(copies(layer.conv_states), copies(layer.recurrent_states)) for layer in state_layers(cache)]
+
+
+def restore_states(cache: Cache, snapshot: list[LayerStates]) -> None:
+    """Put the states `snapshot_states` copied back, in place (the tensors keep their addresses)."""
+    for layer, (conv, recurrent) in zip(state_layers(cache), snapshot, strict=True):
+        for saved, current in ((conv, layer.conv_states), (recurrent, layer.recurrent_states)):
+            for index, state in saved.items():
+                if state is not None:
+                    current[index].copy_(state)
+
+
+def cut_back(cache: Cache, length: int) -> bool:
+    """Cut a hybrid target's cache back to its first `length` positions if its states allow it: always when it holds
+    exactly that many, else only for convolution-only states recorded whole (LFM2); False when it cannot be."""
+    held = cache.get_seq_length()
+    if held == length:
+        return True
+    layers = state_layers(cache)
+    if held < length or not all(layer.is_croppable and getattr(layer, "record_past", False) for layer in layers):
+        return False
+    for layer in layers:
+        layer.crop(length - held)
+    crop_cache(cache, length)
+    return True

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .kv_cache import cache_length, crop_cache
+from .kv_cache import cache_length, crop_cache, cut_back, state_layers
 from .multimodal import image_token_ids, inputs_fingerprint
 from .static_cache import StaticTreeCache
 
@@ -140,6 +140,8 @@ class PromptCache:
             shared = 0
         if shared == 0:
             return None, None, 0
+        if cache is not None and state_layers(cache):  # a hybrid's: its states are those after all it holds
+            return (cache, features[:shared], shared) if cut_back(cache, shared) else (None, None, 0)
         if not isinstance(cache, StaticTreeCache):  # a static cache's prefill writes from the shared length on
             crop_cache(cache, shared)
         return cache, features[:shared], shared
@@ -159,6 +161,9 @@ class PromptCache:
         are left in place and never read: the next prefill writes from the shared length on). `inputs_key`,
         `position_offset`: the images the entries were computed with (`images_key`) and the text positions' offset."""
         length = tokens.shape[0]
+        if state_layers(cache) and not cut_back(cache, length):  # a hybrid's states run past what is kept: none
+            self.reset()
+            return
         if features.shape[0] < length or cache_length(cache) < length:
             raise ValueError(
                 f"PromptCache.store: {length} tokens but {features.shape[0]} features and {cache_length(cache)} "
@@ -196,14 +201,10 @@ def images_key(inputs: dict[str, torch.Tensor] | None, prompt_length: int) -> st
                                if not (value.dim() == 2 and value.shape[-1] == prompt_length)})
 
 
-def check_prompt_cache_call(prompt_cache: object, rows: int, batched: bool | None, chains: bool = False) -> None:
-    """Refuse, naming the value, a `generate(prompt_cache=...)` call the cache cannot serve (`chains`: the target is
-    a hybrid verified one chain a round, whose recurrent states cannot be cut back to a shared prefix)."""
+def check_prompt_cache_call(prompt_cache: object, rows: int, batched: bool | None) -> None:
+    """Refuse, naming the value, a `generate(prompt_cache=...)` call the cache cannot serve."""
     if not isinstance(prompt_cache, PromptCache):
         raise TypeError(f"prompt_cache must be a specheads PromptCache, got {type(prompt_cache).__name__}")
-    if chains:
-        raise ValueError("prompt_cache cannot hold this target's conversation: its recurrent / convolution states "
-                         "cannot be cut back to the prefix a later prompt shares (pass no prompt_cache)")
     if rows != 1:
         raise ValueError(f"prompt_cache serves one conversation: batch size 1 (num_return_sequences 1), got {rows} rows")
     if batched:

@@ -3,8 +3,8 @@
 A hybrid target's recurrent / convolution states are verified one chain at a time, row by row
 (inference/chain_verify.py), so the server (`ServingLoop`) and `generate --prompts` (inference/batch_file.py) serve
 them through this engine: requests queue in arrival order and each `step` answers the oldest one whole, with
-`SpeculativeLM`'s own row loop (streamed as it goes). A request cancelled while it runs stops after the round in
-progress. `engine_for` picks this engine or `BatchEngine` for a `SpeculativeLM`.
+`SpeculativeLM`'s own row loop (streamed as it goes; a request's prompt cache, or the server's pool's, is used when
+its prompt continues all the cache holds). A request cancelled while it runs stops after the round in progress. `engine_for` picks this engine or `BatchEngine` for a `SpeculativeLM`.
 """
 
 from __future__ import annotations
@@ -86,11 +86,12 @@ class SerialEngine:
         stop: Any = StopWhenCancelled(request)
         request.new_tokens = lm._generate_row(
             request.prompt, request.max_new_tokens, request.params, request.eos, request.streamer, request.acceptance,
-            row_stats, verifier, lm.drafter, request.row, stop, request.recorder, None, request.inputs or None,
-            request.prediction or None)
+            row_stats, verifier, lm.drafter, request.row, stop, request.recorder, request.prompt_cache,
+            request.inputs or None, request.prediction or None)
         request.target_forwards = row_stats["target_forwards"]
+        request.reused_prompt_tokens = row_stats["reused_prompt_tokens"]
         request.accepted_counts = row_stats["accepted_counts"]
-        for name in ("new_tokens", "target_forwards", "rounds"):
+        for name in ("new_tokens", "target_forwards", "rounds", "reused_prompt_tokens"):
             self.stats[name] += row_stats[name]
         self.stats["batched_forwards"] += row_stats["target_forwards"]
 

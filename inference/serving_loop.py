@@ -148,8 +148,7 @@ class ServingLoop:
         try:
             for ticket in joining:
                 self._running[id(ticket.request)] = ticket
-                if (self.pool is not None and ticket.pooled and ticket.request.prompt_cache is None
-                        and not getattr(self.lm, "verifies_chains", False)):  # a hybrid's states: no kept caches
+                if self.pool is not None and ticket.pooled and ticket.request.prompt_cache is None:
                     ticket.request.prompt_cache = self.pool.take(ticket.request.prompt)
             ended = self.engine.add([t.request for t in joining]) if joining else []
             ended += self.engine.step()

@@ -21,7 +21,8 @@ from transformers import DynamicCache
 from specheads import HEAD_TYPES, SpeculativeLM, create_heads
 from specheads.inference import chain_verify
 from specheads.inference.batched import BatchEngine
-from specheads.inference.chain_verify import ChainVerifier, crop_attention, restore_states, snapshot_states
+from specheads.inference.chain_verify import ChainVerifier
+from specheads.inference.kv_cache import crop_cache, restore_states, snapshot_states
 from specheads.inference.prompt_cache import PromptCache
 from specheads.inference.target_support import CHAIN_FAMILIES, verifies_chains
 from specheads.inference.tree import build_tree_buffers, chain_tree
@@ -50,7 +51,7 @@ def continuation_error(target, split: int = 12, rollback: bool = False) -> float
         saved = snapshot_states(cache)
         target(ids[:, split:].flip(1), past_key_values=cache, use_cache=True, position_ids=positions)
         restore_states(cache, saved)
-        crop_attention(cache, split)
+        crop_cache(cache, split)
     part = target(ids[:, split:], past_key_values=cache, use_cache=True, position_ids=positions).logits
     return float((part - full[:, split:]).abs().max() / full.abs().max())
 
@@ -76,6 +77,25 @@ def test_families_whose_scan_restarts_from_zero_stay_refused(tiny_target_factory
     assert continuation_error(target) > 1e-2
     with pytest.raises(ValueError, match="keeps a recurrent state .* served with a chain of drafts a round: .*qwen3_5"):
         SpeculativeLM(target, create_heads(target, "eagle3"))
+
+
+@pytest.mark.parametrize(("family", "croppable"), [("lfm2", True), ("qwen3_5_text", False)])
+def test_a_cache_is_cut_back_only_where_its_states_allow(tiny_target_factory, family, croppable):
+    """`kv_cache.cut_back`: convolution states recorded whole (LFM2) are cut back to any earlier position, and a run
+    from there equals one forward over the whole; recurrent states (Gated DeltaNet) refuse."""
+    from specheads.inference.kv_cache import cut_back
+
+    target = tiny_target_factory(family, initializer_range=0.2)
+    ids = torch.randint(2, 90, (1, 18), generator=torch.Generator().manual_seed(0))
+    full = target(ids).logits
+    cache = DynamicCache(config=target.config)
+    target(ids[:, :6], past_key_values=cache, use_cache=True)
+    cache.activate_past_recording()
+    target(ids[:, 6:12], past_key_values=cache, use_cache=True, position_ids=torch.arange(6, 12)[None])
+    assert cut_back(cache, 12) and cut_back(cache, 8) == croppable
+    if croppable:
+        part = target(ids[:, 8:], past_key_values=cache, use_cache=True, position_ids=torch.arange(8, 18)[None]).logits
+        assert (part - full[:, 8:]).abs().max() / full.abs().max() < 1e-5
 
 
 @pytest.mark.parametrize(("family", "croppable"), [("lfm2", True), ("qwen3_5_text", False), ("bamba", False)])
@@ -212,8 +232,6 @@ def test_what_chains_cannot_serve_is_refused_by_name(tiny_target_factory):
         lm.configure_lookup(8)
     with pytest.raises(ValueError, match="its rows run one after another, use batched=False"):
         lm.generate(torch.cat([PROMPT, PROMPT]), max_new_tokens=4, batched=True)
-    with pytest.raises(ValueError, match="prompt_cache cannot hold this target's conversation"):
-        lm.generate(PROMPT, max_new_tokens=4, prompt_cache=PromptCache())
     with pytest.raises(ValueError, match="fast_path=True is not available: .*a chain a round on the eager path"):
         lm.generate(PROMPT, max_new_tokens=4, fast_path=True)
     with pytest.raises(ValueError, match="BatchEngine cannot batch its rows; the server and generate --prompts"):
@@ -361,7 +379,7 @@ def test_generate_prompts_answers_a_hybrids_file_in_turn(tmp_path, stories260k):
 
 def test_the_server_answers_a_hybrid_target_over_http(stories260k):
     """`specheads serve` on a hybrid (Qwen3.5 of stories260K's vocabulary): chat answers are the target's greedy ones,
-    a later turn runs its whole conversation (no kept cache), and completions stream."""
+    a later turn continues the states the first one left (the server's kept caches), and completions stream."""
     import threading
 
     from specheads.inference.server import CompletionService, make_server
@@ -384,7 +402,7 @@ def test_the_server_answers_a_hybrid_target_over_http(stories260k):
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Where did it go"}]
         status, body = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 16})
         assert body["choices"][0]["message"]["content"] == greedy_text(target, tokenizer, chat_ids(tokenizer, messages), 16)
-        assert body["specheads"]["reused_prompt_tokens"] == 0
+        assert body["specheads"]["reused_prompt_tokens"] > 10  # the first turn's states, kept in the server's pool
         request = {"prompt": "Once upon a time", "max_tokens": 12, "stream": True,
                    "stream_options": {"include_usage": True}}
         status, events = post(url + "/v1/completions", request)  # (random weights: text pieces of broken UTF-8)
@@ -404,3 +422,32 @@ def test_the_cpu_kernels_serve_hybrids_exactly(tiny_target_factory, family):
     used = lm.use_cpu_kernels(cpu_linear="onednn", draft_linear="int8", cpu_attention="auto", cpu_argmax="bf16")
     assert used["cpu_argmax"] == "bf16" and used["cpu_linear"] == "onednn"
     assert torch.equal(lm.generate(PROMPT, max_new_tokens=30), hf_greedy(target, PROMPT, 30))
+
+
+@pytest.mark.parametrize(("family", "cuts_back"), [("qwen3_5_text", False), ("lfm2", True)])
+def test_a_prompt_cache_carries_a_hybrids_conversation(tiny_target_factory, oracle_drafter, family, cuts_back):
+    """Multi-turn chat on a hybrid: a prompt that continues all the cache holds runs only its new tokens (the states
+    are those after the held positions; a turn's last pending tokens were never held, the next turn runs them); an
+    edited history reuses its unchanged start when the states can be cut back to it (LFM2's convolutions), else runs
+    whole (recurrent states). Every answer is the target's."""
+    target = tiny_target_factory(family, initializer_range=0.2)
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    cache = PromptCache()
+
+    def turn(ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        reference = hf_greedy(target, ids, max_new_tokens)
+        lm.use_drafter(oracle_drafter(reference[0].tolist() + [0] * 8, 97, depth=4, corruption_rate=0.3,
+                                      rescue_rate=0.0, decoy_rate=0.0))  # chains kept whole and cut short
+        out = lm.generate(ids, max_new_tokens=max_new_tokens, prompt_cache=cache)
+        assert torch.equal(out, reference)
+        return out
+
+    first = turn(PROMPT, 24)
+    second = turn(torch.cat([first, torch.tensor([[5, 6, 7]])], dim=1), 24)
+    assert lm.last_stats["reused_prompt_tokens"] > PROMPT.shape[1]
+    edited = second.clone()
+    edited[0, 4] = 50
+    edited = turn(edited, 16)
+    assert lm.last_stats["reused_prompt_tokens"] == (4 if cuts_back else 0)
+    turn(torch.cat([edited, torch.tensor([[8, 9]])], dim=1), 16)
+    assert lm.last_stats["reused_prompt_tokens"] > second.shape[1]
