@@ -16,8 +16,9 @@ A Gated DeltaNet, Mamba-2 or short-convolution layer (Qwen3.5, Qwen3-Next, LFM2,
   round costs one forward of a few more tokens, not a second forward.
 
 Convolution-only state layers (LFM2's short convolutions) need none of this: their state is the layer's last few
-inputs, which transformers keeps whole while it records the past (`activate_past_recording`), so a crop cuts them
-back exactly, as it cuts keys and values: nothing runs again.
+inputs, which transformers keeps whole from one cut to the next while it records the past (`activate_past_recording`),
+so a crop after each verification cuts them back exactly, as it cuts keys and values: nothing runs again
+(`kv_cache.cut_back`).
 
 Pending tokens pile up while rounds stop short of their chain's end. Once `max_pending` are waiting, a round
 verifies the root and the chain's first draft only: accepted, that short chain is whole, so the state after it is
@@ -41,6 +42,7 @@ from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.kv_cache import (
     LayerStates,
     crop_cache,
+    cut_back,
     restore_states,
     snapshot_states,
     state_layers,
@@ -51,6 +53,7 @@ from specheads.inference.verify import DynamicTreeVerifier, no_logits
 MAX_PENDING = 16  # pending tokens before a round verifies its first draft only (docstring above)
 CUT_DEPTH = 1  # the drafts such a round verifies (0: its root alone)
 CHAINS_ONLY = "this target (recurrent / convolution layers beside attention) verifies one chain of drafts a round"
+
 
 def chain_shape(shape: dict, given_top_k: int | None) -> dict:
     """A dynamic tree `shape` (depth, top_k, num_nodes, ...) made a chain: top-k 1, `depth` drafted nodes at most.
@@ -75,9 +78,8 @@ def chain_static_tree(tree: StaticTree, is_default: bool) -> StaticTree:
 def check_chain(tree: TreeBuffers) -> None:
     """Refuse a tree that is not one chain (node i the child of node i - 1): a state layer cannot verify it."""
     if int(tree.depth[-1]) != tree.num_nodes - 1:
-        raise ValueError(f"this target verifies one chain of drafts a round (its recurrent / convolution states "
-                         f"read tokens as one sequence), got a tree of {tree.num_nodes} nodes and depth "
-                         f"{int(tree.depth.max())}; draft with tree_top_k=1 and no lookup branches")
+        raise ValueError(f"{CHAINS_ONLY} (its states read tokens as one sequence), got a tree of {tree.num_nodes} "
+                         f"nodes and depth {int(tree.depth.max())}; draft with tree_top_k=1 and no lookup branches")
 
 
 class ChainVerifier(DynamicTreeVerifier):
@@ -112,7 +114,7 @@ class ChainVerifier(DynamicTreeVerifier):
         self.pending = self.pending[:0]
         out = super().prefill(prompt, max_new_tokens, held=held, inputs=inputs, held_offset=held_offset)
         layers = state_layers(self.cache)
-        # convolution states only (no recurrent ones): recorded whole from here on, cut back by `crop` (docstring)
+        # convolution states only (no recurrent ones): recorded whole from here on, cut back (docstring)
         self.croppable = bool(layers) and all(layer.is_croppable for layer in layers)
         if self.croppable:
             self.cache.activate_past_recording()
@@ -161,25 +163,18 @@ class ChainVerifier(DynamicTreeVerifier):
         after the states are put back as they were before the verification."""
         accepted = path.shape[0]
         if self.croppable:  # nothing pending: the convolution states are cut back with the keys and values
-            self.crop(self.chain.shape[0] - accepted)
+            cut_back(self.cache, self.committed + accepted)
         elif accepted == self.chain.shape[0]:
             self.pending = self.pending[:0]
         else:
             self.undo()
             self.pending = torch.cat([self.pending, self.chain[:accepted]])
 
-    def crop(self, removed: int) -> None:
-        """Convolution states only: drop the last `removed` positions of every layer (0 still trims the recorded
-        convolution inputs back to a kernel's width)."""
-        for layer in state_layers(self.cache):
-            layer.crop(-removed)
-        crop_cache(self.cache, self.committed + self.chain.shape[0] - removed)
-
     def undo(self) -> None:
         """Undo the last verification: the states put back as they were before it (or cut back), the attention caches
         cut to the committed positions (pending tokens stay pending)."""
         if self.croppable:
-            self.crop(self.chain.shape[0])
+            cut_back(self.cache, self.committed)
             return
         restore_states(self.cache, self.snapshot)
         crop_cache(self.cache, self.committed)

@@ -212,14 +212,23 @@ def restore_states(cache: Cache, snapshot: list[LayerStates]) -> None:
 
 def cut_back(cache: Cache, length: int) -> bool:
     """Cut a hybrid target's cache back to its first `length` positions if its states allow it: always when it holds
-    exactly that many, else only for convolution-only states recorded whole (LFM2); False when it cannot be."""
+    exactly that many; fewer only for convolution-only states recorded whole (LFM2) since they were last cut back,
+    i.e. within the last forward's tokens; False when it cannot be. Recorded convolution inputs are trimmed back to a
+    kernel's width either way (they grow with every forward until then), so a cut is possible once per forward."""
     held = cache.get_seq_length()
-    if held == length:
-        return True
+    drop = held - length
     layers = state_layers(cache)
-    if held < length or not all(layer.is_croppable and getattr(layer, "record_past", False) for layer in layers):
+    recorded = all(layer.is_croppable and getattr(layer, "record_past", False) for layer in layers)
+    if drop < 0 or (drop > 0 and not (recorded and all(recorded_inputs(layer) >= drop for layer in layers))):
         return False
-    for layer in layers:
-        layer.crop(length - held)
+    if layers and recorded:
+        for layer in layers:
+            layer.crop(-drop)  # drop == 0: only the trim
     crop_cache(cache, length)
     return True
+
+
+def recorded_inputs(layer: LinearAttentionCacheLayerMixin) -> int:
+    """How many positions a recording convolution layer can still be cut back by: its inputs past a kernel's width."""
+    return min(layer.conv_states[i].shape[-1] - layer.conv_kernel_size[i]
+               for i in range(layer.number_of_states) if layer.is_conv_states_initialized[i])

@@ -81,8 +81,9 @@ def test_families_whose_scan_restarts_from_zero_stay_refused(tiny_target_factory
 
 @pytest.mark.parametrize(("family", "croppable"), [("lfm2", True), ("qwen3_5_text", False)])
 def test_a_cache_is_cut_back_only_where_its_states_allow(tiny_target_factory, family, croppable):
-    """`kv_cache.cut_back`: convolution states recorded whole (LFM2) are cut back to any earlier position, and a run
-    from there equals one forward over the whole; recurrent states (Gated DeltaNet) refuse."""
+    """`kv_cache.cut_back`: convolution states recorded whole (LFM2) are cut back within the last forward's tokens,
+    and a run from there equals one forward over the whole; once cut (and trimmed) no further; recurrent states
+    (Gated DeltaNet) only ever stay where they are."""
     from specheads.inference.kv_cache import cut_back
 
     target = tiny_target_factory(family, initializer_range=0.2)
@@ -92,10 +93,13 @@ def test_a_cache_is_cut_back_only_where_its_states_allow(tiny_target_factory, fa
     target(ids[:, :6], past_key_values=cache, use_cache=True)
     cache.activate_past_recording()
     target(ids[:, 6:12], past_key_values=cache, use_cache=True, position_ids=torch.arange(6, 12)[None])
-    assert cut_back(cache, 12) and cut_back(cache, 8) == croppable
+    assert cut_back(cache, 8) == croppable and cut_back(cache, 13) is False
     if croppable:
+        assert cut_back(cache, 7) is False and cut_back(cache, 8)  # trimmed: only where it is now
         part = target(ids[:, 8:], past_key_values=cache, use_cache=True, position_ids=torch.arange(8, 18)[None]).logits
         assert (part - full[:, 8:]).abs().max() / full.abs().max() < 1e-5
+    else:
+        assert cut_back(cache, 12)
 
 
 @pytest.mark.parametrize(("family", "croppable"), [("lfm2", True), ("qwen3_5_text", False), ("bamba", False)])
@@ -424,12 +428,11 @@ def test_the_cpu_kernels_serve_hybrids_exactly(tiny_target_factory, family):
     assert torch.equal(lm.generate(PROMPT, max_new_tokens=30), hf_greedy(target, PROMPT, 30))
 
 
-@pytest.mark.parametrize(("family", "cuts_back"), [("qwen3_5_text", False), ("lfm2", True)])
-def test_a_prompt_cache_carries_a_hybrids_conversation(tiny_target_factory, oracle_drafter, family, cuts_back):
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
+def test_a_prompt_cache_carries_a_hybrids_conversation(tiny_target_factory, oracle_drafter, family):
     """Multi-turn chat on a hybrid: a prompt that continues all the cache holds runs only its new tokens (the states
     are those after the held positions; a turn's last pending tokens were never held, the next turn runs them); an
-    edited history reuses its unchanged start when the states can be cut back to it (LFM2's convolutions), else runs
-    whole (recurrent states). Every answer is the target's."""
+    edited history runs whole (the states after its unchanged start are gone). Every answer is the target's."""
     target = tiny_target_factory(family, initializer_range=0.2)
     lm = SpeculativeLM(target, make_heads(target, "eagle3"))
     cache = PromptCache()
@@ -448,6 +451,6 @@ def test_a_prompt_cache_carries_a_hybrids_conversation(tiny_target_factory, orac
     edited = second.clone()
     edited[0, 4] = 50
     edited = turn(edited, 16)
-    assert lm.last_stats["reused_prompt_tokens"] == (4 if cuts_back else 0)
+    assert lm.last_stats["reused_prompt_tokens"] == 0
     turn(torch.cat([edited, torch.tensor([[8, 9]])], dim=1), 16)
     assert lm.last_stats["reused_prompt_tokens"] > second.shape[1]
