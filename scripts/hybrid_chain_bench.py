@@ -11,6 +11,7 @@ so machine noise hits all alike; outputs are checked identical. Prints and write
     python scripts/hybrid_chain_bench.py --family lfm2 --accept 0.7 --depth 4 --max-pending 1,4,8,16,32
     python scripts/hybrid_chain_bench.py --family lfm2 --accept 0.6,0.8 --depth 3,5 --max-pending 16 --cut-depth 0,1,2
     python scripts/hybrid_chain_bench.py --family qwen3_5_text --accept 0.6,0.8 --depth 3,5 --cpu-linear onednn
+    python scripts/hybrid_chain_bench.py --family qwen3_5_text --device cuda --dtype bfloat16   # a lent GPU
 
 The shapes: LFM2-350M (hidden 1024, 16 layers: 10 short-convolution, 6 attention, vocabulary 65,536) and a
 Qwen3.5-0.8B-like text model (hidden 1024, 24 layers: Gated DeltaNet and attention 3 : 1; vocabulary cut to 65,536
@@ -46,25 +47,32 @@ SHAPES = {
                          layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6),
 }
 
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16, vocab_size=30000)
+TINY_LAYERS = {"lfm2": ["conv", "full_attention"], "qwen3_5_text": ["linear_attention", "full_attention"]}
+
 
 class ChainOracle:
     """Drafts the next `depth` tokens of the known greedy answer, each right with probability `accept` (seeded)."""
 
     def __init__(self, answer: list[int], depth: int, accept: float, seed: int = 0, vocab_size: int = 65536) -> None:
         self.answer, self.depth, self.accept, self.seed, self.vocab_size = answer, depth, accept, seed, vocab_size
-        self.buffers = build_tree_buffers(torch.arange(-1, depth))
+        self.buffers = None  # built on the features' device at the first call
 
     def reset(self) -> None:
         self.rng, self.committed = random.Random(self.seed), 0
 
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, TreeBuffers]:
+        if self.buffers is None:
+            self.buffers = build_tree_buffers(torch.arange(-1, self.depth, device=features.device))
         self.committed += next_tokens.shape[0]
         root = self.committed
         chain = [self.answer[root]]
         for d in range(1, self.depth + 1):
             true = self.answer[root + d] if root + d < len(self.answer) else 0
             chain.append(true if self.rng.random() < self.accept else (true + 1) % self.vocab_size)
-        return torch.tensor(chain), self.buffers
+        return torch.tensor(chain, device=features.device), self.buffers
 
 
 def main() -> None:
@@ -79,11 +87,16 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cpu-linear", choices=["default", "onednn"], default="default")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a lent GPU; the verification's own eager path)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model of the family (a smoke test)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(AutoConfig.for_model(args.family, **SHAPES[args.family])).eval()
+    shape = dict(SHAPES[args.family], **(dict(TINY, layer_types=TINY_LAYERS[args.family]) if args.tiny else {}))
+    config = AutoConfig.for_model(args.family, **shape)
+    target = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     target.generation_config.eos_token_id = None  # every answer runs its full length
     lm = SpeculativeLM(target, create_heads(target, "eagle3"))
     if args.cpu_linear == "onednn":
@@ -94,15 +107,16 @@ def main() -> None:
                                       [int(c) for c in args.cut_depth.split(",")]))
     generator = torch.Generator().manual_seed(1)
     # what a verification forward costs by tokens fed (pending + chain), after a prompt
-    cost_ms = verification_cost_ms(lm, torch.randint(5, 30000, (1, args.prompt_tokens), generator=generator),
-                                   [1, 2, 4, 6, 8, 12, 16, 24], repeats=5)
+    cost_ms = verification_cost_ms(
+        lm, torch.randint(5, 30000, (1, args.prompt_tokens), generator=generator).to(args.device),
+        [1, 2, 4, 6, 8, 12, 16, 24], repeats=5)
     print("verification ms by tokens: " + ", ".join(f"{n}: {ms:.0f}" for n, ms in cost_ms.items()), flush=True)
     results = {setting: {"ratios": [], "taus": []} for setting in settings}
-    baseline_tps = []
+    baseline_tps, differing = [], 0
     with torch.no_grad():
-        target.generate(torch.randint(5, 30000, (1, 8)), max_new_tokens=4, do_sample=False)  # warm-up
+        target.generate(torch.randint(5, 30000, (1, 8)).to(args.device), max_new_tokens=4, do_sample=False)  # warm-up
         for index in range(args.prompts):
-            ids = torch.randint(5, 30000, (1, args.prompt_tokens), generator=generator)
+            ids = torch.randint(5, 30000, (1, args.prompt_tokens), generator=generator).to(args.device)
             start = time.perf_counter()
             reference = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
             plain_tps = args.max_new_tokens / (time.perf_counter() - start)
@@ -114,8 +128,10 @@ def main() -> None:
                 lm.use_drafter(ChainOracle(answer, depth, accept, seed=index))
                 out = lm.generate(ids, max_new_tokens=args.max_new_tokens)
                 if not torch.equal(out, reference):
-                    raise SystemExit(f"prompt {index}: output differs from plain generate ({accept}, {depth}, "
-                                     f"{max_pending}, {cut_depth})")
+                    if args.dtype == "float32":
+                        raise SystemExit(f"prompt {index}: output differs from plain generate ({accept}, {depth}, "
+                                         f"{max_pending}, {cut_depth})")
+                    differing += 1  # bf16 kernels round by shape: near-tied argmaxes may flip (reported)
                 stats = lm.last_stats
                 results[(accept, depth, max_pending, cut_depth)]["ratios"].append(stats["tokens_per_second"] / plain_tps)
                 results[(accept, depth, max_pending, cut_depth)]["taus"].append(stats["mean_accepted"])
@@ -127,10 +143,11 @@ def main() -> None:
         print(f"accept {accept:.2f} depth {depth} max_pending {max_pending:>5} cut_depth {cut_depth}: "
               f"tau {rows[-1]['tau']:.2f}, "
               f"{rows[-1]['speedup_median']:.2f}x plain generate")
-    report = {"family": args.family, "shape": SHAPES[args.family], "threads": args.threads,
+    report = {"family": args.family, "shape": shape, "threads": args.threads, "device": args.device,
+              "dtype": args.dtype,
               "cpu_linear": args.cpu_linear, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
               "plain_tokens_per_second_median": statistics.median(baseline_tps), "settings": rows,
-              "verification_ms_by_tokens": cost_ms,
+              "verification_ms_by_tokens": cost_ms, "runs_differing_from_generate": differing,
               "torch": torch.__version__}
     if args.out:
         with open(args.out, "w") as handle:

@@ -454,3 +454,23 @@ def test_a_prompt_cache_carries_a_hybrids_conversation(tiny_target_factory, orac
     assert lm.last_stats["reused_prompt_tokens"] == 0
     turn(torch.cat([edited, torch.tensor([[8, 9]])], dim=1), 16)
     assert lm.last_stats["reused_prompt_tokens"] > second.shape[1]
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text"])
+def test_the_chain_bench_script_runs_and_checks_identity(tmp_path, monkeypatch, family):
+    """scripts/hybrid_chain_bench.py --tiny: oracle chains beside plain `generate`, outputs identical, a JSON report
+    with the verification cost by tokens (threads left as the suite set them)."""
+    import runpy
+    import sys
+
+    out = tmp_path / "chains.json"
+    script = Path(__file__).parents[2] / "scripts" / "hybrid_chain_bench.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--family", family, "--tiny", "--prompts", "2", "--max-new-tokens",
+                                      "12", "--max-pending", "2,16", "--threads", "1", "--out", str(out)])
+    monkeypatch.setattr(chain_verify, "MAX_PENDING", chain_verify.MAX_PENDING)  # the script sets it: put back after
+    monkeypatch.setattr(chain_verify, "CUT_DEPTH", chain_verify.CUT_DEPTH)
+    runpy.run_path(str(script), run_name="__main__")
+    report = json.loads(out.read_text())
+    assert [row["max_pending"] for row in report["settings"]] == [2, 16]
+    assert all(row["tau"] > 1 for row in report["settings"]) and report["runs_differing_from_generate"] == 0
+    assert set(report["verification_ms_by_tokens"]) == {"1", "2", "4", "6", "8", "12", "16", "24"}
