@@ -43,7 +43,7 @@ EAGLE_CANDIDATES = [
     {"tree_depth": 5, "tree_top_k": 4, "tree_num_nodes": 10, "tree_stop_prob": 0.2, "tree_min_prob": 0.03},
 ]
 MEDUSA_CANDIDATES = ["medusa_small", "medusa_default"]
-CHAIN_DEPTHS = [2, 3, 4, 5, 6, 8]  # the candidates for a hybrid target, which verifies one chain a round
+CHAIN_DEPTHS = [2, 3, 4, 5, 6, 8]  # the candidates for a hybrid target (one chain: each further path costs a row)
 
 
 def tree_candidates(lm: SpeculativeLM) -> list[Any]:

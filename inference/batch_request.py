@@ -110,7 +110,7 @@ def build_batch_request(
         check_prompt_cache_call(prompt_cache, 1, None)
     checked = prompt_inputs(lm.target, inputs or {})
     check_prompt_inputs_call(checked, input_ids, None, None)
-    check_prediction(prediction, lm.heads.config.vocab_size, getattr(lm, "verifies_chains", False))
+    check_prediction(prediction, lm.heads.config.vocab_size)
     return BatchRequest(
         prompt, budget, params, set(eos_ids(eos_token_id, config)), options.get("acceptance", "exact"),
         None if criteria is None else StopChecker(criteria, prompt), streamer,
@@ -119,14 +119,10 @@ def build_batch_request(
     )
 
 
-def check_prediction(prediction: list[int] | None, vocab_size: int, chains: bool = False) -> None:
-    """Refuse a `prediction` (`BatchRequest.prediction`) that is not a list of token ids, naming it, and any for a
-    hybrid target verified one chain a round (`chains`: the guess would be a second branch)."""
+def check_prediction(prediction: list[int] | None, vocab_size: int) -> None:
+    """Refuse a `prediction` (`BatchRequest.prediction`) that is not a list of token ids, naming it."""
     if prediction is not None and not all(isinstance(t, int) and 0 <= t < vocab_size for t in prediction):
         raise ValueError(f"prediction: expected token ids in [0, {vocab_size}), got {list(prediction)[:8]!r}...")
-    if prediction and chains:
-        raise ValueError("prediction: this target (recurrent / convolution layers beside attention) verifies one "
-                         "chain of drafts a round, and a predicted output is drafted as a second branch")
 
 
 def check_batching_options(max_round_nodes: Any, prefill_chunk: Any) -> None:

@@ -152,8 +152,8 @@ class BatchEngine:
     def __init__(self, lm: Any, stats: dict[str, Any] | None = None, isolate_errors: bool = False,
                  max_round_nodes: int | str | AutoRoundBudget | None = None, prefill_chunk: int | None = None) -> None:
         if getattr(lm, "verifies_chains", False):
-            raise ValueError(f"{CHAINS_ONLY}, one row at a time: BatchEngine cannot batch its rows; the server and "
-                             "generate --prompts answer its requests one after another (serial_engine.engine_for)")
+            raise ValueError(f"{CHAINS_ONLY}: BatchEngine cannot batch its requests; the server and generate "
+                             "--prompts answer them one after another (serial_engine.engine_for)")
         if not hasattr(lm.drafter, "fork"):
             raise ValueError(f"batched decoding needs a drafter with fork(); {type(lm.drafter).__name__} has none")
         if prefill_chunk is None:

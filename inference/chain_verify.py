@@ -1,34 +1,37 @@
-"""Verification for hybrid targets: recurrent or convolution layers beside attention, one chain of drafts a round.
+"""Verification for hybrid targets: recurrent or convolution layers beside attention, a tree's paths as chains.
 
 A Gated DeltaNet, Mamba-2 or short-convolution layer (Qwen3.5, Qwen3-Next, LFM2, Granite 4, Falcon-H1, Nemotron-H,
 ...) folds every token it reads into a fixed-size state. Two things follow for speculative decoding:
 
-- a token TREE cannot be verified in one forward: the layer reads its input as one sequence, so a node would see
-  its siblings' tokens, not only its ancestors'. A CHAIN of drafts can: it is a sequence. So these targets verify
-  one chain a round (the drafter's best path: `tree_top_k=1`), as vLLM and SGLang serve them.
-- the state cannot be cut back to the accepted prefix of the chain as keys / values can: transformers' layers
-  return only the state after their last input token. So before each verification the states are copied
-  (`snapshot_states`); when the whole chain is accepted the state after it is right and is kept; otherwise the
-  states are put back, the attention layers' caches cut to the same length, and the accepted tokens become
-  PENDING: the next verification runs them again, in front of its chain, in the same forward. Their keys, values
-  and states are then the same as if they had never been rolled back (the target's forward continues a cached
-  state over several tokens exactly: `target_support.CHAIN_FAMILIES` lists the families tested for it), and the
-  round costs one forward of a few more tokens, not a second forward.
+- a token TREE cannot be verified as one sequence with a tree mask: the layer reads its input as one sequence, so a
+  node would see its siblings' tokens, not only its ancestors'. A CHAIN of drafts can: it is a sequence. So these
+  targets verify each root-to-leaf path of the round's tree as a chain of its own, the paths as the rows of one
+  forward, each row on its own copy of the cache (`Cache.reorder_cache`); a node's logits come from any row that
+  holds it. By default the drafters draft a single chain (the checkpoint's tree with top-k 1: one row), as vLLM and
+  SGLang serve these models; a `tree_top_k` the caller gives, prompt lookup's branch or a Medusa tree add rows.
+- the state cannot be cut back to the accepted prefix of a path as keys / values can: transformers' layers return
+  only the state after their last input token. So before each verification the states are copied
+  (`snapshot_states`); the accepted path's row is kept, and when that whole row is accepted the state after it is
+  right and is kept; otherwise the states are put back, the attention layers' caches cut to the same length, and the
+  accepted tokens become PENDING: the next verification runs them again, in front of its paths, in the same forward.
+  Their keys, values and states are then the same as if they had never been rolled back (the target's forward
+  continues a cached state over several tokens exactly: `target_support.CHAIN_FAMILIES` lists the families tested
+  for it), and the round costs one forward of a few more tokens, not a second forward.
 
 Convolution-only state layers (LFM2's short convolutions) need none of this: their state is the layer's last few
 inputs, which transformers keeps whole from one cut to the next while it records the past (`activate_past_recording`),
 so a crop after each verification cuts them back exactly, as it cuts keys and values: nothing runs again
 (`kv_cache.cut_back`).
 
-Pending tokens pile up while rounds stop short of their chain's end. Once `max_pending` are waiting, a round
-verifies the root and the chain's first draft only: accepted, that short chain is whole, so the state after it is
-kept and the pending tokens are committed (two tokens emitted); rejected, the root joins the pending tokens and the
-next round tries again. Against verifying the root alone (certain, one token): the same taus within 1%, on a
+Pending tokens pile up while rounds stop short of their row's end. Once `max_pending` are waiting, a round
+verifies the root and the tree's first draft only (one row): accepted, that short chain is whole, so the state after
+it is kept and the pending tokens are committed (two tokens emitted); rejected, the root joins the pending tokens and
+the next round tries again. Against verifying the root alone (certain, one token): the same taus within 1%, on a
 Qwen3.5-like shape with oracle chains (scripts/hybrid_chain_bench.py; README, Results, "Hybrid targets").
 
-Only the eager path verifies chains (`SpeculativeLM.generate`, one row at a time; the server's requests one after
-another, inference/serial_engine.py); rows batched into one forward and the GPU fast path refuse these targets by
-name. A prompt cache (multi-turn chat) keeps a hybrid's cache when the next prompt continues all it holds: its states
+Only the eager path verifies them (`SpeculativeLM.generate`, one sequence at a time; the server's requests one after
+another, inference/serial_engine.py); several sequences batched into one forward and the GPU fast path refuse these
+targets by name. A prompt cache (multi-turn chat) keeps a hybrid's cache when the next prompt continues all it holds: its states
 are those after its last position, which a later prompt that differs earlier cannot use (`kv_cache.cut_back`).
 """
 
@@ -52,39 +55,41 @@ from specheads.inference.verify import DynamicTreeVerifier, no_logits
 
 MAX_PENDING = 16  # pending tokens before a round verifies its first draft only (docstring above)
 CUT_DEPTH = 1  # the drafts such a round verifies (0: its root alone)
-CHAINS_ONLY = "this target (recurrent / convolution layers beside attention) verifies one chain of drafts a round"
+CHAINS_ONLY = ("this target (recurrent / convolution layers beside attention) verifies each round's root-to-leaf paths "
+               "as the rows of a forward of their own")
 
 
 def chain_shape(shape: dict, given_top_k: int | None) -> dict:
-    """A dynamic tree `shape` (depth, top_k, num_nodes, ...) made a chain: top-k 1, `depth` drafted nodes at most.
-    `given_top_k` (the caller's own `tree_top_k`) above 1 is refused by name; the checkpoint's default is replaced."""
-    if given_top_k is not None and given_top_k != 1:
-        raise ValueError(f"{CHAINS_ONLY}: tree_top_k must be 1, got {given_top_k}")
+    """A dynamic tree `shape` (depth, top_k, num_nodes, ...) for a hybrid target: the checkpoint's default becomes a
+    chain (top-k 1, `depth` drafted nodes at most), since every further path costs a row of the verification; a
+    `tree_top_k` the caller gives is kept (its tree's paths become the rows)."""
+    if given_top_k is not None:
+        return shape
     return dict(shape, top_k=1, num_nodes=min(shape["num_nodes"], shape["depth"]))
 
 
 def chain_static_tree(tree: StaticTree, is_default: bool) -> StaticTree:
-    """A Medusa static tree made a chain: the default becomes the chain as deep as it; a tree the caller gave must be
-    one (refused by name otherwise)."""
-    is_chain = tree.parents.shape[0] == tree.max_depth + 1
-    if is_chain:
-        return tree
-    if not is_default:
-        raise ValueError(f"{CHAINS_ONLY}: static tree {tree.name!r} has {tree.parents.shape[0] - 1} nodes over "
-                         f"{tree.max_depth} depths; give a chain (`chain_tree(depth)`, or the name 'chain<depth>')")
-    return chain_tree(tree.max_depth)
+    """A Medusa static tree for a hybrid target: the default becomes the chain as deep as it (see `chain_shape`); a tree
+    the caller gives is kept."""
+    return chain_tree(tree.max_depth) if is_default and tree.parents.shape[0] != tree.max_depth + 1 else tree
 
 
-def check_chain(tree: TreeBuffers) -> None:
-    """Refuse a tree that is not one chain (node i the child of node i - 1): a state layer cannot verify it."""
-    if int(tree.depth[-1]) != tree.num_nodes - 1:
-        raise ValueError(f"{CHAINS_ONLY} (its states read tokens as one sequence), got a tree of {tree.num_nodes} "
-                         f"nodes and depth {int(tree.depth.max())}; draft with tree_top_k=1 and no lookup branches")
+def first_chain(tree: TreeBuffers, depth: int) -> torch.Tensor:
+    """The node indices of the tree's first chain from the root, `depth` drafts deep at most: each node's first child
+    (in the drafters' order, the likeliest)."""
+    parents = tree.parents.tolist()
+    chain = [0]
+    for _ in range(depth):
+        child = next((node for node in range(chain[-1] + 1, len(parents)) if parents[node] == chain[-1]), None)
+        if child is None:
+            break
+        chain.append(child)
+    return torch.tensor(chain, device=tree.parents.device)
 
 
 class ChainVerifier(DynamicTreeVerifier):
-    """`DynamicTreeVerifier` for targets with state layers: verifies chains, rolls states back through pending
-    tokens (module docstring). Same calls: `prefill`, then per round `verify` / `verify_argmax` and `compact`.
+    """`DynamicTreeVerifier` for targets with state layers: verifies a tree's paths as chains (the rows of one
+    forward), rolls states back through pending tokens (module docstring). Same calls: `prefill`, then per round `verify` / `verify_argmax` and `compact`.
 
     Args:
         target, select_features, argmax: as `DynamicTreeVerifier`'s.
@@ -99,7 +104,8 @@ class ChainVerifier(DynamicTreeVerifier):
         self.cut_depth = CUT_DEPTH if cut_depth is None else cut_depth
         self.pending = torch.zeros(0, dtype=torch.long, device=target.device)  # (P,) accepted, not in the cache
         self.snapshot: list[LayerStates] = []
-        self.chain = self.pending  # (N,) the chain the last verification ran
+        self.tokens = self.pending  # (N,) the tree the last verification ran
+        self.paths = torch.zeros(1, 0, dtype=torch.long, device=target.device)  # (R, W) its root-to-leaf paths (rows)
         self.committed = 0  # the cache's positions before the last verification
         self.croppable = False  # convolution states only: cut back by a crop, no pending tokens (set by `prefill`)
         self.cut_chain = build_tree_buffers(torch.arange(-1, self.cut_depth, device=target.device), dtype=target.dtype)
@@ -121,31 +127,43 @@ class ChainVerifier(DynamicTreeVerifier):
         return out
 
     def limit(self, tokens: torch.Tensor, tree: TreeBuffers) -> tuple[torch.Tensor, TreeBuffers]:
-        """The round's chain: the drafted one, or its root and first `cut_depth` drafts once `max_pending` tokens wait
-        (module docstring)."""
-        if self.pending.shape[0] >= self.max_pending and tokens.shape[0] > self.cut_depth + 1:
-            return tokens[: self.cut_depth + 1], self.cut_chain
-        return tokens, tree
+        """The round's tree: the drafted one, or once `max_pending` tokens wait its first chain, `cut_depth` drafts
+        deep (module docstring)."""
+        if self.pending.shape[0] < self.max_pending or tokens.shape[0] <= 1:
+            return tokens, tree
+        chain = first_chain(tree, self.cut_depth)
+        if chain.shape[0] < self.cut_depth + 1:  # a shallower tree
+            return tokens[chain], build_tree_buffers(torch.arange(-1, chain.shape[0] - 1, device=tokens.device),
+                                                     dtype=self.target.dtype)
+        return tokens[chain], self.cut_chain
 
     def _forward(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int, with_logits: bool):
-        """Pending tokens + the (N,) chain in one forward from the committed state. Returns the chain's logits
-        (N, V) or None, and hidden states (N, h) each."""
-        check_chain(tree)
+        """Pending tokens + the tree's (R, W) root-to-leaf paths as R rows of one forward from the committed state
+        (a chain: one row). Returns each node's logits (N, V) or None, and hidden states (N, h) each, read from the
+        first row that holds the node, at its depth (every row holding it gives the same: the same tokens before)."""
+        paths = tree.retrieve_indices  # (R, W) node indices by depth, -1 past a shorter path's end
+        rows, width = paths.shape
         pending = self.pending.shape[0]
         self.committed = prefix_length - pending  # positions in the cache
-        self.snapshot, self.chain = ([] if self.croppable else snapshot_states(self.cache)), tokens
-        fed = torch.cat([self.pending, tokens])  # (P + N,)
+        self.snapshot = [] if self.croppable else snapshot_states(self.cache)
+        self.tokens, self.paths = tokens, paths
+        fed = torch.cat([self.pending.expand(rows, -1), tokens[paths.clamp(min=0)]], dim=1)  # (R, P + W); junk padding
+        if rows > 1:  # a copy of the cache per row (states and keys / values alike)
+            self.cache.reorder_cache(torch.zeros(rows, dtype=torch.long, device=tokens.device))
         start = self.committed + self.position_offset
+        positions = torch.arange(start, start + fed.shape[1], device=fed.device)[None].expand(rows, -1)
         out = self.target(
-            input_ids=fed[None],
-            position_ids=torch.arange(start, start + fed.shape[0], device=fed.device)[None],
+            input_ids=fed,
+            position_ids=positions,
             **cache_kwargs(self.target, self.cache),
             use_cache=True,
             output_hidden_states=True,
-            **({"logits_to_keep": tokens.shape[0]} if with_logits else no_logits(fed.device)),
+            **({"logits_to_keep": width} if with_logits else no_logits(fed.device)),
         )
-        logits = out.logits[0, -tokens.shape[0]:] if with_logits else None
-        return logits, tuple(h[0, pending:] for h in out.hidden_states)
+        holds = (paths[:, :, None] == torch.arange(tokens.shape[0], device=paths.device)).any(dim=1)  # (R, N)
+        row_of = holds.int().argmax(dim=0)  # (N,) the first row holding each node
+        logits = out.logits[row_of, tree.depth] if with_logits else None
+        return logits, tuple(h[row_of, pending + tree.depth] for h in out.hidden_states)
 
     def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits, hidden_states = self._forward(tokens, tree, prefix_length, with_logits=True)
@@ -159,20 +177,30 @@ class ChainVerifier(DynamicTreeVerifier):
         return self.argmax(hidden_states[-1]), self.select_features(hidden_states)
 
     def compact(self, prefix_length: int, path: torch.Tensor) -> None:
-        """Keep the accepted (L,) prefix of the chain: all of it in the cache when L = N, else as pending tokens
-        after the states are put back as they were before the verification."""
+        """Keep the accepted (L,) path: the cache of the first row that holds it; all of that row's entries when the
+        path is the whole row, else its states put back as they were before the verification (or cut back) and the
+        path's tokens pending."""
         accepted = path.shape[0]
+        rows, width = self.paths.shape
+        row = int((self.paths[:, :accepted] == path[None]).all(dim=1).int().argmax())
+        if rows > 1:
+            self.cache.reorder_cache(torch.tensor([row], device=path.device))
         if self.croppable:  # nothing pending: the convolution states are cut back with the keys and values
             cut_back(self.cache, self.committed + accepted)
-        elif accepted == self.chain.shape[0]:
+        elif accepted == width:  # the whole row, no padding after it: its states are right
             self.pending = self.pending[:0]
         else:
-            self.undo()
-            self.pending = torch.cat([self.pending, self.chain[:accepted]])
+            restore_states(self.cache, self.snapshot)
+            crop_cache(self.cache, self.committed)
+            self.pending = torch.cat([self.pending, self.tokens[path]])
+        self.paths = self.paths[row : row + 1]
 
     def undo(self) -> None:
         """Undo the last verification: the states put back as they were before it (or cut back), the attention caches
         cut to the committed positions (pending tokens stay pending)."""
+        if self.paths.shape[0] > 1:  # one row again
+            self.cache.reorder_cache(torch.zeros(1, dtype=torch.long, device=self.paths.device))
+            self.paths = self.paths[:1]
         if self.croppable:
             cut_back(self.cache, self.committed)
             return

@@ -397,7 +397,7 @@ def use_fast_path(
     elif batched:
         reason = "batched=True verifies several rows in one forward; the fast path runs one row at a time"
     elif verifies_chains(target):
-        reason = "the target's recurrent / convolution states are verified a chain a round on the eager path only"
+        reason = "the target's recurrent / convolution states are verified path by path on the eager path only"
     if requested is None:
         return reason is None and batch_size == 1 and target.device.type == "cuda"
     if requested and reason is not None:

@@ -145,7 +145,7 @@ class SpeculativeLM(CpuKernels):
         check_tree_verification(target, chains=True)  # ALiBi, recurrent layers, ...: refused by name, never inexact
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
-        self.verifies_chains = verifies_chains(target)  # a hybrid: one chain a round (inference/chain_verify.py)
+        self.verifies_chains = verifies_chains(target)  # a hybrid: paths as chains (inference/chain_verify.py)
         self.configure_tree(tree, tree_depth, tree_top_k, tree_num_nodes, tree_stop_prob, tree_min_prob)
         self.configure_lookup(lookup_tokens, lookup_max_ngram, lookup_max_tokens, lookup_corpus, corpus_tokens)
         self.last_stats: dict[str, Any] = {}
@@ -219,8 +219,6 @@ class SpeculativeLM(CpuKernels):
         (None: a fixed length), and the guesses of `lookup_corpus` (up to `corpus_tokens` nodes; None = none).
         Kept when `configure_tree` changes the heads' tree."""
         check_lookup_settings(lookup_tokens, lookup_max_ngram, lookup_max_tokens, corpus_tokens)
-        if self.verifies_chains and (lookup_tokens or lookup_corpus is not None):
-            raise ValueError(f"{CHAINS_ONLY}: lookup_tokens / lookup_corpus graft a second branch; pass neither")
         if lookup_corpus is not None:
             lookup_corpus = corpus_for_target(lookup_corpus, self.target.get_input_embeddings().num_embeddings)
         heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
@@ -233,7 +231,7 @@ class SpeculativeLM(CpuKernels):
 
     def tree_description(self) -> dict[str, Any]:
         """The current tree, for logs and benchmark JSON (`lookup_tokens`: the prompt-lookup branch, 0 = none;
-        `chain`: a hybrid target verifying one chain a round; inference/tree_description.py)."""
+        `chain`: a hybrid target verifying paths as chains; inference/tree_description.py)."""
         return describe_tree(self)
 
     @classmethod
@@ -424,7 +422,7 @@ class SpeculativeLM(CpuKernels):
         stats["fast_path"] = runner is not None
         if prediction is not None and runner is not None:
             raise ValueError("prediction= is drafted from on the eager path only: pass fast_path=False with it")
-        check_prediction(prediction, self.heads.config.vocab_size, self.verifies_chains)
+        check_prediction(prediction, self.heads.config.vocab_size)
         if runner is not None:
             self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
             runner.graphed_prefill = self.graphed_prefill
@@ -434,7 +432,8 @@ class SpeculativeLM(CpuKernels):
         if batched is None:
             batched = len(prompts) > 1 and can_batch and runner is None and not inputs
         if batched and not can_batch:
-            raise ValueError(f"{CHAINS_ONLY}: its rows run one after another, use batched=False" if self.verifies_chains
+            raise ValueError(f"{CHAINS_ONLY}: a batch's sequences run one after another, use batched=False"
+                             if self.verifies_chains
                              else f"batched=True needs a drafter with fork(); {type(self.drafter).__name__} has none: "
                              "use batched=False")
         if batched:

@@ -1,10 +1,11 @@
-"""`BatchEngine`'s interface for targets whose rows cannot share a forward: hybrids verified one chain a round.
+"""`BatchEngine`'s interface for targets whose rows cannot share a forward: hybrids (paths verified as chains).
 
-A hybrid target's recurrent / convolution states are verified one chain at a time, row by row
-(inference/chain_verify.py), so the server (`ServingLoop`) and `generate --prompts` (inference/batch_file.py) serve
+A hybrid target's recurrent / convolution states are verified one sequence at a time (inference/chain_verify.py),
+so the server (`ServingLoop`) and `generate --prompts` (inference/batch_file.py) serve
 them through this engine: requests queue in arrival order and each `step` answers the oldest one whole, with
 `SpeculativeLM`'s own row loop (streamed as it goes; a request's prompt cache, or the server's pool's, is used when
-its prompt continues all the cache holds). A request cancelled while it runs stops after the round in progress. `engine_for` picks this engine or `BatchEngine` for a `SpeculativeLM`.
+its prompt continues all the cache holds). A request cancelled while it runs stops after the round in progress.
+`engine_for` picks this engine or `BatchEngine` for a `SpeculativeLM`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ keys and values by slicing the KV cache. A target is served exactly only if all 
 - every layer is attention with a KV cache. Recurrent, linear-attention and convolution layers fold every token
   into a state that cannot be cut back to the accepted path, and read a tree's nodes as one sequence. The hybrid
   families of `CHAIN_FAMILIES` (Qwen3.5, Qwen3-Next, LFM2, Granite 4, Falcon-H1, Nemotron-H, ...) are served with
-  one CHAIN of drafts a round instead (inference/chain_verify.py); the others (Mamba, Mamba-2, Jamba,
+  each path of a round's tree verified as a CHAIN instead (inference/chain_verify.py); the others (Mamba, Mamba-2, Jamba,
   RecurrentGemma, MiniMax, ...) are refused.
 - the attention pattern is one the verifier rebuilds for tree nodes: full, or a sliding window (`verify.py`).
   Llama 4's chunked layers are served only while the whole run stays inside one chunk.
@@ -28,7 +28,7 @@ from specheads.heads.cache_keyword import declared_parameters
 # attention patterns a tree forward reproduces (sliding windows are applied to the tree mask in verify.py)
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
-# Hybrid families (text model_type) verified one chain a round (inference/chain_verify.py): transformers keeps their
+# Hybrid families (text model_type) verified path by path, as chains (inference/chain_verify.py): transformers keeps their
 # layers' states in its `LinearAttention*` cache layers, which can be copied and put back, and their forward continues
 # a cached state over several new tokens exactly (tests/inference/test_hybrid_targets.py checks both per family).
 # Mamba, Mamba-2 and Jamba continue a cached state over one new token only (their scan over several starts from
@@ -62,14 +62,14 @@ def unwrapped(target: PreTrainedModel) -> PreTrainedModel:
 
 
 def verifies_chains(target: PreTrainedModel) -> bool:
-    """Whether `target` is a hybrid of `CHAIN_FAMILIES`, served with one chain of drafts a round."""
+    """Whether `target` is a hybrid of `CHAIN_FAMILIES`, whose trees are verified path by path, as chains."""
     return unwrapped(target).config.get_text_config().model_type in CHAIN_FAMILIES
 
 
 def _chain_hint(chains: bool) -> str:
     if not chains:
         return ""
-    return f" (the hybrids served with a chain of drafts a round: {', '.join(sorted(CHAIN_FAMILIES))})"
+    return f" (the hybrids served with their trees' paths verified as chains: {', '.join(sorted(CHAIN_FAMILIES))})"
 
 
 def tree_verification_problem(target: PreTrainedModel, chains: bool = False) -> str | None:

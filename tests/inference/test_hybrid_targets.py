@@ -1,5 +1,5 @@
 """Hybrid targets (recurrent / convolution layers beside attention: Qwen3.5, Qwen3-Next, LFM2, Granite 4, Bamba,
-Nemotron-H, Falcon-H1, Zamba2, OLMo-Hybrid) verify one chain of drafts a round (inference/chain_verify.py).
+Nemotron-H, Falcon-H1, Zamba2, OLMo-Hybrid) verify each path of a round's tree as a chain (inference/chain_verify.py).
 
 Tiny random targets of each family (`tests/conftest.py` HYBRID_FAMILIES). What the chain verifier relies on is
 checked per family (a cached state continues over several tokens exactly; copied states put back give the same
@@ -75,7 +75,7 @@ def test_families_whose_scan_restarts_from_zero_stay_refused(tiny_target_factory
     (the check above fails for them), so a chain would be verified wrongly: refused, naming what is served."""
     target = tiny_target_factory(family, initializer_range=0.2, **overrides)
     assert continuation_error(target) > 1e-2
-    with pytest.raises(ValueError, match="keeps a recurrent state .* served with a chain of drafts a round: .*qwen3_5"):
+    with pytest.raises(ValueError, match="keeps a recurrent state .* paths verified as chains: .*qwen3_5"):
         SpeculativeLM(target, create_heads(target, "eagle3"))
 
 
@@ -169,11 +169,13 @@ def test_pending_tokens_are_committed_by_a_shortened_round(tiny_target_factory, 
     assert cut and all(drafter.accepted[i] == min(cut_depth, drafter.expected_accepts[i]) for i in cut)
 
 
+@pytest.mark.parametrize("drafts", ["chain", "tree"])
 @pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
-def test_sampling_follows_the_exact_law(tiny_target_factory, chi_square, family):
+def test_sampling_follows_the_exact_law(tiny_target_factory, chi_square, family, drafts):
     """A six-token Qwen3.5 (one Gated DeltaNet layer, one attention layer: states put back, pending tokens) and LFM2
     (a short convolution: cut in place): the first three sampled tokens, over chains drafted from the exact law (right
-    about half the time), follow the target's exact joint law."""
+    about half the time) or trees with siblings, a duplicate and an unlikely token (paths as rows), follow the
+    target's exact joint law."""
     from .test_generate_sampling import PROMPT as LAW_PROMPT
     from .test_generate_sampling import ArgmaxTreeDrafter, ExactLaw, sample_first_three
 
@@ -190,7 +192,7 @@ def test_sampling_follows_the_exact_law(tiny_target_factory, chi_square, family)
     target = tiny_target_factory(family, seed=1, vocab_size=6, initializer_range=0.2)  # next-token p ~0.3-0.6
     law = ExactLaw(target, LAW_PROMPT, temperature=0.8)
     lm = SpeculativeLM(target, create_heads(target, "eagle3"))
-    lm.use_drafter(LawChainDrafter(law))
+    lm.use_drafter(LawChainDrafter(law) if drafts == "chain" else ArgmaxTreeDrafter(law))
     samples = sample_first_three(lm, 2000, seed=2, prompt=LAW_PROMPT, temperature=0.8)
     result = chi_square(samples, law.joint())
     assert result.passed, result
@@ -227,28 +229,55 @@ def test_heads_trained_on_a_hybrid_target_get_drafts_accepted(tiny_target_factor
     assert sum(accepted) / len(accepted) > 2.0, accepted
 
 
-def test_what_chains_cannot_serve_is_refused_by_name(tiny_target_factory):
+def test_what_hybrids_cannot_serve_is_refused_by_name(tiny_target_factory):
     target = tiny_target_factory("lfm2")
     lm = SpeculativeLM(target, make_heads(target, "eagle3"))
-    with pytest.raises(ValueError, match="one chain of drafts a round: tree_top_k must be 1, got 4"):
-        lm.configure_tree(tree_depth=4, tree_top_k=4, tree_num_nodes=10)
-    with pytest.raises(ValueError, match="lookup_tokens / lookup_corpus graft a second branch"):
-        lm.configure_lookup(8)
-    with pytest.raises(ValueError, match="its rows run one after another, use batched=False"):
+    with pytest.raises(ValueError, match="as the rows of a forward of their own: a batch's sequences run one after another"):
         lm.generate(torch.cat([PROMPT, PROMPT]), max_new_tokens=4, batched=True)
-    with pytest.raises(ValueError, match="fast_path=True is not available: .*a chain a round on the eager path"):
+    with pytest.raises(ValueError, match="fast_path=True is not available: .*path by path on the eager path"):
         lm.generate(PROMPT, max_new_tokens=4, fast_path=True)
-    with pytest.raises(ValueError, match="BatchEngine cannot batch its rows; the server and generate --prompts"):
+    with pytest.raises(ValueError, match="BatchEngine cannot batch its requests; the server and generate --prompts"):
         BatchEngine(lm)
-    with pytest.raises(ValueError, match="prediction: .* drafted as a second branch"):
-        lm.generate(PROMPT, max_new_tokens=4, prediction=[5, 6, 7])
-    with pytest.raises(ValueError, match="prediction: .* drafted as a second branch"):
-        lm.batch_request(PROMPT, max_new_tokens=4, prediction=[5, 6, 7])
-    medusa = SpeculativeLM(target, make_heads(target, "medusa"))
-    with pytest.raises(ValueError, match="static tree 'medusa_small' has .* give a chain"):
-        medusa.configure_tree("medusa_small")
     out = lm.generate(torch.cat([PROMPT, PROMPT]), max_new_tokens=10)  # a batch runs row by row
     assert torch.equal(out[1:], hf_greedy(target, PROMPT, 10))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "bamba", "falcon_h1"])
+def test_a_trees_paths_verified_as_rows_give_the_targets_greedy_output(tiny_target_factory, oracle_drafter, family,
+                                                                         monkeypatch):
+    """A tree whose right path runs through later siblings (and wrong decoy leaves beside it): each root-to-leaf path
+    is a row of the verification with a copy of the states, each round keeps exactly the right drafts, the accepted
+    row's states are kept or put back, and the output is the target's own."""
+    monkeypatch.setattr(chain_verify, "MAX_PENDING", 10_000)
+    target = tiny_target_factory(family, initializer_range=0.2)
+    reference = hf_greedy(target, PROMPT, 60)
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    drafter = oracle_drafter(reference[0].tolist() + [0] * 8, 97, depth=4, corruption_rate=0.3, rescue_rate=0.6,
+                             decoy_rate=0.5, cycle_rejections=True)
+    lm.use_drafter(drafter)
+    assert torch.equal(lm.generate(PROMPT, max_new_tokens=60), reference)
+    drafter.check_accepted()
+    assert drafter.rescued_rounds > 0 and max(drafter.accepted) == 4
+
+
+def test_heads_trees_prompt_lookup_and_static_trees_on_a_hybrid(tiny_target_factory):
+    """A `tree_top_k` the caller gives, prompt lookup's branch, predicted outputs and a Medusa static tree are
+    verified path by path (rows); the checkpoint's default stays a chain. Outputs are the target's."""
+    target = tiny_target_factory("qwen3_5_text", initializer_range=0.2)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 3, 14, 15, 92, 65, 3, 14]])
+    reference = hf_greedy(target, prompt, 30)
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    lm.configure_tree(tree_depth=4, tree_top_k=3, tree_num_nodes=9)
+    assert lm.tree_description()["top_k"] == 3
+    assert torch.equal(lm.generate(prompt, max_new_tokens=30), reference)
+    lm.configure_lookup(6)
+    assert torch.equal(lm.generate(prompt, max_new_tokens=30), reference)
+    assert torch.equal(lm.generate(prompt, max_new_tokens=30, prediction=reference[0, 12:].tolist()), reference)
+    assert lm.last_stats["mean_accepted"] > 4  # the prediction is the answer: long rows accepted whole
+    medusa = SpeculativeLM(target, make_heads(target, "medusa"))
+    assert medusa.tree_description()["name"].startswith("chain")  # the default
+    medusa.configure_tree("medusa_small")
+    assert torch.equal(medusa.generate(prompt, max_new_tokens=30), reference)
 
 
 def test_tree_auto_tries_chains(tiny_target_factory):
