@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from specheads import SpeculativeLM, create_heads
 from specheads.inference import chain_verify
 from specheads.inference.autotune import verification_cost_ms
+from specheads.inference.chain_verify import ChainVerifier
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
 
 SHAPES = {
@@ -75,6 +76,28 @@ class ChainOracle:
         return torch.tensor(chain, device=features.device), self.buffers
 
 
+def rows_cost_ms(lm: SpeculativeLM, prompt: torch.Tensor, depth: int = 5, repeats: int = 5) -> dict[int, float]:
+    """Median ms of a verification whose tree is 1-4 paths of `depth` drafts from one root (rows of one forward, each
+    on its own copy of the cache), undone after each run."""
+    verifier = ChainVerifier(lm.target, lm.heads.select_features)
+    verifier.prefill(prompt, 0)
+    costs = {}
+    for rows in (1, 2, 3, 4):
+        parents = [-1] + [0 if d == 0 else 1 + r * depth + d - 1 for r in range(rows) for d in range(depth)]
+        tree = build_tree_buffers(torch.tensor(parents, device=prompt.device))
+        tokens = prompt[-1:].repeat(len(parents))
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            verifier.verify(tokens, tree, prompt.shape[0])
+            verifier.undo()
+            if prompt.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        costs[rows] = statistics.median(times[1:]) * 1000
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(SHAPES), default="lfm2")
@@ -111,6 +134,9 @@ def main() -> None:
         lm, torch.randint(5, 30000, (1, args.prompt_tokens), generator=generator).to(args.device),
         [1, 2, 4, 6, 8, 12, 16, 24], repeats=5)
     print("verification ms by tokens: " + ", ".join(f"{n}: {ms:.0f}" for n, ms in cost_ms.items()), flush=True)
+    rows_ms = rows_cost_ms(lm, torch.randint(5, 30000, (args.prompt_tokens,), generator=generator).to(args.device))
+    print("verification ms by rows (paths of 5 drafts): " + ", ".join(f"{n}: {ms:.0f}" for n, ms in rows_ms.items()),
+          flush=True)
     results = {setting: {"ratios": [], "taus": []} for setting in settings}
     baseline_tps, differing = [], 0
     with torch.no_grad():
@@ -147,7 +173,8 @@ def main() -> None:
               "dtype": args.dtype,
               "cpu_linear": args.cpu_linear, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
               "plain_tokens_per_second_median": statistics.median(baseline_tps), "settings": rows,
-              "verification_ms_by_tokens": cost_ms, "runs_differing_from_generate": differing,
+              "verification_ms_by_tokens": cost_ms, "verification_ms_by_rows": rows_ms,
+              "runs_differing_from_generate": differing,
               "torch": torch.__version__}
     if args.out:
         with open(args.out, "w") as handle:
