@@ -120,20 +120,29 @@ def test_a_chain_stopped_short_leaves_the_target_as_if_only_its_kept_part_ran(ti
     assert (logits - whole).abs().max() / whole.abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("family", sorted(HYBRID_FAMILIES))
-def test_chains_give_the_targets_greedy_output(tiny_target_factory, oracle_drafter, family, monkeypatch):
-    """An oracle chain that breaks at every depth in turn: the target's greedy tokens, and each round keeps exactly
-    the drafts that were right, whether the last round's tokens were kept in the cache or run again as pending."""
+TREE_FAMILIES = ("qwen3_5_text", "lfm2", "bamba", "falcon_h1")  # trees too: paths as rows, each with its own states
+
+
+@pytest.mark.parametrize(("family", "tree"), [*((family, False) for family in sorted(HYBRID_FAMILIES)),
+                                              *((family, True) for family in TREE_FAMILIES)])
+def test_chains_and_trees_give_the_targets_greedy_output(tiny_target_factory, oracle_drafter, family, tree,
+                                                         monkeypatch):
+    """An oracle chain that breaks at every depth in turn, or a tree whose right path runs through later siblings
+    (wrong decoy leaves beside it: each root-to-leaf path a row with a copy of the states): the target's greedy
+    tokens, and each round keeps exactly the drafts that were right, whether the accepted row's tokens were kept in
+    the cache or run again as pending."""
     monkeypatch.setattr(chain_verify, "MAX_PENDING", 10_000)  # never a shortened round (the next test has them)
     target = tiny_target_factory(family, initializer_range=0.2)  # sharp weights: a state left wrong changes tokens
     reference = hf_greedy(target, PROMPT, 60)
     lm = SpeculativeLM(target, make_heads(target, "eagle3"))
-    drafter = oracle_drafter(reference[0].tolist() + [0] * 8, 97, depth=4, corruption_rate=0.05, rescue_rate=0.0,
-                             decoy_rate=0.0, cycle_rejections=True)
+    siblings = dict(corruption_rate=0.3, rescue_rate=0.6, decoy_rate=0.5) if tree else dict(
+        corruption_rate=0.05, rescue_rate=0.0, decoy_rate=0.0)
+    drafter = oracle_drafter(reference[0].tolist() + [0] * 8, 97, depth=4, cycle_rejections=True, **siblings)
     lm.use_drafter(drafter)
     assert torch.equal(lm.generate(PROMPT, max_new_tokens=60), reference)
     drafter.check_accepted()
     assert set(drafter.accepted) == set(range(5))  # every depth was where a chain broke, and whole chains were kept
+    assert (drafter.rescued_rounds > 0) == tree
 
 
 def test_every_head_type_drafts_a_chain_and_stays_exact(tiny_target_factory):
@@ -240,24 +249,6 @@ def test_what_hybrids_cannot_serve_is_refused_by_name(tiny_target_factory):
         BatchEngine(lm)
     out = lm.generate(torch.cat([PROMPT, PROMPT]), max_new_tokens=10)  # a batch runs row by row
     assert torch.equal(out[1:], hf_greedy(target, PROMPT, 10))
-
-
-@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "bamba", "falcon_h1"])
-def test_a_trees_paths_verified_as_rows_give_the_targets_greedy_output(tiny_target_factory, oracle_drafter, family,
-                                                                         monkeypatch):
-    """A tree whose right path runs through later siblings (and wrong decoy leaves beside it): each root-to-leaf path
-    is a row of the verification with a copy of the states, each round keeps exactly the right drafts, the accepted
-    row's states are kept or put back, and the output is the target's own."""
-    monkeypatch.setattr(chain_verify, "MAX_PENDING", 10_000)
-    target = tiny_target_factory(family, initializer_range=0.2)
-    reference = hf_greedy(target, PROMPT, 60)
-    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
-    drafter = oracle_drafter(reference[0].tolist() + [0] * 8, 97, depth=4, corruption_rate=0.3, rescue_rate=0.6,
-                             decoy_rate=0.5, cycle_rejections=True)
-    lm.use_drafter(drafter)
-    assert torch.equal(lm.generate(PROMPT, max_new_tokens=60), reference)
-    drafter.check_accepted()
-    assert drafter.rescued_rounds > 0 and max(drafter.accepted) == 4
 
 
 def test_heads_trees_prompt_lookup_and_static_trees_on_a_hybrid(tiny_target_factory):
