@@ -139,8 +139,9 @@ class ChainVerifier(DynamicTreeVerifier):
 
     def _forward(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int, with_logits: bool):
         """Pending tokens + the tree's (R, W) root-to-leaf paths as R rows of one forward from the committed state
-        (a chain: one row). Returns each node's logits (N, V) or None, and hidden states (N, h) each, read from the
-        first row that holds the node, at its depth (every row holding it gives the same: the same tokens before)."""
+        (a chain: one row). Returns the forward's output and `at`, which takes each node's entry (N, ...) out of an
+        (R, P + W, ...) or (R, W, ...) tensor: the first row holding the node, at its depth (every row holding it gives
+        the same: the same tokens before it)."""
         paths = tree.retrieve_indices  # (R, W) node indices by depth, -1 past a shorter path's end
         rows, width = paths.shape
         pending = self.pending.shape[0]
@@ -160,40 +161,39 @@ class ChainVerifier(DynamicTreeVerifier):
             output_hidden_states=True,
             **({"logits_to_keep": width} if with_logits else no_logits(fed.device)),
         )
+        if rows == 1:  # a chain, nodes in order: views, no gather
+            return out, lambda x: x[0, x.shape[1] - width:]
         holds = (paths[:, :, None] == torch.arange(tokens.shape[0], device=paths.device)).any(dim=1)  # (R, N)
         row_of = holds.int().argmax(dim=0)  # (N,) the first row holding each node
-        logits = out.logits[row_of, tree.depth] if with_logits else None
-        return logits, tuple(h[row_of, pending + tree.depth] for h in out.hidden_states)
+        return out, lambda x: x[row_of, x.shape[1] - width + tree.depth]
 
     def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, hidden_states = self._forward(tokens, tree, prefix_length, with_logits=True)
-        return logits, self.select_features(hidden_states)
+        out, at = self._forward(tokens, tree, prefix_length, with_logits=True)
+        return at(out.logits), at(self.select_features(out.hidden_states))
 
     def verify_argmax(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.argmax is None:
             logits, features = self.verify(tokens, tree, prefix_length)
             return logits.argmax(dim=-1), features
-        _, hidden_states = self._forward(tokens, tree, prefix_length, with_logits=False)
-        return self.argmax(hidden_states[-1]), self.select_features(hidden_states)
+        out, at = self._forward(tokens, tree, prefix_length, with_logits=False)
+        return self.argmax(at(out.hidden_states[-1])), at(self.select_features(out.hidden_states))
 
     def compact(self, prefix_length: int, path: torch.Tensor) -> None:
         """Keep the accepted (L,) path: the cache of the first row that holds it; all of that row's entries when the
         path is the whole row, else its states put back as they were before the verification (or cut back) and the
         path's tokens pending."""
         accepted = path.shape[0]
-        rows, width = self.paths.shape
-        row = int((self.paths[:, :accepted] == path[None]).all(dim=1).int().argmax())
-        if rows > 1:
+        if self.paths.shape[0] > 1:  # keep the first row holding the path: its cache alone
+            row = int((self.paths[:, :accepted] == path[None]).all(dim=1).int().argmax())
             self.cache.reorder_cache(torch.tensor([row], device=path.device))
+            self.paths = self.paths[row : row + 1]
         if self.croppable:  # nothing pending: the convolution states are cut back with the keys and values
             cut_back(self.cache, self.committed + accepted)
-        elif accepted == width:  # the whole row, no padding after it: its states are right
+        elif accepted == self.paths.shape[1]:  # the whole row, no padding after it: its states are right
             self.pending = self.pending[:0]
         else:
-            restore_states(self.cache, self.snapshot)
-            crop_cache(self.cache, self.committed)
+            self.undo()
             self.pending = torch.cat([self.pending, self.tokens[path]])
-        self.paths = self.paths[row : row + 1]
 
     def undo(self) -> None:
         """Undo the last verification: the states put back as they were before it (or cut back), the attention caches

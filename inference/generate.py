@@ -582,7 +582,6 @@ class SpeculativeLM(CpuKernels):
         if isinstance(drafter, LookupDrafter):  # an online corpus learns the answer
             drafter.remember(prompt, new_tokens)
         if prompt_cache is not None:
-            in_cache = prefix_length - len(getattr(verifier, "pending", ()))  # a hybrid's pending tokens are not
-            prompt_cache.store_call(prompt, new_tokens, in_cache, verifier.cache, torch.cat(committed_features),
+            prompt_cache.store_call(prompt, new_tokens, prefix_length, verifier.cache, torch.cat(committed_features),
                                     self.target, self.heads, inputs, getattr(verifier, "position_offset", 0))
         return new_tokens

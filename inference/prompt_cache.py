@@ -161,9 +161,12 @@ class PromptCache:
         are left in place and never read: the next prefill writes from the shared length on). `inputs_key`,
         `position_offset`: the images the entries were computed with (`images_key`) and the text positions' offset."""
         length = tokens.shape[0]
-        if state_layers(cache) and not cut_back(cache, length):  # a hybrid's states run past what is kept: none
-            self.reset()
-            return
+        if state_layers(cache):  # a hybrid's: its pending tokens never ran into it, and its states cannot go past
+            length = min(length, cache_length(cache))
+            tokens = tokens[:length]
+            if not cut_back(cache, length):  # states past what is kept, not recorded: keep none
+                self.reset()
+                return
         if features.shape[0] < length or cache_length(cache) < length:
             raise ValueError(
                 f"PromptCache.store: {length} tokens but {features.shape[0]} features and {cache_length(cache)} "
