@@ -50,7 +50,7 @@ FIELD_HELP: dict[str, str] = {
     "the draft's width: the target's for EAGLE heads (they predict target features); EAGLE-3 heads may be narrower "
     "or wider (`create_heads(..., draft_hidden_size=)`; vLLM's and SGLang's `target_hidden_size` drafters).",
     "eagle_input_norm": "EAGLE: keep the decoder layer's input RMSNorm (original EAGLE-1/2 drops it on its one layer).",
-    "eagle_draft_vocab_size": "EAGLE and DFlash: draft over only this many target tokens (the most frequent in the "
+    "eagle_draft_vocab_size": "EAGLE, DFlash and MTP: draft over only this many target tokens (the most frequent in the "
     "training data; the d2t buffer lists them) through those rows of the target's lm_head: cheaper drafting, same exact "
     "verification. 0 = the whole vocabulary.",
     "draft_vocab_size": "EAGLE-3: size of the reduced draft vocabulary its lm_head predicts (<= vocab_size; "
@@ -281,7 +281,7 @@ class HeadsConfig(PretrainedConfig):
         if subset and not issubclass(HEAD_CLASSES.get(self.head_type, object), TargetRowsDraftVocab):
             raise ValueError(
                 f"HeadsConfig.eagle_draft_vocab_size={subset} is set for head_type={self.head_type!r}; it applies to "
-                "eagle and dflash heads only (eagle3 heads use draft_vocab_size)"
+                "eagle, dflash and mtp heads only (eagle3 heads use draft_vocab_size)"
             )
         self.validate_parallel_drafting()
         self.validate_block_drafting()

@@ -145,6 +145,8 @@ def decoder_classes(layer_config: PretrainedConfig) -> tuple[type[nn.Module], ty
     module = importlib.import_module(base_model_class.__module__)
     layer_name = base_model_class._no_split_modules[0]
     rotary_name = layer_name.replace("DecoderLayer", "RotaryEmbedding")
+    if not hasattr(module, rotary_name):  # vision-language families name it after the text model (Qwen3.5)
+        rotary_name = layer_name.replace("DecoderLayer", "TextRotaryEmbedding")
     if "DecoderLayer" not in layer_name or not hasattr(module, layer_name) or not hasattr(module, rotary_name):
         raise ValueError(
             f"EAGLE heads need {layer_name} and {rotary_name} in {module.__name__}; "

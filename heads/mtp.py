@@ -14,7 +14,8 @@ each tree in one forward, so the output is the target's (greedy identical, sampl
 
 The layer is built and loaded by transformers itself (`transformers.modeling_layers.MtpModel.from_pretrained`: the
 target's layer class, the checkpoint's MTP tensors renamed and converted, the embedding and lm_head shared with the
-target), so any family transformers knows the MTP layout of works. With several MTP layers (e.g. Step-3.5) only the
+target), so any family transformers knows the MTP layout of works; Qwen3-Next's and Qwen3.5's `mtp.*` layer, which
+transformers does not load, is read by heads/qwen_mtp.py into the same `MtpLayer`. With several MTP layers (e.g. Step-3.5) only the
 first drafts, at every depth. A sliding-window MTP layer (Mellum's) sees the last `sliding_window` positions, as
 transformers runs it.
 
@@ -37,6 +38,8 @@ from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.config import MTP_HEAD_TYPE, HeadsConfig
 from specheads.heads.eagle import CHECKPOINT_CONFIG_FIELDS, decoder_classes
+from specheads.heads.qwen_mtp import load_qwen_mtp_layer, qwen_mtp_layer_config, qwen_mtp_layer_count
+from specheads.heads.target_rows_vocab import TargetRowsDraftVocab
 
 # Default trees (not measured on a real MTP model here): an MTP level costs one decoder layer of the target's family
 # (a mixture of experts on DeepSeek and GLM), about an EAGLE head's; on CPUs, where every verified node costs, smaller.
@@ -45,10 +48,18 @@ MTP_CPU_TREE = dict(tree_depth=4, tree_top_k=4, tree_num_nodes=8)
 
 
 def mtp_layer_count(target: PreTrainedModel) -> int:
-    """How many MTP layers `target`'s config declares (`num_mtp_layers`, DeepSeek's `num_nextn_predict_layers`); 0 for
-    none."""
-    count = getattr(target.config.get_text_config(), "num_mtp_layers", None)
-    return count if isinstance(count, int) and not isinstance(count, bool) else 0
+    """How many MTP layers `target`'s config declares (`num_mtp_layers`, DeepSeek's `num_nextn_predict_layers`, Qwen's
+    `mtp_num_hidden_layers`); 0 for none."""
+    text = target.config.get_text_config()
+    count = getattr(text, "num_mtp_layers", None)
+    return count if isinstance(count, int) and not isinstance(count, bool) else qwen_mtp_layer_count(text)
+
+
+def reads_qwen_mtp_layout(config: PretrainedConfig) -> bool:
+    """Whether a target's MTP layer is read by heads/qwen_mtp.py (Qwen3-Next / Qwen3.5 `mtp.*`, which this
+    transformers does not load) rather than by transformers' `MtpModel`."""
+    text = config.get_text_config()
+    return getattr(text, "num_mtp_layers", None) is None and qwen_mtp_layer_count(text) > 0
 
 
 def mtp_classes() -> tuple[type[nn.Module], type[nn.Module]]:
@@ -67,23 +78,20 @@ def mtp_classes() -> tuple[type[nn.Module], type[nn.Module]]:
 
 def mtp_layer_config(target_config: PretrainedConfig) -> dict[str, Any]:
     """The config (as a dict) of the target's MTP layers: transformers' `get_mtp_config()` (the target's text config
-    with the MTP layers' counts and types), without the fields that name the checkpoint."""
-    layer_config = target_config.get_mtp_config().to_dict()
+    with the MTP layers' counts and types; for Qwen3-Next / Qwen3.5, `qwen_mtp_layer_config`), without the fields that
+    name the checkpoint."""
+    if reads_qwen_mtp_layout(target_config):
+        layer_config = qwen_mtp_layer_config(target_config.get_text_config()).to_dict()
+    else:
+        layer_config = target_config.get_mtp_config().to_dict()
     for key in CHECKPOINT_CONFIG_FIELDS:
         layer_config.pop(key, None)
     return layer_config
 
 
-def load_mtp_model(target: PreTrainedModel) -> nn.Module:
-    """transformers' `MtpModel` of `target`: its MTP layers loaded from the checkpoint folder `target` was loaded from,
-    on the device of its last decoder layer, in its dtype, the embedding and lm_head shared with it.
-
-    Raises:
-        ValueError: transformers without MTP support, a target whose config declares no MTP layer (naming its
-            family), a target not loaded from a checkpoint (built from a config), or a checkpoint without the MTP
-            tensors (e.g. a re-saved copy: transformers drops them when it loads the target).
-    """
-    MtpModel = mtp_classes()[0]  # noqa: N806 (a class)
+def check_mtp_target(target: PreTrainedModel) -> None:
+    """Raise a ValueError unless `target` declares an MTP layer that can be loaded and was loaded from a checkpoint
+    (where the MTP tensors are read): naming its family when it declares none or this transformers cannot build it."""
     text = target.config.get_text_config()
     shipped = getattr(text, "num_nextn_predict_layers", None) or getattr(text, "mtp_num_hidden_layers", None)
     declared = mtp_layer_count(target)
@@ -96,10 +104,23 @@ def load_mtp_model(target: PreTrainedModel) -> nn.Module:
         raise ValueError(
             f"target {text.name_or_path or text.model_type!r} (model_type={text.model_type!r}) declares no MTP layer "
             f"(num_mtp_layers={getattr(text, 'num_mtp_layers', None)!r}); MTP drafting needs a model shipped with one "
-            "(DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7, ...): use --heads, --draft-model or --early-exit-layers instead")
+            "(DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7, Qwen3-Next, Qwen3.5, ...): use --heads, --draft-model or "
+            "--early-exit-layers instead")
     if not target.config.name_or_path:
         raise ValueError("MTP drafting reads the MTP layers from the folder the target was loaded from; this target "
                          "was built from a config (config.name_or_path is empty): load it with from_pretrained")
+
+
+def load_mtp_model(target: PreTrainedModel) -> nn.Module:
+    """transformers' `MtpModel` of `target`: its MTP layers loaded from the checkpoint folder `target` was loaded from,
+    on the device of its last decoder layer, in its dtype, the embedding and lm_head shared with it.
+
+    Raises:
+        ValueError: transformers without MTP support, `check_mtp_target`'s errors, or a checkpoint without the MTP
+            tensors (e.g. a re-saved copy: transformers drops them when it loads the target).
+    """
+    MtpModel = mtp_classes()[0]  # noqa: N806 (a class)
+    check_mtp_target(target)
     layers = target.get_decoder().layers
     device = next(layers[-1].parameters()).device
     try:
@@ -110,7 +131,7 @@ def load_mtp_model(target: PreTrainedModel) -> nn.Module:
                          "model; point at the original checkpoint)") from err
 
 
-class MtpHeads(DraftHeads):
+class MtpHeads(TargetRowsDraftVocab, DraftHeads):
     """An MTP layer of the target's family as heads (see the module docstring): its `layer` (transformers'
     `MtpLayer`: enorm, hnorm, eh_proj, the decoder block, post_norm) reads (f_t, x_{t+1}) and predicts f_{t+1}, whose
     logits through the target's lm_head rank x_{t+2}.
@@ -149,6 +170,7 @@ class MtpHeads(DraftHeads):
         self.sliding_window = layer_config.sliding_window if types[:1] == ["sliding_attention"] else None
         # muP models scale the lm_head's input (transformers' MtpModel divides by this); None for the others
         self.logits_divisor = getattr(layer_config, "logits_mup_width_multiplier", None)
+        self.init_draft_vocab()  # `eagle_draft_vocab_size`: draft over those rows of the lm_head only (d2t)
         self.post_init()
 
     @property
@@ -175,13 +197,24 @@ class MtpHeads(DraftHeads):
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, **options: Any) -> MtpHeads:
-        """`target`'s own (first) MTP layer as heads, attached to it (`load_mtp_model`'s errors; `options`: HeadsConfig
-        fields, e.g. the tree)."""
-        mtp = load_mtp_model(target)
-        with torch.device("meta"):  # a skeleton: the loaded layer takes its place, no memory spent on fresh weights
-            heads = cls(cls.config_for(target, **options))
-        heads.layer = mtp.layers[0].requires_grad_(True)  # the heads' own copy: trainable (fine-tuning), as heads are
-        heads.shared_post_norm = mtp.shared_post_norm.requires_grad_(True) if mtp.use_shared_post_norm else None
+        """`target`'s own (first) MTP layer as heads, attached to it (`load_mtp_model`'s or `load_qwen_mtp_layer`'s
+        errors; `options`: HeadsConfig fields, e.g. the tree or `eagle_draft_vocab_size`)."""
+        if reads_qwen_mtp_layout(target.config):  # Qwen3-Next / Qwen3.5: `mtp.*`, read here (heads/qwen_mtp.py)
+            check_mtp_target(target)
+            with torch.device("meta"):  # a skeleton the checkpoint's tensors are assigned to
+                heads = cls(cls.config_for(target, **options))
+            load_qwen_mtp_layer(heads.layer, heads.layer_config, target)
+        else:
+            mtp = load_mtp_model(target)
+            with torch.device("meta"):  # a skeleton: the loaded layer takes its place, no memory spent on fresh weights
+                heads = cls(cls.config_for(target, **options))
+            heads.layer = mtp.layers[0]
+            heads.shared_post_norm = mtp.shared_post_norm if mtp.use_shared_post_norm else None
+        if heads.d2t is not None:  # a draft vocabulary asked for (options): the first ids until set_draft_vocab
+            heads.d2t = torch.arange(heads.config.eagle_draft_vocab_size, device=target.device)
+        heads.layer.requires_grad_(True)  # the heads' own copy: trainable (fine-tuning), as heads are
+        if heads.shared_post_norm is not None:
+            heads.shared_post_norm.requires_grad_(True)
         with torch.device(target.device):  # its buffers (inverse frequencies) computed, on the target's device
             heads.rotary_emb = type(heads.rotary_emb)(config=heads.layer_config)
         heads.attach_target(target)
@@ -224,8 +257,9 @@ class MtpHeads(DraftHeads):
         return lm_head(hidden.to(lm_head.weight.dtype))[..., : self.config.vocab_size]
 
     def draft_logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
-        """The whole vocabulary's logits (`logits`): MTP layers have no reduced draft vocabulary."""
-        return self.logits(predicted_features)
-
-    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids
+        """Logits over the draft vocabulary: the whole one (`logits`), or with `eagle_draft_vocab_size` the lm_head's
+        rows of the `d2t` ids only (a 248K-token vocabulary's projection is most of a Qwen3.5 MTP step's cost)."""
+        if self.d2t is None:
+            return self.logits(predicted_features)
+        hidden = predicted_features if self.logits_divisor is None else predicted_features / self.logits_divisor
+        return super().draft_logits(hidden)

@@ -9,8 +9,9 @@ rewritten; every other file of the folder is linked (a symbolic link to the orig
 layer's shard(s), not the model.
 
 Supported: targets that keep their MTP layers as decoder layers after the last one (`model.layers.N.*`, N = the
-number of decoder layers: DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7), in a floating-point dtype (an FP8 checkpoint would
-need the layer quantized: refused by name).
+number of decoder layers: DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7) or under `mtp.*` (`mtp.layers.0.*`, `mtp.fc`,
+`mtp.pre_fc_norm_*`, `mtp.norm`: Qwen3-Next, Qwen3.5 / 3.6, Mellum), in a floating-point dtype (an FP8 checkpoint
+would need the layer quantized: refused by name).
 """
 
 from __future__ import annotations
@@ -27,24 +28,29 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specheads.heads.base import DraftHeads
 from specheads.heads.mtp import MtpHeads
+from specheads.heads.qwen_mtp import BLOCK_PREFIX, QWEN_MTP_NAMES
 
 
-def mtp_checkpoint_tensors(heads: MtpHeads, num_hidden_layers: int) -> dict[str, torch.Tensor]:
+def mtp_checkpoint_tensors(heads: MtpHeads, num_hidden_layers: int, under_mtp: bool = False) -> dict[str, torch.Tensor]:
     """The heads' MTP layer as the target's checkpoint names it: {"model.layers.N.<name>": tensor}, N =
-    `num_hidden_layers` (the first MTP layer comes after the decoder layers)."""
+    `num_hidden_layers` (the first MTP layer comes after the decoder layers), or with `under_mtp` Qwen3-Next's /
+    Qwen3.5's / Mellum's names (`mtp.layers.0.<name>`, `mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):  # only the family's names and weight conversions are needed: no memory
         family = AutoModelForCausalLM.from_config(heads.layer_config)
     block = {f"model.layers.0.{name}": tensor.detach() for name, tensor in heads.layer.mtp_block.state_dict().items()}
     named = revert_weight_conversion(family, block)  # experts split per expert, as save_pretrained writes them
-    prefix = f"model.layers.{num_hidden_layers}."
-    tensors = {prefix + name.removeprefix("model.layers.0."): tensor for name, tensor in named.items()}
-    layer = heads.layer
-    for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("post_norm", "shared_head.norm")):
-        module = getattr(layer, ours, None)
+    prefix = BLOCK_PREFIX if under_mtp else f"model.layers.{num_hidden_layers}."
+    # the name inside the decoder layer: what follows `layers.0.` (some families' conversions add a prefix before it)
+    tensors = {prefix + name.split("layers.0.", 1)[1]: tensor for name, tensor in named.items()}
+    theirs = {ours.removesuffix(".weight"): name.removesuffix(".weight") for name, ours in QWEN_MTP_NAMES.items()} \
+        if under_mtp else {name: prefix + name for name in ("enorm", "hnorm", "eh_proj")} | {
+            "post_norm": f"{prefix}shared_head.norm"}
+    for ours, name in theirs.items():
+        module = getattr(heads.layer, ours, None)
         if module is not None:
-            tensors[f"{prefix}{theirs}.weight"] = module.weight.detach()
+            tensors[f"{name}.weight"] = module.weight.detach()
     return tensors
 
 
@@ -95,11 +101,13 @@ def export_mtp_into_target(
         raise ValueError(f"--out {out} is the target's own folder; write the copy elsewhere")
     layers = AutoConfig.from_pretrained(source).get_text_config().num_hidden_layers
     files = weight_files(source)
-    tensors = mtp_checkpoint_tensors(heads, layers)
-    prefix = f"model.layers.{layers}."
+    under_mtp = any(name.startswith(BLOCK_PREFIX) for name in files)  # Qwen3-Next / Qwen3.5 / Mellum
+    tensors = mtp_checkpoint_tensors(heads, layers, under_mtp)
+    prefix = BLOCK_PREFIX if under_mtp else f"model.layers.{layers}."
     if not any(name.startswith(prefix) for name in files):
-        raise ValueError(f"{source} holds no {prefix}* tensors: export --format mtp supports targets whose MTP layers "
-                         "follow their decoder layers (DeepSeek-V3, GLM-4.5); this one keeps them elsewhere")
+        raise ValueError(f"{source} holds no {prefix}* (nor {BLOCK_PREFIX}*) tensors: export --format mtp supports "
+                         "targets whose MTP layers follow their decoder layers (DeepSeek-V3, GLM-4.5) or sit under "
+                         "mtp.* (Qwen3-Next, Qwen3.5, Mellum); this one keeps them elsewhere")
     unknown = sorted(set(tensors) - set(files))
     if unknown:
         raise ValueError(f"{source}'s checkpoint has no {unknown[:4]} ({len(unknown)} names the heads' layer would "

@@ -249,7 +249,7 @@ class SpeculativeLM(CpuKernels):
         """Load a target (path, Hub id or alias) and what drafts for it, then build the model: `heads` (folder or Hub
         id), or a `draft_model` (path, Hub id or alias; no training; best one of the target's tokenizer, another
         one drafts the tokens both share), or the target's own first `early_exit_layers` layers (self-speculation),
-        or with `mtp=True` the target's own MTP layer (DeepSeek-V3, GLM-4.5, ...; heads/mtp.py); exactly one.
+        or with `mtp=True` the target's own MTP layer (DeepSeek-V3, GLM-4.5, Qwen3.5, ...; heads/mtp.py); exactly one.
 
         Heads trained jointly with a LoRA adapter on the target (Medusa-2) get it merged into the target first.
         """

@@ -25,7 +25,8 @@ def add_drafting_options(p: argparse.ArgumentParser) -> None:
                        help="self-speculation: the target's own first N layers (+ its norm and lm_head) draft")
     group.add_argument("--mtp", action="store_true", default=None,
                        help="the target's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5 / 4.6 / "
-                       "4.7, ...: models shipped with one; no training), the same dynamic trees as EAGLE heads")
+                       "4.7, Qwen3-Next, Qwen3.5 / 3.6, ...: models shipped with one; no training), the same dynamic trees as EAGLE "
+                       "heads (a chain on hybrid targets)")
 
 
 def drafting_kwargs(args: argparse.Namespace) -> dict[str, Any]:

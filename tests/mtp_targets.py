@@ -1,5 +1,5 @@
 """Tiny random targets shipped with an MTP layer, in their families' checkpoint layouts (tests of heads/mtp.py):
-DeepSeek-V3, GLM-4.5 and Mellum.
+DeepSeek-V3, GLM-4.5 and Mellum (read by transformers' MtpModel), Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (heads/qwen_mtp.py).
 
 transformers finds a family's MTP tensors by the layer index its real checkpoints use (DeepSeek-V3: `model.layers.61.*`,
 GLM-4.5-Air: `model.layers.46.*`), so these targets have that many (tiny) decoder layers, then the MTP layer: a decoder
@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from .conftest import HYBRID_FAMILIES
+
 # family -> (decoder layers before the MTP layer, the family's own fields for a tiny config). DeepSeek-V3 and GLM-4.5
 # keep the MTP layer as decoder layer N (`model.layers.N.*`); Mellum under `mtp.*` (`fc`, `pre_fc_norm_*`, `norm`,
 # `layers.0.*`), a sliding-window layer of its own type.
@@ -29,6 +31,11 @@ MTP_FAMILIES = {
     "mellum": (2, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                        layer_types=["sliding_attention", "full_attention", "full_attention"])),
 }
+# Qwen3-Next / Qwen3.5 keep one full-attention MTP layer under `mtp.*` in Mellum's names; the target: a Gated DeltaNet
+# layer and a full-attention one (the hybrid test families), then the MTP layer. Dense and mixture-of-experts.
+QWEN_MTP_FAMILIES = {family: (2, dict(HYBRID_FAMILIES[family], tie_word_embeddings=False,
+                                      layer_types=["linear_attention", "full_attention", "full_attention"]))
+                     for family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")}
 MELLUM_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "shared_head.norm": "norm",
                 "eh_proj": "fc"}  # the DeepSeek layout's MTP module names -> Mellum's (under `mtp.`)
 
@@ -43,7 +50,8 @@ def write_mtp_target(folder: Path, family: str, vocab_size: int = 97, seed: int 
     The MTP layer reads only the embedding of x_{t+1} (`eh_proj` = [I, 0], norms of 1): it predicts x_{t+2} exactly, and
     any misalignment of what it reads would make it wrong. `tokenizer_from`: a folder whose tokenizer files are
     copied (for the command line; its vocabulary must be `vocab_size`)."""
-    layers, extra = MTP_FAMILIES[family]
+    layers, extra = {**MTP_FAMILIES, **QWEN_MTP_FAMILIES}[family]
+    qwen = family in QWEN_MTP_FAMILIES
     fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers + 1, num_attention_heads=4,
                   num_key_value_heads=4, vocab_size=vocab_size, max_position_embeddings=256, bos_token_id=1,
                   eos_token_id=None, pad_token_id=0, **extra)
@@ -51,7 +59,10 @@ def write_mtp_target(folder: Path, family: str, vocab_size: int = 97, seed: int 
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))
     model.save_pretrained(folder)  # the last decoder layer becomes the MTP layer's block
     config = json.loads((folder / "config.json").read_text())
-    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    config.update(num_hidden_layers=layers)
+    config.update({"mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers": 1})
+    if qwen:
+        config.update(layer_types=config["layer_types"][:layers])
     if family == "mellum":  # per-layer lists, the MTP layer's own types
         config.update(layer_types=config["layer_types"][:layers], mlp_layer_types=config["mlp_layer_types"][:layers],
                       mtp_layer_types=["sliding_attention"], mtp_mlp_layer_types=["sparse"])
@@ -62,7 +73,7 @@ def write_mtp_target(folder: Path, family: str, vocab_size: int = 97, seed: int 
         tensors[f"{prefix}{name}.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
     tensors[f"{prefix}eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=generator)
     if cycling:
-        for name in [n for n in tensors if n.endswith(("o_proj.weight", "down_proj.weight"))]:
+        for name in [n for n in tensors if n.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight"))]:
             tensors[name] = torch.zeros_like(tensors[name])
         for name in ("enorm", "hnorm", "shared_head.norm"):
             tensors[f"{prefix}{name}.weight"] = torch.ones(hidden)
@@ -71,7 +82,7 @@ def write_mtp_target(folder: Path, family: str, vocab_size: int = 97, seed: int 
         cycle = torch.randperm(vocab_size, generator=generator)
         tensors["lm_head.weight"] = 50 * tensors["model.embed_tokens.weight"][torch.argsort(cycle)]  # peaked
         (folder / "cycle.json").write_text(json.dumps(cycle.tolist()))
-    if family == "mellum":
+    if family == "mellum" or qwen:
         tensors = {mellum_name(name, prefix): tensor for name, tensor in tensors.items()}
     else:
         tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()  # DeepSeek's copies
@@ -98,3 +109,13 @@ def cycle_of(folder: Path) -> list[int]:
 def load_mtp_target(folder: Path) -> torch.nn.Module:
     """The target of `write_mtp_target` (its MTP tensors left in the file, as transformers loads such models)."""
     return AutoModelForCausalLM.from_pretrained(folder).eval().requires_grad_(False)
+
+
+def mtp_layer_inputs(target: torch.nn.Module, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What an MTP layer reads at every position of a (1, n) `prompt`: (the target's final, post-norm features f_t
+    (1, n, h), the tokens x_{t+1} after them (1, n): the prompt shifted, then 7), and the (1, 1, n, n) causal mask."""
+    n = prompt.shape[1]
+    with torch.no_grad():
+        features = target(prompt, output_hidden_states=True).hidden_states[-1]
+    next_ids = torch.cat([prompt[:, 1:], torch.tensor([[7]])], dim=1)
+    return features, next_ids, torch.full((1, 1, n, n), torch.finfo(torch.float32).min).triu(1)

@@ -8,6 +8,7 @@
     specheads data dump-features --target T --data regenerated.jsonl --out features/
     specheads data draft-vocab --heads H --data regenerated.jsonl --size 8192 --out H-8k/   # EAGLE / DFlash heads
     specheads data draft-vocab --heads H3 --data regenerated.jsonl --size 16384 --out H3-16k/   # widen EAGLE-3
+    specheads data draft-vocab --heads mtp --target Qwen/Qwen3.5-2B --data answers.jsonl --size 32768 --out mtp-32k/
     specheads data lookup-corpus --target T --data regenerated.jsonl --out H/   # the target's answers, for lookup
 
 All are resumable after a crash (even kill -9): regeneration appends to the output JSONL and skips ids already
@@ -341,10 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "paths are read from (default: the data file's folder)")
     add_chat_template_kwargs(dump)
     dump.add_argument("--device", default="auto", help="where the target runs: auto (cuda if available), cpu, cuda, ...")
-    vocab = sub.add_parser("draft-vocab", help="EAGLE / DFlash heads: draft over the N most frequent trained tokens of the data "
+    vocab = sub.add_parser("draft-vocab", help="EAGLE / DFlash / MTP heads: draft over the N most frequent trained tokens of the data "
                            "(a cheaper draft projection on large vocabularies; outputs stay exact); EAGLE-3 heads: widen "
                            "their draft vocabulary to N (then train on from them)")
-    vocab.add_argument("--heads", required=True, help="trained eagle, dflash or eagle3 heads (folder or Hub id)")
+    vocab.add_argument("--heads", required=True, help="trained eagle, dflash, eagle3 or mtp heads (folder or Hub id), or "
+                       "'mtp': the target's own MTP layer (with --target; Qwen3.5's 248K-token lm_head is most of a step)")
     vocab.add_argument("--data", required=True, help="their training data (JSON/JSONL/Parquet, a dataset folder, or a Hub dataset id[:split])")
     vocab.add_argument("--size", type=int, required=True, help="draft vocabulary size (e.g. 8192)")
     vocab.add_argument("--out", required=True, help="folder the heads with the draft vocabulary are saved to")
@@ -514,8 +516,8 @@ def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name
     `data` to `out`, or EAGLE-3 heads whose draft vocabulary is widened to `size` (their own tokens plus the most
     frequent others; train them on with `init_heads=out`). Returns a summary (out, draft_vocab_size, coverage of
     the trained tokens)."""
-    from specheads import load_heads, load_target
-    from specheads.heads.config import HeadsConfig
+    from specheads import create_heads, load_heads, load_target
+    from specheads.heads.config import MTP_HEAD_TYPE, HeadsConfig
     from specheads.training.data import build_dataset
     from specheads.training.draft_vocab import (
         build_draft_vocab,
@@ -525,15 +527,18 @@ def add_draft_vocab(heads_path: str, data: str, size: int, out: str, target_name
         special_token_ids,
     )
 
+    shipped_mtp = heads_path == MTP_HEAD_TYPE  # `--heads mtp`: the target's own MTP layer, copied with the vocabulary
+    if shipped_mtp and target_name is None:
+        raise ValueError("--heads mtp drafts with the target's own MTP layer: name the target with --target")
     if target_name is None:
         config = HeadsConfig.from_pretrained(heads_path)
         target_name = config.target_name_or_path
     target, tokenizer = load_target(target_name)
-    heads = load_heads(heads_path, target=target)
+    heads = create_heads(target, MTP_HEAD_TYPE) if shipped_mtp else load_heads(heads_path, target=target)
     head_type = heads.config.head_type
-    if head_type not in ("eagle", "eagle3", "dflash"):  # fail before tokenizing the data
-        raise ValueError(f"--heads {heads_path} holds {head_type} heads; draft-vocab applies to eagle, eagle3 and "
-                         "dflash heads")
+    if head_type not in ("eagle", "eagle3", "dflash", MTP_HEAD_TYPE):  # fail before tokenizing the data
+        raise ValueError(f"--heads {heads_path} holds {head_type} heads; draft-vocab applies to eagle, eagle3, "
+                         "dflash and mtp heads")
     if head_type == "eagle3" and size <= heads.draft_vocab_size:
         raise ValueError(f"--size {size}: these eagle3 heads already draft over {heads.draft_vocab_size} tokens; "
                          "draft-vocab widens an eagle3 vocabulary (a narrower one is chosen when training from scratch)")

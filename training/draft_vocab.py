@@ -122,7 +122,7 @@ def special_token_ids(tokenizer: Any, target: Any = None) -> list[int]:
 
 
 def eagle_heads_with_draft_vocab(heads: Any, draft_to_target: torch.Tensor) -> Any:
-    """A copy of trained EAGLE (or DFlash) heads that drafts over `draft_to_target` only (`eagle_draft_vocab_size` =
+    """A copy of trained EAGLE (or DFlash, or MTP) heads that drafts over `draft_to_target` only (`eagle_draft_vocab_size` =
     its length).
 
     These heads score drafts through the target's lm_head, so the weights are unchanged: only the config and the
@@ -136,7 +136,7 @@ def eagle_heads_with_draft_vocab(heads: Any, draft_to_target: torch.Tensor) -> A
 
     if not isinstance(heads, TargetRowsDraftVocab):
         raise ValueError(
-            f"a draft vocabulary can be added to eagle and dflash heads only, not {heads.config.head_type} heads "
+            f"a draft vocabulary can be added to eagle, dflash and mtp heads only, not {heads.config.head_type} heads "
             "(eagle3 heads get theirs when they are trained: head.options.draft_vocab_size)"
         )
     config = copy.deepcopy(heads.config)

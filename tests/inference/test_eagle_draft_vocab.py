@@ -118,7 +118,7 @@ def test_a_corrupt_d2t_is_refused_by_name(tiny_llama, tmp_path, d2t, message):
     [
         (dict(head_type="eagle", eagle_draft_vocab_size=-1), "eagle_draft_vocab_size=-1"),
         (dict(head_type="eagle", eagle_draft_vocab_size=513), "eagle_draft_vocab_size=513"),
-        (dict(head_type="medusa", eagle_draft_vocab_size=8), "eagle and dflash heads only"),
+        (dict(head_type="medusa", eagle_draft_vocab_size=8), "eagle, dflash and mtp heads only"),
     ],
 )
 def test_bad_config_values_are_named(fields, message):
@@ -140,7 +140,7 @@ def test_trained_heads_get_a_vocabulary_without_changing_their_weights(tiny_llam
     assert torch.equal(
         SpeculativeLM(tiny_llama, reduced).generate(ids, max_new_tokens=16), hf_greedy(tiny_llama, ids, 16)
     )
-    with pytest.raises(ValueError, match="eagle and dflash heads only"):
+    with pytest.raises(ValueError, match="eagle, dflash and mtp heads only"):
         eagle_heads_with_draft_vocab(create_heads(tiny_llama, "medusa"), vocab)
 
 

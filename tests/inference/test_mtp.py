@@ -19,7 +19,7 @@ from specheads.cli import main
 from specheads.heads.describe import describe_heads
 from specheads.heads.mtp import MtpHeads, load_mtp_model
 
-from ..mtp_targets import MTP_FAMILIES, cycle_of, load_mtp_target, write_mtp_target
+from ..mtp_targets import MTP_FAMILIES, cycle_of, load_mtp_target, mtp_layer_inputs, write_mtp_target
 from .conftest import hf_greedy, left_pad, load_sampling_harness
 
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35, 8, 9, 79]])
@@ -46,11 +46,9 @@ def test_the_mtp_heads_are_the_targets_mtp_layer_and_decode_exactly(mtp_folders,
     causal mask and positions one ahead), and greedy decoding with its trees is the target's own."""
     target = load_mtp_target(mtp_folders[family])
     heads = MtpHeads.from_target(target)
+    features, next_ids, mask = mtp_layer_inputs(target, PROMPT)  # f_t, x_{t+1}, causal
+    n = PROMPT.shape[1]
     with torch.no_grad():
-        features = target(PROMPT, output_hidden_states=True).hidden_states[-1]  # (1, n, h) final, post-norm
-        n = PROMPT.shape[1]
-        next_ids = torch.cat([PROMPT[:, 1:], torch.tensor([[7]])], dim=1)  # x_{t+1} after each f_t
-        mask = torch.full((1, 1, n, n), torch.finfo(torch.float32).min).triu(1)
         ours = heads.logits(heads(features, next_ids, torch.arange(n)[None], mask))
         mtp = load_mtp_model(target)  # transformers' own, on its own
         reference = mtp.shared_head(mtp.forward_layer(0, features, torch.arange(1, n + 1)[None], None, input_ids=next_ids))

@@ -60,7 +60,7 @@ def test_draft_vocab_command_refuses_other_head_types(tmp_path, stories_file, ta
     code = main(["data", "draft-vocab", "--heads", str(tmp_path / "medusa"), "--data", str(stories_file),
                  "--size", "96", "--out", str(tmp_path / "out")])
     assert code == 2
-    assert "holds medusa heads; draft-vocab applies to eagle, eagle3 and dflash heads" in capsys.readouterr().err
+    assert "holds medusa heads; draft-vocab applies to eagle, eagle3, dflash and mtp heads" in capsys.readouterr().err
 
 
 def test_draft_vocab_command_widens_eagle3_heads_which_then_train(tmp_path, stories_file, target_and_tokenizer,

@@ -40,6 +40,48 @@ def test_fine_tuning_the_mtp_layer_learns_and_drafts_exactly(tmp_path, stories_f
     assert torch.equal(lm.generate(prompt, max_new_tokens=24), hf_greedy(target, prompt, 24))
 
 
+def test_a_qwen3_next_mtp_layer_fine_tunes_on_its_hybrid_target(tmp_path, stories_file):
+    """The `mtp.*` layer of a Qwen3-Next target (heads/qwen_mtp.py) fine-tunes online, its target verified by chains."""
+    folder = write_mtp_target(tmp_path / "target", "qwen3_next", vocab_size=512, tokenizer_from=STORIES)
+    out = tmp_path / "run"
+    extra = {"target": str(folder), "head.type": "mtp", "max_steps": 4, "save_steps": 4}
+    assert main(["train", str(Path(__file__).parents[2] / "configs/train/eagle_stories260k.yaml"),
+                 *overrides(stories_file, out, **extra)]) == 0
+    target = load_mtp_target(folder)
+    trained, shipped = load_heads(out / "final", target=target), create_heads(target, "mtp")
+    assert trained.config.draft_layer_config["model_type"] == "qwen3_next"
+    assert any(not torch.equal(trained.state_dict()[name], value) for name, value in shipped.state_dict().items())
+    _, tokenizer = load_target(str(folder))
+    prompt = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    assert torch.equal(SpeculativeLM(target, trained).generate(prompt, max_new_tokens=16), hf_greedy(target, prompt, 16))
+
+
+def test_a_draft_vocabulary_for_the_targets_own_mtp_layer(tmp_path, stories_file, capsys):
+    """`data draft-vocab --heads mtp --target T`: a copy of the shipped layer that scores drafts over the data's most
+    frequent tokens only (those columns of its logits), and decodes exactly."""
+    folder = write_mtp_target(tmp_path / "target", "qwen3_5_text", vocab_size=512, tokenizer_from=STORIES)
+    out = tmp_path / "mtp-96"
+    assert main(["data", "draft-vocab", "--heads", "mtp", "--target", str(folder), "--data", str(stories_file),
+                 "--size", "96", "--out", str(out), "--max-length", "64"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["coverage"] > 0.5
+    target = load_mtp_target(folder)
+    reduced, shipped = load_heads(out, target=target), create_heads(target, "mtp")
+    assert reduced.draft_vocab_size == 96 and reduced.d2t.tolist() == sorted(set(reduced.d2t.tolist()))
+    assert all(torch.equal(value, shipped.state_dict()[name]) for name, value in reduced.state_dict().items()
+               if name != "d2t")
+    features, ids = torch.randn(1, 3, 64), torch.tensor([[5, 6, 7]])
+    mask = torch.full((1, 1, 3, 3), torch.finfo(torch.float32).min).triu(1)
+    with torch.no_grad():
+        hidden = reduced(features, ids, torch.arange(3)[None], mask)
+        torch.testing.assert_close(reduced.draft_logits(hidden), reduced.logits(hidden)[..., reduced.d2t])
+    _, tokenizer = load_target(str(folder))
+    prompt = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    assert torch.equal(SpeculativeLM(target, reduced).generate(prompt, max_new_tokens=16), hf_greedy(target, prompt, 16))
+    assert main(["data", "draft-vocab", "--heads", "mtp", "--data", str(stories_file), "--size", "96",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--heads mtp drafts with the target's own MTP layer: name the target with --target" in capsys.readouterr().err
+
+
 def test_mtp_layers_train_on_offline_features(tmp_path, stories_file):
     """`data dump-features --head-type mtp` stores the final states the MTP layer reads; a run on them trains."""
     folder = write_mtp_target(tmp_path / "target", "glm4_moe", vocab_size=512, tokenizer_from=STORIES)
