@@ -14,8 +14,8 @@ each tree in one forward, so the output is the target's (greedy identical, sampl
 
 The layer is built and loaded by transformers itself (`transformers.modeling_layers.MtpModel.from_pretrained`: the
 target's layer class, the checkpoint's MTP tensors renamed and converted, the embedding and lm_head shared with the
-target), so any family transformers knows the MTP layout of works; Qwen3-Next's and Qwen3.5's `mtp.*` layer, which
-transformers does not load, is read by heads/qwen_mtp.py into the same `MtpLayer`. With several MTP layers (e.g. Step-3.5) only the
+target), so any family transformers knows the MTP layout of works; the layers transformers ships but does not load
+(Qwen3-Next's, Qwen3.5's, GLM-4.7-Flash's) are read by heads/checkpoint_mtp.py into the same `MtpLayer`. With several MTP layers (e.g. Step-3.5) only the
 first drafts, at every depth. A sliding-window MTP layer (Mellum's) sees the last `sliding_window` positions, as
 transformers runs it.
 
@@ -36,9 +36,13 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from specheads.heads.base import DraftHeads, target_embedding_sample
 from specheads.heads.cache_keyword import cache_kwargs
+from specheads.heads.checkpoint_mtp import (
+    checkpoint_mtp_layer_config,
+    checkpoint_mtp_layer_count,
+    load_checkpoint_mtp_layer,
+)
 from specheads.heads.config import MTP_HEAD_TYPE, HeadsConfig
 from specheads.heads.eagle import CHECKPOINT_CONFIG_FIELDS, decoder_classes
-from specheads.heads.qwen_mtp import load_qwen_mtp_layer, qwen_mtp_layer_config, qwen_mtp_layer_count
 from specheads.heads.target_rows_vocab import TargetRowsDraftVocab
 
 # Default trees (not measured on a real MTP model here): an MTP level costs one decoder layer of the target's family
@@ -52,14 +56,14 @@ def mtp_layer_count(target: PreTrainedModel) -> int:
     `mtp_num_hidden_layers`); 0 for none."""
     text = target.config.get_text_config()
     count = getattr(text, "num_mtp_layers", None)
-    return count if isinstance(count, int) and not isinstance(count, bool) else qwen_mtp_layer_count(text)
+    return count if isinstance(count, int) and not isinstance(count, bool) else checkpoint_mtp_layer_count(text)
 
 
-def reads_qwen_mtp_layout(config: PretrainedConfig) -> bool:
-    """Whether a target's MTP layer is read by heads/qwen_mtp.py (Qwen3-Next / Qwen3.5 `mtp.*`, which this
-    transformers does not load) rather than by transformers' `MtpModel`."""
+def reads_checkpoint_mtp(config: PretrainedConfig) -> bool:
+    """Whether a target's MTP layer is read by heads/checkpoint_mtp.py (Qwen3-Next's, Qwen3.5's, GLM-4.7-Flash's,
+    which this transformers does not load) rather than by transformers' `MtpModel`."""
     text = config.get_text_config()
-    return getattr(text, "num_mtp_layers", None) is None and qwen_mtp_layer_count(text) > 0
+    return getattr(text, "num_mtp_layers", None) is None and checkpoint_mtp_layer_count(text) > 0
 
 
 def mtp_classes() -> tuple[type[nn.Module], type[nn.Module]]:
@@ -78,10 +82,10 @@ def mtp_classes() -> tuple[type[nn.Module], type[nn.Module]]:
 
 def mtp_layer_config(target_config: PretrainedConfig) -> dict[str, Any]:
     """The config (as a dict) of the target's MTP layers: transformers' `get_mtp_config()` (the target's text config
-    with the MTP layers' counts and types; for Qwen3-Next / Qwen3.5, `qwen_mtp_layer_config`), without the fields that
-    name the checkpoint."""
-    if reads_qwen_mtp_layout(target_config):
-        layer_config = qwen_mtp_layer_config(target_config.get_text_config()).to_dict()
+    with the MTP layers' counts and types; for the families heads/checkpoint_mtp.py reads, `checkpoint_mtp_layer_config`),
+    without the fields that name the checkpoint."""
+    if reads_checkpoint_mtp(target_config):
+        layer_config = checkpoint_mtp_layer_config(target_config.get_text_config()).to_dict()
     else:
         layer_config = target_config.get_mtp_config().to_dict()
     for key in CHECKPOINT_CONFIG_FIELDS:
@@ -104,7 +108,7 @@ def check_mtp_target(target: PreTrainedModel) -> None:
         raise ValueError(
             f"target {text.name_or_path or text.model_type!r} (model_type={text.model_type!r}) declares no MTP layer "
             f"(num_mtp_layers={getattr(text, 'num_mtp_layers', None)!r}); MTP drafting needs a model shipped with one "
-            "(DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7, Qwen3-Next, Qwen3.5, ...): use --heads, --draft-model or "
+            "(DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7 / 4.7-Flash, Qwen3-Next, Qwen3.5, ...): use --heads, --draft-model or "
             "--early-exit-layers instead")
     if not target.config.name_or_path:
         raise ValueError("MTP drafting reads the MTP layers from the folder the target was loaded from; this target "
@@ -197,13 +201,13 @@ class MtpHeads(TargetRowsDraftVocab, DraftHeads):
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, **options: Any) -> MtpHeads:
-        """`target`'s own (first) MTP layer as heads, attached to it (`load_mtp_model`'s or `load_qwen_mtp_layer`'s
+        """`target`'s own (first) MTP layer as heads, attached to it (`load_mtp_model`'s or `load_checkpoint_mtp_layer`'s
         errors; `options`: HeadsConfig fields, e.g. the tree or `eagle_draft_vocab_size`)."""
-        if reads_qwen_mtp_layout(target.config):  # Qwen3-Next / Qwen3.5: `mtp.*`, read here (heads/qwen_mtp.py)
+        if reads_checkpoint_mtp(target.config):  # Qwen3-Next, Qwen3.5, GLM-4.7-Flash: heads/checkpoint_mtp.py
             check_mtp_target(target)
             with torch.device("meta"):  # a skeleton the checkpoint's tensors are assigned to
                 heads = cls(cls.config_for(target, **options))
-            load_qwen_mtp_layer(heads.layer, heads.layer_config, target)
+            load_checkpoint_mtp_layer(heads.layer, heads.layer_config, target)
         else:
             mtp = load_mtp_model(target)
             with torch.device("meta"):  # a skeleton: the loaded layer takes its place, no memory spent on fresh weights

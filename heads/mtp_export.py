@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specheads.heads.base import DraftHeads
+from specheads.heads.checkpoint_mtp import BLOCK_PREFIX, QWEN_MTP_NAMES
 from specheads.heads.mtp import MtpHeads
-from specheads.heads.qwen_mtp import BLOCK_PREFIX, QWEN_MTP_NAMES
 
 
 def mtp_checkpoint_tensors(heads: MtpHeads, num_hidden_layers: int, under_mtp: bool = False) -> dict[str, torch.Tensor]:

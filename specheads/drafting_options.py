@@ -24,8 +24,8 @@ def add_drafting_options(p: argparse.ArgumentParser) -> None:
     group.add_argument("--early-exit-layers", type=int, default=None, metavar="N",
                        help="self-speculation: the target's own first N layers (+ its norm and lm_head) draft")
     group.add_argument("--mtp", action="store_true", default=None,
-                       help="the target's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5 / 4.6 / "
-                       "4.7, Qwen3-Next, Qwen3.5 / 3.6, ...: models shipped with one; no training), the same dynamic trees as EAGLE "
+                       help="the target's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7 / "
+                       "4.7-Flash, Qwen3-Next, Qwen3.5 / 3.6, ...: models shipped with one; no training), the same dynamic trees as EAGLE "
                        "heads (a chain on hybrid targets)")
 
 

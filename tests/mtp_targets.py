@@ -1,5 +1,6 @@
 """Tiny random targets shipped with an MTP layer, in their families' checkpoint layouts (tests of heads/mtp.py):
-DeepSeek-V3, GLM-4.5 and Mellum (read by transformers' MtpModel), Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (heads/qwen_mtp.py).
+DeepSeek-V3, GLM-4.5 and Mellum (read by transformers' MtpModel), Qwen3.5 / Qwen3.5-MoE / Qwen3-Next and GLM-4.7-Flash
+(heads/checkpoint_mtp.py).
 
 transformers finds a family's MTP tensors by the layer index its real checkpoints use (DeepSeek-V3: `model.layers.61.*`,
 GLM-4.5-Air: `model.layers.46.*`), so these targets have that many (tiny) decoder layers, then the MTP layer: a decoder
@@ -31,11 +32,17 @@ MTP_FAMILIES = {
     "mellum": (2, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                        layer_types=["sliding_attention", "full_attention", "full_attention"])),
 }
-# Qwen3-Next / Qwen3.5 keep one full-attention MTP layer under `mtp.*` in Mellum's names; the target: a Gated DeltaNet
-# layer and a full-attention one (the hybrid test families), then the MTP layer. Dense and mixture-of-experts.
+# Families whose MTP layer transformers does not load (heads/checkpoint_mtp.py reads it). Qwen3-Next / Qwen3.5 keep
+# one full-attention MTP layer under `mtp.*` in Mellum's names; the target: a Gated DeltaNet layer and a full-attention
+# one (the hybrid test families), then the MTP layer, dense or mixture-of-experts. GLM-4.7-Flash keeps it after its
+# decoder layers in DeepSeek-V3's names (MLA attention, experts; a dense first layer).
 QWEN_MTP_FAMILIES = {family: (2, dict(HYBRID_FAMILIES[family], tie_word_embeddings=False,
                                       layer_types=["linear_attention", "full_attention", "full_attention"]))
                      for family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")}
+CHECKPOINT_MTP_FAMILIES = {**QWEN_MTP_FAMILIES, "glm4_moe_lite": (2, dict(
+    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1, tie_word_embeddings=False,
+    mlp_layer_types=["dense", "sparse", "sparse"]))}
 MELLUM_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "shared_head.norm": "norm",
                 "eh_proj": "fc"}  # the DeepSeek layout's MTP module names -> Mellum's (under `mtp.`)
 
@@ -50,7 +57,7 @@ def write_mtp_target(folder: Path, family: str, vocab_size: int = 97, seed: int 
     The MTP layer reads only the embedding of x_{t+1} (`eh_proj` = [I, 0], norms of 1): it predicts x_{t+2} exactly, and
     any misalignment of what it reads would make it wrong. `tokenizer_from`: a folder whose tokenizer files are
     copied (for the command line; its vocabulary must be `vocab_size`)."""
-    layers, extra = {**MTP_FAMILIES, **QWEN_MTP_FAMILIES}[family]
+    layers, extra = {**MTP_FAMILIES, **CHECKPOINT_MTP_FAMILIES}[family]
     qwen = family in QWEN_MTP_FAMILIES
     fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers + 1, num_attention_heads=4,
                   num_key_value_heads=4, vocab_size=vocab_size, max_position_embeddings=256, bos_token_id=1,
@@ -63,6 +70,8 @@ def write_mtp_target(folder: Path, family: str, vocab_size: int = 97, seed: int 
     config.update({"mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers": 1})
     if qwen:
         config.update(layer_types=config["layer_types"][:layers])
+    if family == "glm4_moe_lite":
+        config.update(mlp_layer_types=config["mlp_layer_types"][:layers])
     if family == "mellum":  # per-layer lists, the MTP layer's own types
         config.update(layer_types=config["layer_types"][:layers], mlp_layer_types=config["mlp_layer_types"][:layers],
                       mtp_layer_types=["sliding_attention"], mtp_mlp_layer_types=["sparse"])

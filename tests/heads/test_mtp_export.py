@@ -1,5 +1,5 @@
 """`specheads export --format mtp`: fine-tuned MTP heads written back into their target's model folder, read back by
-transformers' own MTP loader (heads/qwen_mtp.py for Qwen3-Next / Qwen3.5) as the same layer."""
+transformers' own MTP loader (heads/checkpoint_mtp.py for Qwen3-Next, Qwen3.5, GLM-4.7-Flash) as the same layer."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from specheads import create_heads
 from specheads.cli import main
 from specheads.heads.mtp_export import export_mtp_into_target
 
-from ..mtp_targets import MTP_FAMILIES, QWEN_MTP_FAMILIES, load_mtp_target, write_mtp_target
+from ..mtp_targets import (
+    CHECKPOINT_MTP_FAMILIES,
+    MTP_FAMILIES,
+    QWEN_MTP_FAMILIES,
+    load_mtp_target,
+    write_mtp_target,
+)
 
 IDS, POSITIONS = torch.tensor([[3, 4, 5, 6]]), torch.arange(4)[None]
 MASK = torch.full((1, 1, 4, 4), torch.finfo(torch.float32).min).triu(1)
@@ -34,8 +40,9 @@ def draft_logits(heads, features):
         return heads.logits(heads(features, IDS, POSITIONS, MASK))
 
 
-# the model.layers.N layout, and the mtp.* one (Mellum's, read by transformers; Qwen's, by heads/qwen_mtp.py)
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "mellum", "qwen3_next", "qwen3_5_text"])
+# the model.layers.N layout (GLM-4.7-Flash's read by heads/checkpoint_mtp.py), and the mtp.* one (Mellum's, read by
+# transformers; Qwen's, by heads/checkpoint_mtp.py)
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "mellum", "qwen3_next", "qwen3_5_text"])
 def test_exported_mtp_heads_are_the_targets_mtp_layer_when_reloaded(tmp_path, family):
     folder = write_mtp_target(tmp_path / "target", family)
     heads = fine_tuned(load_mtp_target(folder))
@@ -48,7 +55,8 @@ def test_exported_mtp_heads_are_the_targets_mtp_layer_when_reloaded(tmp_path, fa
     assert not (out / "model.safetensors").is_symlink() and (out / "config.json").is_symlink()
     original, written = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(original) == set(written)
-    prefix = "mtp." if family in ("mellum", *QWEN_MTP_FAMILIES) else f"model.layers.{MTP_FAMILIES[family][0]}."
+    layers = {**MTP_FAMILIES, **CHECKPOINT_MTP_FAMILIES}[family][0]
+    prefix = "mtp." if family in ("mellum", *QWEN_MTP_FAMILIES) else f"model.layers.{layers}."
     changed = {name for name in original if not torch.equal(original[name], written[name])}
     assert changed and all(name.startswith(prefix) for name in changed)  # the MTP layer only
 

@@ -114,14 +114,10 @@ def test_mtp_sampling_follows_the_exact_law(chi_square):
 def test_a_target_without_mtp_layers_is_refused_by_name(mtp_folders, tmp_path, tiny_target_factory):
     with pytest.raises(ValueError, match=r"model_type='llama'\) declares no MTP layer.*--heads, --draft-model"):
         load_mtp_model(tiny_target_factory("llama"))
-    # GLM-4.7-Flash's family: the checkpoint has the layer, this transformers builds none for it
-    flash = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "glm4_moe_lite", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=97, n_routed_experts=4, moe_intermediate_size=32, kv_lora_rank=16,
-        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=1))
-    flash.config.name_or_path = "zai-org/GLM-4.7-Flash"
-    with pytest.raises(ValueError, match=r"ships 1 MTP layer\(s\) but transformers .* model_type='glm4_moe_lite'"):
-        load_mtp_model(flash)
+    # Nemotron-H's family: the checkpoint has the layer (attention, then experts), nothing here builds it
+    nano = tiny_target_factory("nemotron_h", num_nextn_predict_layers=1)
+    with pytest.raises(ValueError, match=r"ships 1 MTP layer\(s\) but transformers .* model_type='nemotron_h'"):
+        load_mtp_model(nano)
     target = load_mtp_target(mtp_folders["glm4_moe"])
     config_only = AutoModelForCausalLM.from_config(target.config)
     config_only.config.name_or_path = ""

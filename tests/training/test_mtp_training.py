@@ -41,7 +41,7 @@ def test_fine_tuning_the_mtp_layer_learns_and_drafts_exactly(tmp_path, stories_f
 
 
 def test_a_qwen3_next_mtp_layer_fine_tunes_on_its_hybrid_target(tmp_path, stories_file):
-    """The `mtp.*` layer of a Qwen3-Next target (heads/qwen_mtp.py) fine-tunes online, its target verified by chains."""
+    """The `mtp.*` layer of a Qwen3-Next target (heads/checkpoint_mtp.py) fine-tunes online, its target verified by chains."""
     folder = write_mtp_target(tmp_path / "target", "qwen3_next", vocab_size=512, tokenizer_from=STORIES)
     out = tmp_path / "run"
     extra = {"target": str(folder), "head.type": "mtp", "max_steps": 4, "save_steps": 4}

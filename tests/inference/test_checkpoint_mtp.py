@@ -1,10 +1,12 @@
-"""MTP drafting on Qwen3-Next / Qwen3.5 (heads/qwen_mtp.py): the `mtp.*` layer their checkpoints ship, which transformers
-does not load, read from the checkpoint and drafting the chains their hybrid layers are verified by.
+"""MTP drafting with the layers transformers ships but does not load (heads/checkpoint_mtp.py): Qwen3-Next's and
+Qwen3.5's `mtp.*` layer and GLM-4.7-Flash's `model.layers.N.*` one, read from the checkpoint; on Qwen's hybrids they
+draft the chains the DeltaNet layers are verified by.
 
-Tiny targets in the checkpoints' layout (tests/mtp_targets.py): a Gated DeltaNet layer, a full-attention layer, then
-the MTP layer under `mtp.*` (dense, mixture of experts stored expert by expert), and a Qwen3.5 vision-language model.
-The heads are checked against the MTP formula written out here over the checkpoint's tensors (`mtp.fc`, the
-zero-centred norms, the decoder layer as transformers loads it), and decode the target's own greedy output.
+Tiny targets in the checkpoints' layouts (tests/mtp_targets.py): Qwen: a Gated DeltaNet layer, a full-attention
+layer, then the MTP layer under `mtp.*` (dense, mixture of experts stored expert by expert), and a Qwen3.5
+vision-language model; GLM-4.7-Flash: two MLA layers, then the MTP layer. The heads are checked against the MTP formula
+written out here over the checkpoint's tensors (the projection, the norms, the decoder layer as transformers loads
+it), and decode the target's own greedy output.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from specheads.heads.describe import describe_heads
 from specheads.heads.mtp import MtpHeads, mtp_layer_count
 
 from ..conftest import build_tiny_vlm
-from ..mtp_targets import QWEN_MTP_FAMILIES, cycle_of, load_mtp_target, mtp_layer_inputs, write_mtp_target
+from ..mtp_targets import (
+    CHECKPOINT_MTP_FAMILIES,
+    cycle_of,
+    load_mtp_target,
+    mtp_layer_inputs,
+    write_mtp_target,
+)
 from .conftest import hf_greedy
 
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35, 8, 9, 79]])
@@ -32,47 +40,53 @@ STORIES = Path(__file__).resolve().parents[2] / "specheads" / "assets" / "storie
 
 
 @pytest.fixture(scope="module")
-def qwen_folders(tmp_path_factory) -> dict[str, Path]:
-    """family -> a folder holding a tiny random Qwen target of it with one MTP layer under `mtp.*`."""
-    return {family: write_mtp_target(tmp_path_factory.mktemp(family), family) for family in QWEN_MTP_FAMILIES}
+def mtp_folders(tmp_path_factory) -> dict[str, Path]:
+    """family -> a folder holding a tiny random target of it with one MTP layer transformers does not load."""
+    return {family: write_mtp_target(tmp_path_factory.mktemp(family), family) for family in CHECKPOINT_MTP_FAMILIES}
 
 
-def zero_centred_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3-Next's RMSNorm: its checkpoints store w with the scale 1 + w."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    """RMSNorm; Qwen3-Next's checkpoints store w for the scale 1 + w (`zero_centred`), GLM's the scale itself."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight if zero_centred else weight)
 
 
 def reference_mtp_logits(folder: Path, target, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-    """The MTP layer's logits from the checkpoint's tensors, as vLLM's qwen3_next_mtp computes them: norm(fc([norm_e(
-    embed(x_{t+1})); norm_h(f_t)])) through the decoder layer, its norm, the lm_head. The decoder layer is loaded by
-    transformers itself, as the third layer of a copy of the target whose checkpoint names it so."""
+    """The MTP layer's logits from the checkpoint's tensors, as vLLM's qwen3_next_mtp / glm4_moe_lite_mtp compute them:
+    norm(proj([norm_e(embed(x_{t+1})); norm_h(f_t)])) through the decoder layer, its norm, the lm_head. The decoder
+    layer is loaded by transformers itself, as layer N of a copy of the target whose config has N + 1 layers."""
     tensors = load_file(folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    layers, qwen = config["num_hidden_layers"], "mtp.fc.weight" in tensors
+    prefix = f"model.layers.{layers}."
+    enorm, hnorm, proj, norm = (["mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.fc", "mtp.norm"] if qwen
+                                else [prefix + n for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm")])
     copy = folder.parent / f"{folder.name}_as_layer"
     if not copy.exists():
-        config = json.loads((folder / "config.json").read_text())
-        config.update(num_hidden_layers=3, layer_types=[*config["layer_types"], "full_attention"])
         copy.mkdir()
+        config["num_hidden_layers"] = layers + 1
+        field, kind = ("layer_types", "full_attention") if qwen else ("mlp_layer_types", "sparse")
+        config[field] = [*config[field], kind]
         (copy / "config.json").write_text(json.dumps(config))
-        renamed = {name.replace("mtp.layers.0.", "model.layers.2."): tensor for name, tensor in tensors.items()}
+        renamed = {name.replace("mtp.layers.0.", prefix): tensor for name, tensor in tensors.items()}
         save_file(renamed, copy / "model.safetensors", metadata={"format": "pt"})
     whole = AutoModelForCausalLM.from_pretrained(copy).eval()
     eps, n = whole.config.rms_norm_eps, features.shape[1]
     embeds = target.get_input_embeddings()(next_ids)
-    joined = torch.cat([zero_centred_norm(embeds, tensors["mtp.pre_fc_norm_embedding.weight"], eps),
-                        zero_centred_norm(features, tensors["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1)
-    hidden = joined @ tensors["mtp.fc.weight"].T
+    joined = torch.cat([rms_norm(embeds, tensors[f"{enorm}.weight"], eps, qwen),
+                        rms_norm(features, tensors[f"{hnorm}.weight"], eps, qwen)], dim=-1)
+    hidden = joined @ tensors[f"{proj}.weight"].T
     positions = torch.arange(1, n + 1)[None]  # x_{t+1}'s positions (a shift: rotary attention reads differences)
     mask = torch.full((1, 1, n, n), torch.finfo(torch.float32).min).triu(1)
-    hidden = whole.model.layers[2](hidden, position_embeddings=whole.model.rotary_emb(hidden, positions),
-                                   attention_mask=mask, position_ids=positions)
-    return target.lm_head(zero_centred_norm(hidden, tensors["mtp.norm.weight"], eps))
+    hidden = whole.model.layers[layers](hidden, position_embeddings=whole.model.rotary_emb(hidden, positions),
+                                        attention_mask=mask, position_ids=positions)
+    return target.lm_head(rms_norm(hidden, tensors[f"{norm}.weight"], eps, qwen))
 
 
-@pytest.mark.parametrize("family", list(QWEN_MTP_FAMILIES))
-def test_the_mtp_heads_are_the_checkpoints_mtp_layer_and_decode_exactly(qwen_folders, family):
-    """At every position the heads' logits are the formula's over the checkpoint's `mtp.*` tensors (experts stacked
-    as transformers stacks the target's), and greedy decoding with its chains is the target's own."""
-    folder = qwen_folders[family]
+@pytest.mark.parametrize("family", list(CHECKPOINT_MTP_FAMILIES))
+def test_the_mtp_heads_are_the_checkpoints_mtp_layer_and_decode_exactly(mtp_folders, family):
+    """At every position the heads' logits are the formula's over the checkpoint's MTP tensors (experts stacked as
+    transformers stacks the target's), and greedy decoding with its chains (trees on GLM) is the target's own."""
+    folder = mtp_folders[family]
     target = load_mtp_target(folder)
     assert mtp_layer_count(target) == 1
     heads = MtpHeads.from_target(target)
@@ -82,17 +96,17 @@ def test_the_mtp_heads_are_the_checkpoints_mtp_layer_and_decode_exactly(qwen_fol
         ours = heads.logits(heads(features, next_ids, torch.arange(n)[None], mask))
         reference = reference_mtp_logits(folder, target, features, next_ids)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
-    lm = SpeculativeLM(target, heads)
-    assert lm.verifies_chains and lm.tree_description()["chain"] and lm.tree_description()["mtp"]
+    lm, hybrid = SpeculativeLM(target, heads), family != "glm4_moe_lite"
+    assert lm.verifies_chains == hybrid == lm.tree_description().get("chain", False) and lm.tree_description()["mtp"]
     assert torch.equal(lm.generate(PROMPT, max_new_tokens=40), hf_greedy(target, PROMPT, 40))
-    lm.configure_tree(tree_depth=3, tree_top_k=2, tree_num_nodes=6)  # several paths, rows of one forward
+    lm.configure_tree(tree_depth=3, tree_top_k=2, tree_num_nodes=6)  # several paths (a hybrid's: rows of one forward)
     assert torch.equal(lm.generate(PROMPT, max_new_tokens=24), hf_greedy(target, PROMPT, 24))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
-def test_a_right_mtp_layer_has_its_chains_accepted_whole(tmp_path, family):
-    """Where the MTP layer is right (a cycling target: it predicts x_{t+2} exactly), every level of every chain is
-    accepted: it reads (f_t, x_{t+1}) where it should, on a hybrid whose chains run pending tokens again."""
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "glm4_moe_lite"])
+def test_a_right_mtp_layer_has_its_drafts_accepted_whole(tmp_path, family):
+    """Where the MTP layer is right (a cycling target: it predicts x_{t+2} exactly), every level of every chain (tree
+    on GLM) is accepted: it reads (f_t, x_{t+1}) where it should, on hybrids whose chains run pending tokens again."""
     folder = write_mtp_target(tmp_path / family, family, cycling=True)
     target, cycle = load_mtp_target(folder), cycle_of(folder)
     lm = SpeculativeLM(target, MtpHeads.from_target(target))
@@ -100,13 +114,13 @@ def test_a_right_mtp_layer_has_its_chains_accepted_whole(tmp_path, family):
     for _ in range(30):
         expected.append(cycle[expected[-1]])
     assert lm.generate(PROMPT, max_new_tokens=30)[0, PROMPT.shape[1]:].tolist() == expected[1:]
-    assert lm.last_stats["accepted_per_depth"] == [1.0, 1.0, 1.0, 1.0]  # the CPU chain's 4 levels, every round
+    assert lm.last_stats["accepted_per_depth"] == [1.0, 1.0, 1.0, 1.0]  # the CPU tree's 4 levels, every round
 
 
-def test_a_sharded_checkpoint_from_the_hub_cache(qwen_folders, tmp_path, offline_hub_cache):
+def test_a_sharded_checkpoint_from_the_hub_cache(mtp_folders, tmp_path, offline_hub_cache):
     """Real checkpoints are sharded with an index, the MTP layer in a shard of its own, and loaded by Hub id: the
     layer is read through the index from the offline HF cache, the same layer as from the single file."""
-    folder = qwen_folders["qwen3_next"]
+    folder = mtp_folders["qwen3_next"]
     tensors = load_file(folder / "model.safetensors")
     sharded = tmp_path / "sharded"
     sharded.mkdir()
@@ -167,12 +181,12 @@ def test_qwen_mtp_heads_save_load_and_serve_from_the_command_line(tmp_path, capf
     assert summary["mtp_layers"] == 1 and f"--target {folder} --mtp" in summary["mtp_usage"]
 
 
-def test_what_qwen_mtp_cannot_read_is_refused_by_name(qwen_folders, tmp_path):
-    folder = qwen_folders["qwen3_5_text"]
-    target = load_mtp_target(folder)
-    target.save_pretrained(tmp_path / "resaved")  # transformers drops the mtp.* tensors it did not load
-    with pytest.raises(ValueError, match=r"has no mtp\.\* tensors .*point at the original checkpoint"):
-        MtpHeads.from_target(load_mtp_target(tmp_path / "resaved"))
+def test_what_cannot_be_read_is_refused_by_name(mtp_folders, tmp_path):
+    for family, prefix in (("qwen3_5_text", r"mtp\.layers\.0\."), ("glm4_moe_lite", r"model\.layers\.2\.")):
+        load_mtp_target(mtp_folders[family]).save_pretrained(tmp_path / family)  # transformers drops what it skipped
+        with pytest.raises(ValueError, match=rf"has no {prefix}\* tensors: no MTP layer .*the original checkpoint"):
+            MtpHeads.from_target(load_mtp_target(tmp_path / family))
+    folder = mtp_folders["qwen3_5_text"]
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)
     tensors = load_file(broken / "model.safetensors")
