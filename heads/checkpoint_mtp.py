@@ -82,37 +82,39 @@ def mtp_tensor_names(text_config: PretrainedConfig) -> tuple[str, dict[str, str]
         prefix + name for name in TARGETS_OWN)
 
 
-def checkpoint_weight_map(name_or_path: str) -> dict[str, Path]:
-    """{tensor name: safetensors file} of the checkpoint a target was loaded from (a folder, or a Hub id in the HF
-    cache): its index, else its one `model.safetensors`.
+def checkpoint_file(name_or_path: str, filename: str) -> str | None:
+    """The local path of one file of the checkpoint a target was loaded from (a folder, or a Hub id: from the HF
+    cache, downloaded when online and not there); None when the checkpoint has no such file."""
+    return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False)
+
+
+def checkpoint_weight_map(name_or_path: str) -> dict[str, str]:
+    """{tensor name: safetensors file name} of the checkpoint a target was loaded from: its shard index, else its one
+    `model.safetensors` (only the index is fetched for a sharded one).
 
     Raises:
         ValueError: no safetensors weights found there.
     """
-    def resolve(filename: str) -> str | None:
-        return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)
-
-    index = resolve("model.safetensors.index.json")
+    index = checkpoint_file(name_or_path, "model.safetensors.index.json")
     if index is not None:
-        weight_map = json.loads(Path(index).read_text())["weight_map"]
-        files = {name: resolve(name) for name in set(weight_map.values())}
-        return {tensor: Path(files[name]) for tensor, name in weight_map.items() if files[name] is not None}
-    single = resolve("model.safetensors")
+        return dict(json.loads(Path(index).read_text())["weight_map"])
+    single = checkpoint_file(name_or_path, "model.safetensors")
     if single is None:
         raise ValueError(f"no safetensors weights found for {name_or_path!r}: the MTP layer is read from the "
                          "checkpoint the target was loaded from")
     with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), Path(single))
+        return dict.fromkeys(f.keys(), "model.safetensors")
 
 
 def read_mtp_tensors(name_or_path: str, block_prefix: str, module_names: dict[str, str],
                      unread: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The first MTP layer's tensors in the checkpoint (those under `block_prefix` and the `module_names`, not the
-    `unread` ones), by their checkpoint names, opening only the files that hold them.
+    `unread` ones), by their checkpoint names, opening (and fetching) only the files that hold them.
 
     Raises:
-        ValueError: none there (e.g. a copy saved by transformers, which drops them), or quantized ones.
+        ValueError: none there (e.g. a copy saved by transformers, which drops them), quantized ones, or a file of
+            the index missing.
     """
     weight_map = checkpoint_weight_map(name_or_path)
     wanted = [name for name in weight_map
@@ -128,9 +130,12 @@ def read_mtp_tensors(name_or_path: str, block_prefix: str, module_names: dict[st
         raise ValueError(f"the MTP layer of {name_or_path!r} is quantized ({quantized[0]}, ...): MTP drafting reads "
                          "floating-point MTP tensors; use the BF16 checkpoint")
     tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(set(weight_map[name] for name in wanted)):
-        with safe_open(str(file), framework="pt") as f:
-            tensors.update({name: f.get_tensor(name) for name in wanted if weight_map[name] == file})
+    for filename in sorted(set(weight_map[name] for name in wanted)):
+        path = checkpoint_file(name_or_path, filename)
+        if path is None:
+            raise ValueError(f"{name_or_path!r}: {filename}, which its index names for the MTP layer, is missing")
+        with safe_open(path, framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in wanted if weight_map[name] == filename})
     return tensors
 
 

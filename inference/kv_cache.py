@@ -210,6 +210,16 @@ def restore_states(cache: Cache, snapshot: list[LayerStates]) -> None:
                     current[index].copy_(state)
 
 
+def put_states(cache: Cache, snapshot: list[LayerStates]) -> None:
+    """Set every state layer's states to copies of those `snapshot_states` took, earlier in the sequence (new tensors:
+    a recording convolution's states may have grown since)."""
+    for layer, (conv, recurrent) in zip(state_layers(cache), snapshot, strict=True):
+        for saved, current in ((conv, layer.conv_states), (recurrent, layer.recurrent_states)):
+            for index, state in saved.items():
+                if state is not None:
+                    current[index] = state.clone()
+
+
 def cut_back(cache: Cache, length: int) -> bool:
     """Cut a hybrid target's cache back to its first `length` positions if its states allow it: always when it holds
     exactly that many; fewer only for convolution-only states recorded whole (LFM2) since they were last cut back,

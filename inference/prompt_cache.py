@@ -28,9 +28,21 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .kv_cache import cache_length, crop_cache, cut_back, state_layers
+from .kv_cache import (
+    LayerStates,
+    cache_length,
+    crop_cache,
+    cut_back,
+    put_states,
+    snapshot_states,
+    state_layers,
+)
 from .multimodal import image_token_ids, inputs_fingerprint
 from .static_cache import StaticTreeCache
+
+# A hybrid target's states cannot be cut back to an earlier position, so its cache keeps copies of them where recent
+# calls started (what they reused): a regenerated answer or an edited last message reuses the history before it.
+STATE_CHECKPOINTS = 4
 
 
 def shared_prefix_length(held: torch.Tensor, prompt: torch.Tensor) -> int:
@@ -49,12 +61,15 @@ class PromptCache:
     Usage: `cache = PromptCache()`, then `lm.generate(ids, prompt_cache=cache)` for each turn with the whole
     conversation so far as `ids`; `lm.last_stats["reused_prompt_tokens"]` says how many prompt tokens were not run
     again. One cache per conversation and per `SpeculativeLM` (a cache filled by other models is refused); an edited
-    history reuses the part before the first changed token. A call that fails leaves the cache empty (the next one
-    runs its whole prompt), never half-updated.
+    history reuses the part before the first changed token (a hybrid target's, whose states cannot be cut back: the
+    part before the latest `checkpoints` entry within it, where one of its last STATE_CHECKPOINTS calls started). A
+    call that fails leaves the cache empty (the next one runs its whole prompt), never half-updated.
     """
 
     def __init__(self) -> None:
         self.tokens: torch.Tensor | None = None  # (S,) the ids whose entries are held
+        # hybrids: (k, the state layers' states after the first k held tokens), k ascending, at most STATE_CHECKPOINTS
+        self.checkpoints: list[tuple[int, list[LayerStates]]] = []
         self.cache: Cache | None = None  # the target's keys / values of those S positions (dynamic, or a runner's static)
         self.sequence_number: int | None = None  # a static cache's sequence_number when stored
         self.features: torch.Tensor | None = None  # (S, h) the heads' input features of those positions
@@ -70,6 +85,7 @@ class PromptCache:
         self.tokens = self.cache = self.features = self.sequence_number = None
         self._models = self.inputs_key = None
         self.position_offset = 0
+        self.checkpoints = []
 
     def shared_length(self, prompt: torch.Tensor) -> int:
         """How many leading tokens of `prompt` (n,) the cache holds, at most n - 1 (the target must run the last
@@ -124,7 +140,7 @@ class PromptCache:
             image_tokens = image_token_ids(target)
             if not image_tokens or any(int(t) in image_tokens for t in prompt[shared:].tolist()):
                 shared = 0
-        cache, features, sequence_number = self.cache, self.features, self.sequence_number
+        cache, features, sequence_number, checkpoints = self.cache, self.features, self.sequence_number, self.checkpoints
         self.reset()
         if static_cache is not None:  # usable only if still this sequence's entries
             if not isinstance(cache, StaticTreeCache) or sequence_number != cache.sequence_number:
@@ -141,7 +157,13 @@ class PromptCache:
         if shared == 0:
             return None, None, 0
         if cache is not None and state_layers(cache):  # a hybrid's: its states are those after all it holds
-            return (cache, features[:shared], shared) if cut_back(cache, shared) else (None, None, 0)
+            kept = rewind_states(cache, shared, checkpoints)
+            if kept == 0:
+                return None, None, 0
+            # the held checkpoints before this point stay valid; one more at it (where this call starts)
+            self.checkpoints = [c for c in checkpoints if c[0] < kept][1 - STATE_CHECKPOINTS:] + [
+                (kept, snapshot_states(cache))]
+            return cache, features[:kept], kept
         if not isinstance(cache, StaticTreeCache):  # a static cache's prefill writes from the shared length on
             crop_cache(cache, shared)
         return cache, features[:shared], shared
@@ -176,6 +198,7 @@ class PromptCache:
             self.sequence_number = cache.sequence_number
         else:
             crop_cache(cache, length)
+        self.checkpoints = [c for c in self.checkpoints if c[0] <= length]  # `take` made them, for these tokens
         self.tokens, self.cache, self.features = tokens, cache, features[:length]
         self._models = (target, heads)
         self.inputs_key, self.position_offset = inputs_key, position_offset
@@ -192,6 +215,21 @@ class PromptCache:
         held = min(committed, prompt.shape[0] + len(new_tokens))
         sequence = torch.cat([prompt, torch.tensor(new_tokens, dtype=prompt.dtype, device=prompt.device)])
         self.store(sequence[:held], cache, features, target, heads, images_key(inputs, prompt.shape[0]), position_offset)
+
+
+def rewind_states(cache: Cache, shared: int, checkpoints: list[tuple[int, list[LayerStates]]]) -> int:
+    """Bring a hybrid target's `cache` back to at most its first `shared` positions: all of them where its states allow
+    (`kv_cache.cut_back`), else the latest checkpoint within them (its states put back, keys / values cropped).
+    Returns the positions kept (0: none usable)."""
+    if cut_back(cache, shared):
+        return shared
+    usable = [checkpoint for checkpoint in checkpoints if 0 < checkpoint[0] <= shared]
+    if not usable:
+        return 0
+    kept, states = usable[-1]
+    put_states(cache, states)
+    crop_cache(cache, kept)
+    return kept
 
 
 def images_key(inputs: dict[str, torch.Tensor] | None, prompt_length: int) -> str | None:

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from specheads import HEAD_TYPES, SpeculativeLM, create_heads
+from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference import chain_verify
 from specheads.inference.batched import BatchEngine
 from specheads.inference.chain_verify import ChainVerifier
@@ -474,6 +475,49 @@ def test_a_prompt_cache_carries_a_hybrids_conversation(tiny_target_factory, orac
     assert lm.last_stats["reused_prompt_tokens"] == 0
     turn(torch.cat([edited, torch.tensor([[8, 9]])], dim=1), 16)
     assert lm.last_stats["reused_prompt_tokens"] > second.shape[1]
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text"])
+def test_a_regenerated_answer_or_edited_last_message_reuses_the_history_before_it(tiny_target_factory, oracle_drafter,
+                                                                                   family):
+    """A hybrid's cache keeps its states where each turn started (`PromptCache.checkpoints`): asking the last question
+    again, or another one in its place, reuses the conversation before it; an edit before every checkpoint runs whole.
+    Every answer is the target's."""
+    target = tiny_target_factory(family, initializer_range=0.2)
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    cache = PromptCache()
+
+    def turn(ids: torch.Tensor, max_new_tokens: int = 12) -> torch.Tensor:
+        reference = hf_greedy(target, ids, max_new_tokens)
+        lm.use_drafter(oracle_drafter(reference[0].tolist() + [0] * 8, 97, depth=4, corruption_rate=0.3,
+                                      rescue_rate=0.0, decoy_rate=0.0))
+        out = lm.generate(ids, max_new_tokens=max_new_tokens, prompt_cache=cache)
+        assert torch.equal(out, reference)
+        return out
+
+    first = turn(PROMPT)
+    second = turn(torch.cat([first, torch.tensor([[5, 6, 7]])], dim=1))
+    history = lm.last_stats["reused_prompt_tokens"]  # where the second turn started: its checkpoint
+    assert history > PROMPT.shape[1] and [k for k, _ in cache.checkpoints] == [history]
+    third = turn(torch.cat([second, torch.tensor([[8, 9]])], dim=1))
+    later = lm.last_stats["reused_prompt_tokens"]
+    assert later > history and [k for k, _ in cache.checkpoints] == [history, later]
+    turn(torch.cat([second, torch.tensor([[8, 9]])], dim=1))  # the third answer regenerated
+    assert lm.last_stats["reused_prompt_tokens"] == later
+    turn(torch.cat([first, torch.tensor([[11, 12, 13, 14]])], dim=1))  # the second question edited
+    assert lm.last_stats["reused_prompt_tokens"] == history
+    assert [k for k, _ in cache.checkpoints] == [history]  # the later one held other tokens
+    # what `take` hands over for another edit: a cache that continues as a fresh run of the history would
+    prompt = torch.cat([first, torch.tensor([[21, 22]])], dim=1)[0]
+    held, _, kept = cache.take(prompt, target, lm.heads)
+    assert kept == history
+    with torch.no_grad():
+        continued = target(prompt[None, kept:], **cache_kwargs(target, held), use_cache=True).logits
+        torch.testing.assert_close(continued, target(prompt[None]).logits[:, kept:], atol=1e-4, rtol=1e-4)
+    edited = third[:, :6].clone()
+    edited[0, 2] = 50  # before every checkpoint
+    turn(edited)
+    assert lm.last_stats["reused_prompt_tokens"] == 0 and cache.checkpoints == []
 
 
 @pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text"])

@@ -41,15 +41,19 @@ def test_fine_tuning_the_mtp_layer_learns_and_drafts_exactly(tmp_path, stories_f
 
 
 def test_a_qwen3_next_mtp_layer_fine_tunes_on_its_hybrid_target(tmp_path, stories_file):
-    """The `mtp.*` layer of a Qwen3-Next target (heads/checkpoint_mtp.py) fine-tunes online, its target verified by chains."""
+    """The `mtp.*` layer of a Qwen3-Next target (heads/checkpoint_mtp.py) fine-tunes online, its target verified by
+    chains, with a draft vocabulary of the data's 96 most frequent tokens chosen by the run."""
     folder = write_mtp_target(tmp_path / "target", "qwen3_next", vocab_size=512, tokenizer_from=STORIES)
     out = tmp_path / "run"
-    extra = {"target": str(folder), "head.type": "mtp", "max_steps": 4, "save_steps": 4}
+    extra = {"target": str(folder), "head.type": "mtp", "max_steps": 4, "save_steps": 4,
+             "head.options.eagle_draft_vocab_size": 96}
     assert main(["train", str(Path(__file__).parents[2] / "configs/train/eagle_stories260k.yaml"),
                  *overrides(stories_file, out, **extra)]) == 0
     target = load_mtp_target(folder)
     trained, shipped = load_heads(out / "final", target=target), create_heads(target, "mtp")
-    assert trained.config.draft_layer_config["model_type"] == "qwen3_next"
+    assert trained.config.draft_layer_config["model_type"] == "qwen3_next" and trained.draft_vocab_size == 96
+    assert json.loads((out / "metrics.json").read_text())["draft_vocab_coverage"] > 0.5
+    assert not torch.equal(trained.d2t.cpu(), torch.arange(96))  # the data's tokens, not the first ids
     assert any(not torch.equal(trained.state_dict()[name], value) for name, value in shipped.state_dict().items())
     _, tokenizer = load_target(str(folder))
     prompt = tokenizer("Once upon a time", return_tensors="pt").input_ids
