@@ -190,6 +190,20 @@ class ChatSession:
             raise ValueError("reply() goes on after tool results (add_tool_result); to say something, use ask(text)")
         return self._answer(streamer)
 
+    def regenerate(self, streamer: Any | None = None) -> str:
+        """Answer the last user message again: its answer leaves the history, a new one (another draw when sampling)
+        takes its place; returns its text. The cache reuses the conversation before that message (a hybrid target's
+        too: its states are kept where the turn started, `PromptCache.checkpoints`)."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise ValueError("regenerate() answers the last user message again; the conversation ends with no answer "
+                             f"(last message: {self.messages[-1]['role'] if self.messages else 'none'})")
+        dropped = self.messages.pop()
+        try:
+            return self._answer(streamer)
+        except BaseException:
+            self.messages.append(dropped)  # no new answer (an error, Ctrl-C): the old one stays
+            raise
+
     def _answer(self, streamer: Any | None) -> str:
         """Generate the assistant's turn after the history, add it (its calls read out when the session has tools),
         return its text (the content, with tools)."""

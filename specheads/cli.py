@@ -122,7 +122,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="interactive multi-turn chat (stdin lines; /reset, /exit), the cache kept between turns")
+    p = sub.add_parser("chat", help="interactive multi-turn chat (stdin lines; /retry, /reset, /exit), the cache kept "
+                       "between turns")
     _add_decoding_options(p)
     p.add_argument("--system", default=None, help="a system message to open the conversation")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
@@ -356,8 +357,8 @@ def run_generate_file(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    """The chat loop: one user message per stdin line; `/reset` starts over, `/exit` (or end of input) quits, Ctrl-C
-    during an answer drops that turn."""
+    """The chat loop: one user message per stdin line; `/retry` answers the last message again, `/reset` starts over,
+    `/exit` (or end of input) quits, Ctrl-C during an answer drops that turn."""
     from specheads.inference.chat import ChatSession, read_chat_template
     from specheads.inference.multimodal import image_processor_for, takes_images
     from specheads.inference.tree import tree_spec
@@ -373,7 +374,8 @@ def run_chat(args: argparse.Namespace) -> int:
                           **_generate_options(args))
     print(f"[specheads] chat with {args.target} (tree {tree_spec(lm.tree_description())}; "
           f"{', '.join(f'{k}={v}' for k, v in kernels.items())}); "
-          f"/reset starts over, {'/image FILE attaches an image, ' if processor else ''}/exit quits", file=sys.stderr)
+          f"/retry answers again, /reset starts over, {'/image FILE attaches an image, ' if processor else ''}"
+          "/exit quits", file=sys.stderr)
     reasoning = args.reasoning
     if reasoning == "auto":
         from specheads.inference.reasoning import detect_reasoning_parser
@@ -430,10 +432,16 @@ def _chat_loop(session, images: list[str], reasoning: str = "raw") -> None:
             return (TextStreamer(session.tokenizer, skip_prompt=True, skip_special_tokens=True) if reasoning == "raw"
                     else ReasoningStreamer(session.tokenizer, show_reasoning=reasoning == "show"))
 
+        if text == "/retry" and not (session.messages and session.messages[-1]["role"] == "assistant"):
+            print("[specheads] /retry: there is no answer to give again yet", file=sys.stderr)
+            continue
         printer = streamer()
         try:
-            session.ask(text, streamer=printer, images=images)
-            images = []
+            if text == "/retry":
+                session.regenerate(streamer=printer)
+            else:
+                session.ask(text, streamer=printer, images=images)
+                images = []
         except KeyboardInterrupt:
             print("\n[specheads] interrupted: the turn is dropped", file=sys.stderr)
             continue

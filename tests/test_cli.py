@@ -350,6 +350,27 @@ def test_chat_answers_each_line_reuses_the_cache_and_resets(stories260k_eagle_di
     assert "new conversation" in err
 
 
+def test_chat_retry_answers_the_last_message_again_from_the_cache(stories260k_eagle_dir, stories260k, tmp_path,
+                                                                   capfd, monkeypatch):
+    """`/retry` (`ChatSession.regenerate`): the last answer is replaced by a new one to the same conversation (greedy:
+    the same text), from the cache; before any answer it says so."""
+    import io
+
+    target, tokenizer = stories260k
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/retry\nTom had a dog\nWhat did the dog do\n/retry\n"))
+    assert main(["chat", "--heads", str(stories260k_eagle_dir), "--chat-template", str(template),
+                 "--max-new-tokens", "20"]) == 0
+    out, err = capfd.readouterr()
+    answers = out.splitlines()
+    assert len(answers) == 3 and answers[1] == answers[2] and answers[0] != answers[1]
+    assert "/retry: there is no answer to give again yet" in err
+    reused = [int(line.split("(")[1].split(" reused")[0]) for line in err.splitlines() if "tokens/s" in line]
+    # a Llama's cache is cropped anywhere: the retry reuses the whole conversation but the prompt's last token
+    assert len(reused) == 3 and reused[2] > reused[1] > 0
+
+
 def test_chat_without_a_template_is_a_clear_error(stories260k_eagle_dir, capsys, monkeypatch):
     import io
 

@@ -538,3 +538,19 @@ def test_the_chain_bench_script_runs_and_checks_identity(tmp_path, monkeypatch, 
     assert [row["max_pending"] for row in report["settings"]] == [2, 16]
     assert all(row["tau"] > 1 for row in report["settings"]) and report["runs_differing_from_generate"] == 0
     assert set(report["verification_ms_by_tokens"]) == {"1", "2", "4", "6", "8", "12", "16", "24"}
+
+
+def test_the_regenerate_bench_script_runs_and_checks_identity(tmp_path, monkeypatch):
+    """scripts/hybrid_regenerate_bench.py --tiny: a regeneration from the checkpoint runs fewer prompt tokens than from
+    an empty cache, the same answer (the script checks it)."""
+    import runpy
+    import sys
+
+    scripts = Path(__file__).parents[2] / "scripts"
+    out = tmp_path / "regenerate.json"
+    monkeypatch.syspath_prepend(str(scripts))  # it imports hybrid_chain_bench's shapes, as `python scripts/...` does
+    monkeypatch.setattr(sys, "argv", ["hybrid_regenerate_bench.py", "--tiny", "--history", "48", "--repeats", "1",
+                                      "--threads", "1", "--out", str(out)])
+    runpy.run_path(str(scripts / "hybrid_regenerate_bench.py"), run_name="__main__")
+    results = json.loads(out.read_text())["results"]
+    assert 0 < results["checkpoint"]["prompt_tokens_run"] < results["empty cache"]["prompt_tokens_run"]
