@@ -76,6 +76,7 @@ class PromptCache:
         self._models: tuple[PreTrainedModel, PreTrainedModel] | None = None  # (target, heads) that filled it
         self.inputs_key: str | None = None  # `multimodal.inputs_fingerprint` of the images it holds (None: text)
         self.position_offset = 0  # the held text positions' offset from cache indices (M-RoPE after an image)
+        self.last_call_start = 0  # how many held tokens the last call reused: where its new part (its turn) began
 
     def __len__(self) -> int:
         return 0 if self.tokens is None else int(self.tokens.shape[0])
@@ -84,7 +85,7 @@ class PromptCache:
         """Forget everything held (a new conversation)."""
         self.tokens = self.cache = self.features = self.sequence_number = None
         self._models = self.inputs_key = None
-        self.position_offset = 0
+        self.position_offset = self.last_call_start = 0
         self.checkpoints = []
 
     def shared_length(self, prompt: torch.Tensor) -> int:
@@ -163,9 +164,11 @@ class PromptCache:
             # the held checkpoints before this point stay valid; one more at it (where this call starts)
             self.checkpoints = [c for c in checkpoints if c[0] < kept][1 - STATE_CHECKPOINTS:] + [
                 (kept, snapshot_states(cache))]
+            self.last_call_start = kept
             return cache, features[:kept], kept
         if not isinstance(cache, StaticTreeCache):  # a static cache's prefill writes from the shared length on
             crop_cache(cache, shared)
+        self.last_call_start = shared
         return cache, features[:shared], shared
 
     def store(
@@ -256,10 +259,12 @@ class PromptCachePool:
     """Prompt caches for several interleaved conversations (a server's clients).
 
     A call takes the slot its prompt continues (the prompt starts with the slot's held sequence, up to its last
-    `tail` tokens: a client re-tokenizing an answer may differ at its end) or lies within (the prompt is a prefix of
-    what the slot holds: an answer regenerated), the longest such; else the least recently used slot, whose
-    conversation is then forgotten. Only those cases reuse a slot, so conversations that share just a system prompt
-    do not take over each other's slots (each runs the system prompt once, in its own slot).
+    `tail` tokens: a client re-tokenizing an answer may differ at its end), lies within (the prompt is a prefix of
+    what the slot holds: an answer regenerated) or edits the last turn of (the prompt keeps the slot's conversation up
+    to where its last call began, `PromptCache.last_call_start`, then differs: the last message edited), the longest
+    such; else the least recently used slot, whose conversation is then forgotten. Only those cases reuse a slot, so
+    conversations that share just a system prompt do not take over each other's slots (each runs the system prompt
+    once, in its own slot).
 
     Args:
         slots: how many conversations are kept at once; 0 keeps none (`take` returns None: every prompt runs whole).
@@ -278,7 +283,8 @@ class PromptCachePool:
             return None
         shared = [cache.shared_length(prompt) for cache in self.caches]
         fits = [i for i, cache in enumerate(self.caches)
-                if len(cache) - shared[i] <= self.tail or shared[i] == prompt.shape[0] - 1]
+                if len(cache) - shared[i] <= self.tail or shared[i] == prompt.shape[0] - 1
+                or 0 < cache.last_call_start <= shared[i]]
         best = max(fits, key=lambda i: shared[i]) if fits else 0  # max: the least recently used of equals
         cache = self.caches.pop(best)
         self.caches.append(cache)

@@ -499,6 +499,7 @@ def test_a_regenerated_answer_or_edited_last_message_reuses_the_history_before_i
     second = turn(torch.cat([first, torch.tensor([[5, 6, 7]])], dim=1))
     history = lm.last_stats["reused_prompt_tokens"]  # where the second turn started: its checkpoint
     assert history > PROMPT.shape[1] and [k for k, _ in cache.checkpoints] == [history]
+    assert cache.last_call_start == history  # what a server's pool reads to give an edited last message this slot
     third = turn(torch.cat([second, torch.tensor([[8, 9]])], dim=1))
     later = lm.last_stats["reused_prompt_tokens"]
     assert later > history and [k for k, _ in cache.checkpoints] == [history, later]

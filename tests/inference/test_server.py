@@ -506,6 +506,17 @@ def test_pool_keeps_interleaved_conversations_apart():
         PromptCachePool(-1)
 
 
+def test_pool_gives_an_edited_last_message_its_conversations_slot():
+    """A prompt that keeps a slot's conversation up to where its last call began, then differs (the last message
+    edited, as chat UIs allow), takes that slot; an edit before it does not (here: the empty slot)."""
+    pool = PromptCachePool(2)
+    a, b = pool.take(torch.tensor([1, 2, 3, 10])), pool.take(torch.tensor([1, 2, 3, 20]))
+    a.tokens = torch.tensor([1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23])
+    a.last_call_start = 9  # a's last call reused its first 9 tokens: its last turn began there
+    assert pool.take(torch.tensor([1, 2, 3, 10, 11, 12, 13, 14, 15, 40, 41])) is a
+    assert pool.take(torch.tensor([1, 2, 3, 10, 11, 12, 13, 50, 51])) is b
+
+
 class LetterTokenizer:
     """Decodes ids as letters, a few at once (what a streamer sees)."""
 
