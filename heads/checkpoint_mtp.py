@@ -101,8 +101,8 @@ def checkpoint_weight_map(name_or_path: str) -> dict[str, str]:
         return dict(json.loads(Path(index).read_text())["weight_map"])
     single = checkpoint_file(name_or_path, "model.safetensors")
     if single is None:
-        raise ValueError(f"no safetensors weights found for {name_or_path!r}: the MTP layer is read from the "
-                         "checkpoint the target was loaded from")
+        raise ValueError(f"no safetensors weights (model.safetensors or its index) found for {name_or_path!r}: MTP "
+                         "layers are read from, and exported into, a model's safetensors checkpoint")
     with safe_open(single, framework="pt") as f:
         return dict.fromkeys(f.keys(), "model.safetensors")
 

@@ -18,7 +18,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from specheads.heads.checkpoint_mtp import checkpoint_mtp_layer_count
 from specheads.heads.config import EAGLE3_NORM_FIELDS
 from specheads.heads.loading import WEIGHTS_NAME, _resolve_folder, is_heads_config, load_heads
 
@@ -174,8 +173,9 @@ def describe_draft_model(folder: Path) -> dict[str, Any]:
             for name in f.keys():
                 parameters += math.prod(f.get_slice(name).get_shape())
     target = card_base_model(folder)
-    declared = getattr(config, "num_mtp_layers", None)  # a model shipped with MTP layers drafts for itself: --mtp
-    mtp_layers = declared if isinstance(declared, int) else checkpoint_mtp_layer_count(config)  # Qwen's, GLM-4.7-Flash's
+    from specheads.heads.mtp import declared_mtp_layers
+
+    mtp_layers = declared_mtp_layers(config)  # a model shipped with MTP layers drafts for itself: --mtp
     mtp = {"mtp_layers": mtp_layers, "mtp_usage": f"specheads generate --target {folder} --mtp --prompt ..."} \
         if isinstance(mtp_layers, int) and mtp_layers > 0 else {}
     return {

@@ -54,9 +54,14 @@ MTP_CPU_TREE = dict(tree_depth=4, tree_top_k=4, tree_num_nodes=8)
 def mtp_layer_count(target: PreTrainedModel) -> int:
     """How many MTP layers `target`'s config declares (`num_mtp_layers`, DeepSeek's `num_nextn_predict_layers`, Qwen's
     `mtp_num_hidden_layers`); 0 for none."""
-    text = target.config.get_text_config()
-    count = getattr(text, "num_mtp_layers", None)
-    return count if isinstance(count, int) and not isinstance(count, bool) else checkpoint_mtp_layer_count(text)
+    return declared_mtp_layers(target.config.get_text_config())
+
+
+def declared_mtp_layers(text_config: PretrainedConfig) -> int:
+    """`mtp_layer_count` of a text config (a model folder's, nothing loaded)."""
+    count = getattr(text_config, "num_mtp_layers", None)
+    valid = isinstance(count, int) and not isinstance(count, bool)
+    return count if valid else checkpoint_mtp_layer_count(text_config)
 
 
 def reads_checkpoint_mtp(config: PretrainedConfig) -> bool:
@@ -203,15 +208,14 @@ class MtpHeads(TargetRowsDraftVocab, DraftHeads):
     def from_target(cls, target: PreTrainedModel, **options: Any) -> MtpHeads:
         """`target`'s own (first) MTP layer as heads, attached to it (`load_mtp_model`'s or `load_checkpoint_mtp_layer`'s
         errors; `options`: HeadsConfig fields, e.g. the tree or `eagle_draft_vocab_size`)."""
-        if reads_checkpoint_mtp(target.config):  # Qwen3-Next, Qwen3.5, GLM-4.7-Flash: heads/checkpoint_mtp.py
-            check_mtp_target(target)
-            with torch.device("meta"):  # a skeleton the checkpoint's tensors are assigned to
-                heads = cls(cls.config_for(target, **options))
+        check_mtp_target(target)
+        # Qwen3-Next, Qwen3.5, GLM-4.7-Flash: read by heads/checkpoint_mtp.py; the others: transformers' MtpModel
+        mtp = None if reads_checkpoint_mtp(target.config) else load_mtp_model(target)
+        with torch.device("meta"):  # a skeleton: no memory spent on fresh weights
+            heads = cls(cls.config_for(target, **options))
+        if mtp is None:  # the checkpoint's tensors assigned to the skeleton's layer
             load_checkpoint_mtp_layer(heads.layer, heads.layer_config, target)
-        else:
-            mtp = load_mtp_model(target)
-            with torch.device("meta"):  # a skeleton: the loaded layer takes its place, no memory spent on fresh weights
-                heads = cls(cls.config_for(target, **options))
+        else:  # the loaded layer takes the skeleton's place
             heads.layer = mtp.layers[0]
             heads.shared_post_norm = mtp.shared_post_norm if mtp.use_shared_post_norm else None
         if heads.d2t is not None:  # a draft vocabulary asked for (options): the first ids until set_draft_vocab

@@ -16,7 +16,6 @@ would need the layer quantized: refused by name).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,12 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specheads.heads.base import DraftHeads
-from specheads.heads.checkpoint_mtp import BLOCK_PREFIX, QWEN_MTP_NAMES
+from specheads.heads.checkpoint_mtp import (
+    AFTER_LAYERS_NAMES,
+    BLOCK_PREFIX,
+    QWEN_MTP_NAMES,
+    checkpoint_weight_map,
+)
 from specheads.heads.mtp import MtpHeads
 
 
@@ -44,31 +48,11 @@ def mtp_checkpoint_tensors(heads: MtpHeads, num_hidden_layers: int, under_mtp: b
     prefix = BLOCK_PREFIX if under_mtp else f"model.layers.{num_hidden_layers}."
     # the name inside the decoder layer: what follows `layers.0.` (some families' conversions add a prefix before it)
     tensors = {prefix + name.split("layers.0.", 1)[1]: tensor for name, tensor in named.items()}
-    theirs = {ours.removesuffix(".weight"): name.removesuffix(".weight") for name, ours in QWEN_MTP_NAMES.items()} \
-        if under_mtp else {name: prefix + name for name in ("enorm", "hnorm", "eh_proj")} | {
-            "post_norm": f"{prefix}shared_head.norm"}
-    for ours, name in theirs.items():
-        module = getattr(heads.layer, ours, None)
-        if module is not None:
-            tensors[f"{name}.weight"] = module.weight.detach()
+    # the MTP module's own tensors (enorm, hnorm, eh_proj, post_norm), under the names heads/checkpoint_mtp.py reads
+    names = QWEN_MTP_NAMES if under_mtp else {prefix + theirs: ours for theirs, ours in AFTER_LAYERS_NAMES.items()}
+    own = heads.layer.state_dict()
+    tensors.update({theirs: own[ours].detach() for theirs, ours in names.items() if ours in own})
     return tensors
-
-
-def weight_files(folder: Path) -> dict[str, str]:
-    """{tensor name: safetensors file name} of a model folder (its index, else its one `model.safetensors`).
-
-    Raises:
-        FileNotFoundError: no safetensors weights in the folder.
-    """
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{folder} has no model.safetensors(.index.json): export --format mtp writes into a "
-                                "safetensors model folder")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single.name for name in f.keys()}
 
 
 def export_mtp_into_target(
@@ -82,9 +66,10 @@ def export_mtp_into_target(
         target: the target's model folder; default: the one the heads were built for (`target_name_or_path`).
 
     Raises:
-        ValueError: heads of another type, a target whose MTP layers are not `model.layers.N.*`, names the target's
-            checkpoint lacks, an FP8 (or other non-float) checkpoint, or `out_dir` = the target's folder.
-        FileNotFoundError: the target folder or its safetensors weights are missing.
+        ValueError: heads of another type, a folder without safetensors weights, a target whose MTP layers are
+            neither `model.layers.N.*` nor `mtp.*`, names the target's checkpoint lacks, an FP8 (or other non-float)
+            checkpoint, or `out_dir` = the target's folder.
+        FileNotFoundError: the target folder is missing.
     """
     from specheads.heads.loading import load_heads
 
@@ -100,7 +85,7 @@ def export_mtp_into_target(
     if out.resolve() == source.resolve():
         raise ValueError(f"--out {out} is the target's own folder; write the copy elsewhere")
     layers = AutoConfig.from_pretrained(source).get_text_config().num_hidden_layers
-    files = weight_files(source)
+    files = checkpoint_weight_map(str(source))
     under_mtp = any(name.startswith(BLOCK_PREFIX) for name in files)  # Qwen3-Next / Qwen3.5 / Mellum
     tensors = mtp_checkpoint_tensors(heads, layers, under_mtp)
     prefix = BLOCK_PREFIX if under_mtp else f"model.layers.{layers}."

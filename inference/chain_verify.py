@@ -31,8 +31,9 @@ Qwen3.5-like shape with oracle chains (scripts/hybrid_chain_bench.py; README, Re
 
 Only the eager path verifies them (`SpeculativeLM.generate`, one sequence at a time; the server's requests one after
 another, inference/serial_engine.py); several sequences batched into one forward and the GPU fast path refuse these
-targets by name. A prompt cache (multi-turn chat) keeps a hybrid's cache when the next prompt continues all it holds: its states
-are those after its last position, which a later prompt that differs earlier cannot use (`kv_cache.cut_back`).
+targets by name. A prompt cache (multi-turn chat) keeps a hybrid's cache when the next prompt continues all it
+holds (its states are those after its last position), and copies of its states where its last calls started, from
+which a prompt that differs earlier goes on (`prompt_cache.PromptCache.checkpoints`).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class ChainVerifier(DynamicTreeVerifier):
 
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int, held=None, inputs=None, held_offset: int = 0):
         """`DynamicTreeVerifier.prefill`; a `held` cache must hold the states after exactly its features' positions
-        (`PromptCache` hands a hybrid's over only when the prompt continues all it holds)."""
+        (`PromptCache.take` hands a hybrid's over cut back, or rewound to a checkpoint, to that many)."""
         self.pending = self.pending[:0]
         out = super().prefill(prompt, max_new_tokens, held=held, inputs=inputs, held_offset=held_offset)
         layers = state_layers(self.cache)

@@ -201,22 +201,18 @@ def snapshot_states(cache: Cache) -> list[LayerStates]:
     return [(copies(layer.conv_states), copies(layer.recurrent_states)) for layer in state_layers(cache)]
 
 
-def restore_states(cache: Cache, snapshot: list[LayerStates]) -> None:
-    """Put the states `snapshot_states` copied back, in place (the tensors keep their addresses)."""
+def restore_states(cache: Cache, snapshot: list[LayerStates], in_place: bool = True) -> None:
+    """Put the states `snapshot_states` copied back: in place (the tensors keep their addresses, nothing allocated: a
+    round's undo), or with `in_place=False` as new copies (the snapshot stays reusable, and the states may have changed
+    shape since it was taken, as a recording convolution's grow: a prompt cache's checkpoint)."""
     for layer, (conv, recurrent) in zip(state_layers(cache), snapshot, strict=True):
         for saved, current in ((conv, layer.conv_states), (recurrent, layer.recurrent_states)):
             for index, state in saved.items():
-                if state is not None:
+                if state is None:
+                    continue
+                if in_place:
                     current[index].copy_(state)
-
-
-def put_states(cache: Cache, snapshot: list[LayerStates]) -> None:
-    """Set every state layer's states to copies of those `snapshot_states` took, earlier in the sequence (new tensors:
-    a recording convolution's states may have grown since)."""
-    for layer, (conv, recurrent) in zip(state_layers(cache), snapshot, strict=True):
-        for saved, current in ((conv, layer.conv_states), (recurrent, layer.recurrent_states)):
-            for index, state in saved.items():
-                if state is not None:
+                else:
                     current[index] = state.clone()
 
 

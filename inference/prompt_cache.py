@@ -33,7 +33,7 @@ from .kv_cache import (
     cache_length,
     crop_cache,
     cut_back,
-    put_states,
+    restore_states,
     snapshot_states,
     state_layers,
 )
@@ -230,7 +230,7 @@ def rewind_states(cache: Cache, shared: int, checkpoints: list[tuple[int, list[L
     if not usable:
         return 0
     kept, states = usable[-1]
-    put_states(cache, states)
+    restore_states(cache, states, in_place=False)
     crop_cache(cache, kept)
     return kept
 
