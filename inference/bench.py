@@ -47,7 +47,8 @@ from specheads.inference.round_budget import parse_max_round_nodes
 from specheads.inference.target_support import unwrapped
 from specheads.inference.tree import tree_options
 
-SWITCH = {"auto": None, "on": True, "off": False}  # --graphed-rounds / --fast-path -> graphed_rounds= / fast_path=
+# --graphed-rounds / --graphed-prefill / --fast-path -> graphed_rounds= / graphed_prefill= / fast_path=
+SWITCH = {"auto": None, "on": True, "off": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphed-rounds", choices=["auto", "on", "off"], default="auto",
                    help="fast path, greedy, EAGLE/EAGLE-3 heads: each round as one CUDA graph (auto: on CUDA; off: "
                    "the per-phase loop, two graphs a round)")
-    p.add_argument("--graphed-prefill", choices=["on", "off"], default="off",
+    p.add_argument("--graphed-prefill", choices=["auto", "on", "off"], default="auto",
                    help="fast path: prompts padded to a multiple of 64 tokens, one CUDA graph per padded length, for "
-                   "the speculative path and our plain decoding alike (off: eager prompt forwards; not yet measured)")
+                   "the speculative path and our plain decoding alike (auto: on CUDA, prompts up to 512 tokens; on: "
+                   "every prompt; off: eager prompt forwards)")
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto",
                    help="CPU, float32: 'onednn' runs the target's and heads' linear layers on oneDNN (faster few-row "
                    "products); the plain `generate` baseline then uses them too. 'auto' (default): onednn for a float32 "
@@ -371,7 +373,7 @@ def environment(lm: SpeculativeLM) -> dict[str, Any]:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "python": platform.python_version(),
         "graphed_rounds": {None: "auto", True: "on", False: "off"}[lm.graphed_rounds],
-        "graphed_prefill": "on" if lm.graphed_prefill else "off",
+        "graphed_prefill": {None: "auto", True: "on", False: "off"}[lm.graphed_prefill],
         "cpu_linear": "onednn" if any(isinstance(m, OneDNNLinear) for m in lm.target.modules()) else "default",
         "draft_linear": "int8" if any(isinstance(m, Int8Linear) for m in lm.heads.modules()) else "default",
         "cpu_attention": "gqa" if lm.target.config.get_text_config()._attn_implementation == GQA_ATTENTION else "default",
@@ -394,7 +396,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          "checkpoint: give the chosen tree as --tree instead")
     lm = SpeculativeLM.from_pretrained(target=args.target, **drafting_kwargs(args), device=device, dtype=dtype,
                                        graphed_rounds=SWITCH[getattr(args, "graphed_rounds", "auto")],
-                                       graphed_prefill=getattr(args, "graphed_prefill", "off") == "on",
+                                       graphed_prefill=SWITCH[getattr(args, "graphed_prefill", "auto")],
                                        max_round_nodes=getattr(args, "max_round_nodes", None))
     lm.use_cpu_kernels(getattr(args, "cpu_linear", "default"), getattr(args, "draft_linear", "default"),
                        getattr(args, "cpu_attention", "default"), getattr(args, "cpu_argmax", "default"))
@@ -443,7 +445,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                              graphed_prefill=lm.graphed_prefill)
     # Warm-up, not recorded: the longest prompt, so the fast path sizes its static cache and captures once.
     run_prompt(lm, max(prompts, key=lambda p: p.input_ids.shape[-1]), "greedy", args, None, static_decoder, constraint)
-    if lm.graphed_prefill:  # and one prompt of each padded length, so every prompt graph is captured before timing
+    # and, where prompts are padded, one of each padded length: every prompt graph is captured before timing
+    if lm.graphed_prefill or (lm.graphed_prefill is None and lm.target.device.type == "cuda"):
         for prompt in {aligned_length(p.input_ids.shape[-1]): p for p in prompts}.values():
             lm.generate(prompt.input_ids.to(lm.target.device), max_new_tokens=2,
                         fast_path=SWITCH[getattr(args, "fast_path", "auto")])

@@ -96,7 +96,9 @@ class SpeculativeLM(CpuKernels):
             glue. None (default): when the fast path captures graphs (CUDA); True: also eagerly on the CPU (how
             it is tested); False: the per-phase loop. A failed capture falls back to the per-phase graphs.
         graphed_prefill: fast path only: the prompt's forward padded to a multiple of 64 tokens, a CUDA graph per
-            padded length (`GraphedPrefill`, inference/fast_path.py). Off by default (not measured on a GPU).
+            padded length (`GraphedPrefill`, inference/fast_path.py). None (default): where the fast path captures
+            graphs (CUDA), for prompts up to 512 tokens (longer ones run eagerly); True: every prompt, also eagerly
+            on the CPU (how it is tested); False: eager prompt forwards.
         lookup_tokens: prompt lookup in the tree (inference/lookup.py): each round, the tokens that followed the
             latest earlier occurrence of the context's last `lookup_max_ngram` (down to 2) tokens, at most this
             many, are grafted onto the heads' tree as one more branch (0 = off). Any heads; exact either way.
@@ -131,7 +133,7 @@ class SpeculativeLM(CpuKernels):
         tree_stop_prob: float | None = None,
         tree_min_prob: float | None = None,
         graphed_rounds: bool | None = None,
-        graphed_prefill: bool = False,
+        graphed_prefill: bool | None = None,
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
         lookup_max_tokens: int | None = None,

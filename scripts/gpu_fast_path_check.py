@@ -4,8 +4,8 @@
 
 Sections (each runs even if an earlier one failed; failures are printed and recorded):
   1. identity, stories260K fp32: plain_greedy_static, fast-path speculative decoding (untrained Medusa,
-     EAGLE, EAGLE-3 and P-EAGLE heads, draft models (an early exit, a copy of the target), the EAGLE-3 heads also
-     with the padded, graphed prompt forward, and a drafter that
+     EAGLE, EAGLE-3 and P-EAGLE heads, draft models (an early exit, a copy of the target), all with the default
+     padded, graphed prompt forward, the EAGLE-3 heads also with it forced on and off, and a drafter that
      knows the greedy continuation: real acceptance, KV compaction), our plain decoding with and without the
      graphed prompt forward, vs target.generate. Any difference is a FAILURE (exit code 1).
   2. the same in bf16: differences are REPORTED, not failures (bf16 kernels may legitimately differ between a
@@ -136,11 +136,13 @@ def identity_section(dtype: torch.dtype, max_new_tokens: int = 64) -> dict[str, 
     # draft models (session 41): the target's first 3 layers, and a copy of the target (every drafted token accepted)
     lms["early_exit_3"] = SpeculativeLM(target, DraftModelHeads.around(early_exit_model(target, 3), target))
     lms["draft_model_copy"] = SpeculativeLM(target, DraftModelHeads.around(copy.deepcopy(target), target, name="copy"))
-    torch.manual_seed(0)  # the same heads again, with the padded, graphed prompt forward (GraphedPrefill)
+    torch.manual_seed(0)  # the same heads again, every prompt through the padded, graphed forward (GraphedPrefill)
     lms["eagle3_graphed_prefill"] = SpeculativeLM(target, create_heads(target, "eagle3"), graphed_prefill=True)
+    torch.manual_seed(0)  # ... and with eager prompt forwards (the default pads prompts up to 512 tokens on CUDA)
+    lms["eagle3_eager_prefill"] = SpeculativeLM(target, create_heads(target, "eagle3"), graphed_prefill=False)
     torch.manual_seed(0)
     oracle = SpeculativeLM(target, create_heads(target, "medusa"))
-    decoder = StaticGreedyDecoder(target, 512)
+    decoder = StaticGreedyDecoder(target, 512, graphed_prefill=False)
     prefill_decoder = StaticGreedyDecoder(target, 512, graphed_prefill=True)
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids.cuda()

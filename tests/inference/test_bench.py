@@ -46,6 +46,7 @@ def test_bench_writes_json_table_and_plots(tmp_path, eagle_heads_dir):
                              "--modes", "greedy,sample", "--prompt-lookup", "2")
     assert results["greedy_identical"] is True
     assert results["environment"]["dtype"] == "float32"
+    assert results["environment"]["graphed_prefill"] == "auto"  # the default: padded on CUDA, eager here
     assert {r["mode"] for r in results["per_prompt"]} == {"greedy", "sample"}
     for mode in ("greedy", "sample"):
         overall = results[mode]["overall"]
@@ -391,6 +392,33 @@ def test_tree_sweep_runs_several_heads_side_by_side_on_one_target(tmp_path, eagl
     # the second heads were loaded onto the first one's target (the first come with SpeculativeLM.from_pretrained)
     second = [target_seen for path, target_seen in loaded if path == str(other)]
     assert len(second) == 1 and second[0] is not None
+
+
+def test_gpu_tree_sweep_runs_trees_and_prefills_against_our_plain_decoding(tmp_path, eagle_heads_dir, monkeypatch):
+    """scripts/gpu_tree_sweep.py on the CPU (its smoke test): every tree x graphed-prefill variant runs every prompt
+    against our plain decoding with the same prefill, identical in float32."""
+    import runpy
+    import sys
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat\n")
+    out = tmp_path / "sweep.json"
+    script = Path(__file__).parents[2] / "scripts" / "gpu_tree_sweep.py"
+    monkeypatch.setattr(sys, "argv", [
+        str(script), "--device", "cpu", "--target", "stories260K", "--heads", str(eagle_heads_dir), "--prompts",
+        str(prompts), "--per-category", "2", "--max-new-tokens", "10", "--graphed-prefill", "auto,on",
+        "--out", str(out), "3,2,4", "2,2,3",
+    ])
+    runpy.run_path(str(script), run_name="__main__")
+    results = json.loads(out.read_text())
+    assert set(results["variants"]) == {f"{tree} prefill {p}" for tree in ("3,2,4", "2,2,3") for p in ("auto", "on")}
+    for variant in results["variants"].values():
+        assert variant["prompts"] == 2 and variant["identical"] == 2 and variant["tau"] >= 1
+        assert variant["speedup_vs_static"] > 0
+    assert set(results["plain"]) == {"auto", "on"} and results["environment"]["dtype"] == "float32"
+    monkeypatch.setattr(sys, "argv", [str(script), "--graphed-prefill", "sometimes", "3,2,4"])
+    with pytest.raises(SystemExit, match="--graphed-prefill 'sometimes': expected a comma list of"):
+        runpy.run_path(str(script), run_name="__main__")
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

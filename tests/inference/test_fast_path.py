@@ -16,10 +16,12 @@ from transformers import DynamicCache
 from specheads import HEAD_TYPES, SpeculativeLM
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.fast_path import (
+    GRAPHED_PREFILL_MAX_TOKENS,
     FastPathRunner,
     StaticGreedyDecoder,
     TreeVerifier,
     padded_slots,
+    pads_prompt,
     plain_greedy_static,
     use_fast_path,
 )
@@ -329,6 +331,27 @@ def test_padded_prefill_gives_the_target_greedy_output(family, head_type, graphe
         ids = random_prompt(target, length, seed)
         assert torch.equal(lm.generate(ids, max_new_tokens=24, fast_path=True), hf_greedy(target, ids, 24))
     assert sorted(lm._fast_runner.prompt_graphs.verifiers) == [64, 128, 192]
+
+
+def test_padded_prefill_by_default_only_where_graphs_are_captured_and_prompts_are_short():
+    """auto (None): CUDA graphs captured, padded length within GRAPHED_PREFILL_MAX_TOKENS and the cache; True: always."""
+    assert GRAPHED_PREFILL_MAX_TOKENS == 512
+    assert pads_prompt(None, True, 5, 1024) and pads_prompt(None, True, 512, 1024)
+    assert not pads_prompt(None, True, 513, 2048)  # 576 padded slots: eager
+    assert not pads_prompt(None, True, 200, 192)  # 256 padded slots do not fit the cache: eager, not an error
+    assert not pads_prompt(None, False, 5, 1024)  # the CPU: eager
+    assert pads_prompt(True, False, 5000, 64) and not pads_prompt(False, True, 5, 1024)
+
+
+def test_default_prefill_on_the_cpu_stays_eager(stories260k):
+    target = stories260k[0]
+    lm = SpeculativeLM(target, make_heads(target, "eagle3"))
+    decoder = StaticGreedyDecoder(target, capacity=256)
+    assert lm.graphed_prefill is None and decoder.graphed_prefill is None
+    ids = random_prompt(target, 70, 0)
+    assert torch.equal(lm.generate(ids, max_new_tokens=12, fast_path=True), hf_greedy(target, ids, 12))
+    assert torch.equal(decoder.generate(ids, 12), hf_greedy(target, ids, 12))
+    assert lm._fast_runner.prompt_graphs is None and decoder.prompt_graphs.verifiers == {}
 
 
 @pytest.mark.parametrize("family", ["stories260K", "llama"])
