@@ -22,11 +22,11 @@ from specheads.atomic_files import write_atomically
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.heads.medusa import MedusaHeads
 from specheads.inference.chain_verify import ChainVerifier
-from specheads.inference.fast_path import TreeVerifier
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.kv_cache import crop_cache, tree_cache
 from specheads.inference.static_cache import StaticTreeCache, prefill_static
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
+from specheads.inference.tree_verifier import TreeVerifier
 from specheads.inference.verify import verify_tree
 
 EAGLE_CANDIDATES = [

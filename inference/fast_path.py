@@ -28,8 +28,7 @@ Sliding-window targets whose window could be reached fall back to the normal pat
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -37,42 +36,23 @@ from transformers import PreTrainedModel
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.cuda_graphs import try_capture
 from specheads.inference.drafting import Drafter, EagleDrafter, MedusaDrafter
+from specheads.inference.graphed_prefill import GraphedPrefill, pads_prompt
 from specheads.inference.graphed_round import GraphedGreedyRound
 from specheads.inference.lookup import LookupDrafter
-from specheads.inference.static_cache import StaticTreeCache, padding_block, prefill_static, write_tree_mask
+from specheads.inference.static_cache import StaticTreeCache, aligned_length, prefill_static
 from specheads.inference.static_drafting import StaticEagleDrafter
 from specheads.inference.target_support import verifies_chains
 from specheads.inference.tree import TreeBuffers
+from specheads.inference.tree_verifier import FeatureFn, TreeVerifier
 from specheads.inference.verify import DynamicTreeVerifier, sliding_window_of
 
 if TYPE_CHECKING:
     from specheads.inference.generate import SpeculativeLM
 
-FeatureFn = Callable[[tuple[torch.Tensor, ...]], torch.Tensor]  # hidden_states tuple -> (1, T, h) features
-
 # Drafters of unknown tree size (not Medusa / EAGLE) get trees padded to a power of two (at least
 # MIN_BUCKET nodes) and this many cache slots reserved for them.
 MIN_BUCKET = 8
 UNKNOWN_TREE_RESERVE = 64
-CAPACITY_ALIGN = 64  # cache slots are allocated in multiples of this (aligned masks, fewer reallocations)
-# graphed_prefill=None (auto, the default): prompts up to this many tokens are padded and replayed as CUDA graphs.
-# Longer prompts run eagerly: their forward is less launch-bound, and each padded length's graph keeps its own
-# (N, V) logits buffer (8 graphs of up to 512 rows: 2,304 rows of logits in all).
-GRAPHED_PREFILL_MAX_TOKENS = 512
-
-
-def aligned_length(length: int) -> int:
-    """`length` rounded up to a multiple of `CAPACITY_ALIGN`: cache capacities and padded prompt lengths."""
-    return -(-length // CAPACITY_ALIGN) * CAPACITY_ALIGN
-
-
-def pads_prompt(graphed_prefill: bool | None, use_graphs: bool, length: int, capacity: int) -> bool:
-    """Whether a `length`-token prompt goes through `GraphedPrefill`: always for True, never for False; for None
-    (auto) where graphs are captured (CUDA) and its padded length fits both `GRAPHED_PREFILL_MAX_TOKENS` and the
-    cache. Measured on an H200 (SmolLM2, 16 MT-bench prompts): 60 ms -> 4 ms a prompt, +28% tokens/s (README)."""
-    if graphed_prefill is None:
-        return use_graphs and aligned_length(length) <= min(GRAPHED_PREFILL_MAX_TOKENS, capacity)
-    return graphed_prefill
 
 
 # --- tree sizes --------------------------------------------------------------------------------------------
@@ -100,152 +80,6 @@ def tree_reserve(drafter: Drafter) -> int:
     fixed = fixed_tree_slots(drafter)
     return fixed if fixed is not None else UNKNOWN_TREE_RESERVE
 
-
-# --- tree verification on the static cache ----------------------------------------------------------------
-class TreeVerifier:
-    """One target forward over a tree padded to `num_slots` nodes on a `StaticTreeCache`; a CUDA graph on CUDA.
-
-    `load(tokens, tree, prefix)` fills the static input buffers; `run()` returns (logits (N, V), features
-    (N, h) or None), which a graph replay overwrites: consume or copy them before the next `run()`.
-
-    Args:
-        target: the target model.
-        cache: the static cache it writes to.
-        num_slots: N, the padded node count (fixed for the verifier's lifetime).
-        select_features: hidden_states tuple -> (1, N, h) features the heads read (None: no hidden states).
-        use_graph: capture and replay a CUDA graph (default: when the target is on CUDA).
-    """
-
-    def __init__(
-        self,
-        target: PreTrainedModel,
-        cache: StaticTreeCache,
-        num_slots: int,
-        select_features: FeatureFn | None = None,
-        use_graph: bool | None = None,
-    ) -> None:
-        device, dtype = target.device, target.dtype
-        self.target, self.cache, self.num_slots, self.select_features = (
-            target,
-            cache,
-            num_slots,
-            select_features,
-        )
-        self.use_graph = device.type == "cuda" if use_graph is None else use_graph
-        self.ids = torch.zeros(1, num_slots, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, num_slots, dtype=torch.long, device=device)
-        self.write = torch.zeros(num_slots, dtype=torch.long, device=device)  # cache slots of the N nodes
-        self.mask = torch.full(
-            (1, 1, num_slots, cache.capacity), torch.finfo(dtype).min, dtype=dtype, device=device
-        )
-        self.pad_block = padding_block(num_slots, dtype, device)
-        self.slot_offsets = torch.arange(num_slots, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_outputs: Any = None
-        self.capture_failed = False
-
-    def reset(self) -> None:
-        """Hide every slot again (call once per new sequence: the tree mask only ever unmasks upwards)."""
-        self.mask.fill_(torch.finfo(self.mask.dtype).min)
-
-    def load(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int, position_offset: int = 0) -> None:
-        """Fill the static inputs for a tree of n <= N nodes written at slots [prefix, prefix + N), at text positions
-        `position_offset` from the slots (nonzero after an M-RoPE image)."""
-        n = tokens.shape[0]
-        if n > self.num_slots:
-            raise ValueError(f"a tree of {n} nodes does not fit a verifier padded to {self.num_slots} nodes")
-        self.cache.check_room(prefix_length + self.num_slots)
-        self.ids[0, :n] = tokens
-        self.ids[0, n:] = 0  # padding tokens: any valid id (they only see themselves)
-        start = prefix_length + position_offset  # an int: one tensor add per round, as before the offset
-        self.positions[0, :n] = tree.depth + start
-        self.positions[0, n:] = start
-        torch.add(self.slot_offsets, prefix_length, out=self.write)
-        write_tree_mask(self.mask, tree.ancestors, prefix_length, self.pad_block)
-
-    def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The eager forward on the current buffers: logits (N, V), features (N, h) or None."""
-        self.cache.set_write_positions(self.write)
-        out = self.target(
-            input_ids=self.ids,
-            attention_mask=self.mask,
-            position_ids=self.positions,
-            **cache_kwargs(self.target, self.cache),
-            use_cache=True,
-            output_hidden_states=self.select_features is not None,
-        )
-        features = None if self.select_features is None else self.select_features(out.hidden_states)[0]
-        return out.logits[0], features
-
-    def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Verify the loaded tree: replay the CUDA graph (captured on the first call), or run eagerly."""
-        if self.use_graph and self.graph is None and not self.capture_failed:
-            # Warm-up runs write the same slots [prefix, prefix + N) that the replay below rewrites: harmless.
-            self.graph, self.graph_outputs = try_capture(
-                self.forward, f"{self.num_slots}-node tree verification"
-            )
-            self.capture_failed = self.graph is None
-        if self.graph is not None:
-            self.graph.replay()
-            return self.graph_outputs
-        return self.forward()
-
-
-def prompt_chain(length: int, device: torch.device, dtype: torch.dtype) -> TreeBuffers:
-    """A prompt of `length` tokens as a chain: each token sees itself and the tokens before it (causal)."""
-    ancestors = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    bias = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~ancestors, torch.finfo(dtype).min)
-    return TreeBuffers(torch.arange(-1, length - 1, device=device), torch.arange(length, device=device), ancestors, bias)
-
-
-class GraphedPrefill:
-    """The prompt's forward at a fixed shape: padded to a multiple of `CAPACITY_ALIGN` tokens, so that a few CUDA
-    graphs (one per padded length, captured on first use) replace an eager forward of every prompt length.
-
-    The prompt is loaded as a chain into a `TreeVerifier` of that many slots at prefix 0: its tokens see the ones
-    before them, padding tokens only themselves, and the padding's cache entries (slots n .. N-1, beyond the committed
-    prompt) stay hidden until later tokens overwrite them, as a padded tree's do. On by default on CUDA for prompts
-    up to `GRAPHED_PREFILL_MAX_TOKENS` (`graphed_prefill=None`, `pads_prompt`); `graphed_prefill=True` pads every
-    prompt, also on the CPU, where it runs eagerly (the same outputs, more rows computed: how it is tested).
-
-    Args:
-        target, cache: the target and the static cache the prompt is written to.
-        select_features: as `TreeVerifier`'s (None: no hidden states, plain decoding).
-        use_graph: capture the forwards as CUDA graphs (default: when the target is on CUDA).
-    """
-
-    def __init__(
-        self,
-        target: PreTrainedModel,
-        cache: StaticTreeCache,
-        select_features: FeatureFn | None = None,
-        use_graph: bool | None = None,
-    ) -> None:
-        self.target, self.cache, self.select_features, self.use_graph = target, cache, select_features, use_graph
-        self.verifiers: dict[int, TreeVerifier] = {}  # padded length -> its verifier (and graph)
-        self.chains: dict[int, TreeBuffers] = {}  # padded length -> the chain of that many tokens (sliced per prompt)
-
-    def __call__(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write the (n,) prompt into slots [0, n); returns its last logits (1, V) and features (n, h) or None (copies:
-        the graph's outputs are overwritten by its next replay)."""
-        n = prompt.shape[0]
-        slots = aligned_length(n)
-        if slots > self.cache.capacity:
-            raise ValueError(
-                f"graphed_prefill pads the {n}-token prompt to {slots} slots, more than the cache's {self.cache.capacity}: "
-                f"allocate a capacity that is a multiple of {CAPACITY_ALIGN} (or leave graphed_prefill off)"
-            )
-        if slots not in self.verifiers:
-            self.verifiers[slots] = TreeVerifier(self.target, self.cache, slots, self.select_features, self.use_graph)
-            self.chains[slots] = prompt_chain(slots, prompt.device, self.verifiers[slots].mask.dtype)
-        verifier, chain = self.verifiers[slots], self.chains[slots]
-        # the first n tokens of the padded length's chain (views: no work per prompt); at prefix 0 the load rewrites
-        # every mask column a prompt can see ([0, N)), later columns stay hidden
-        tree = TreeBuffers(chain.parents[:n], chain.depth[:n], chain.ancestors[:n, :n], chain.attention_bias[:n, :n])
-        verifier.load(prompt, tree, 0)
-        self.cache.sequence_number += 1
-        logits, features = verifier.run()  # (N, V), (N, h) or None
-        return logits[n - 1 : n].clone(), None if features is None else features[:n].clone()
 
 
 class FastPathRunner:

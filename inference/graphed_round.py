@@ -30,7 +30,7 @@ from specheads.inference.cuda_graphs import try_capture
 from specheads.inference.static_drafting import StaticEagleDrafter
 
 if TYPE_CHECKING:
-    from specheads.inference.fast_path import TreeVerifier
+    from specheads.inference.tree_verifier import TreeVerifier
 
 CAPTURE_WARMUP = 3  # warm-up rounds before capture (each one really runs: the host checks there is room)
 

@@ -25,6 +25,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.verify import last_logits_only
 
+CAPACITY_ALIGN = 64  # cache slots are allocated in multiples of this (aligned masks, fewer reallocations)
+
+
+def aligned_length(length: int) -> int:
+    """`length` rounded up to a multiple of `CAPACITY_ALIGN`: cache capacities and padded prompt lengths."""
+    return -(-length // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
 
 class _SharedStorage:
     """What all layers of one cache share: the backing tensor and where the current forward writes."""

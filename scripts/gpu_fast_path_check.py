@@ -35,10 +35,11 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specheads import DraftModelHeads, SpeculativeLM, create_heads, early_exit_model, load_target
-from specheads.inference.fast_path import StaticGreedyDecoder, TreeVerifier, plain_greedy_static
+from specheads.inference.fast_path import StaticGreedyDecoder, plain_greedy_static
 from specheads.inference.static_cache import StaticTreeCache, prefill_static
 from specheads.inference.static_drafting import StaticEagleDrafter
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
+from specheads.inference.tree_verifier import TreeVerifier
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily saw a bird in the sky"]
 TREE_SIZES = (1, 4, 8, 16, 32, 64)

@@ -6,7 +6,7 @@ import torch
 
 from specheads import SpeculativeLM, create_heads
 from specheads.inference import autotune
-from specheads.inference.fast_path import TreeVerifier
+from specheads.inference.tree_verifier import TreeVerifier
 
 from .conftest import TINY_PROMPT
 

@@ -16,18 +16,17 @@ from transformers import DynamicCache
 from specheads import HEAD_TYPES, SpeculativeLM
 from specheads.heads.cache_keyword import cache_kwargs
 from specheads.inference.fast_path import (
-    GRAPHED_PREFILL_MAX_TOKENS,
     FastPathRunner,
     StaticGreedyDecoder,
-    TreeVerifier,
     padded_slots,
-    pads_prompt,
     plain_greedy_static,
     use_fast_path,
 )
+from specheads.inference.graphed_prefill import GRAPHED_PREFILL_MAX_TOKENS, GraphedPrefill, pads_prompt
 from specheads.inference.kv_cache import compact_cache
 from specheads.inference.static_cache import StaticTreeCache, prefill_mask
 from specheads.inference.tree import build_tree_buffers
+from specheads.inference.tree_verifier import TreeVerifier
 from specheads.inference.verify import verify_tree
 
 from .conftest import TINY_PROMPT, hf_greedy, load_sampling_harness, make_heads
@@ -341,6 +340,24 @@ def test_padded_prefill_by_default_only_where_graphs_are_captured_and_prompts_ar
     assert not pads_prompt(None, True, 200, 192)  # 256 padded slots do not fit the cache: eager, not an error
     assert not pads_prompt(None, False, 5, 1024)  # the CPU: eager
     assert pads_prompt(True, False, 5000, 64) and not pads_prompt(False, True, 5, 1024)
+
+
+@pytest.mark.parametrize("family", ["stories260K", "qwen2"])
+def test_padded_prefill_projects_the_last_prompt_token_only(family, stories260k, tiny_target_factory):
+    """The prompt graph's lm_head projects one row (`logits_to_keep` at the last real token), whose logits and the
+    features of every prompt token are the eager forward's."""
+    target = stories260k[0] if family == "stories260K" else tiny_target_factory(family)
+    prefill = GraphedPrefill(target, StaticTreeCache(target, 256), select_features=lambda hidden: hidden[-1])
+    for seed, length in enumerate((70, 5, 64)):
+        ids = random_prompt(target, length, seed)
+        logits, features = prefill(ids[0])
+        out = target(ids, output_hidden_states=True)
+        assert logits.shape == (1, target.config.vocab_size) and features.shape == (length, target.config.hidden_size)
+        torch.testing.assert_close(logits, out.logits[0, -1:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(features, out.hidden_states[-1][0], rtol=1e-4, atol=1e-4)
+    verifiers = prefill.verifiers
+    assert sorted(verifiers) == [64, 128] and all(v.logits_row is not None for v in verifiers.values())
+    assert verifiers[128].forward()[0].shape == (1, target.config.vocab_size)  # one row, not 128
 
 
 def test_default_prefill_on_the_cpu_stays_eager(stories260k):

@@ -19,7 +19,7 @@ import torch
 from specheads import SpeculativeLM, create_heads
 from specheads.inference import cuda_graphs, graphed_round
 from specheads.inference.accept import accept_greedy
-from specheads.inference.fast_path import FastPathRunner, TreeVerifier
+from specheads.inference.fast_path import FastPathRunner
 from specheads.inference.graphed_round import (
     GraphedGreedyRound,
     accept_greedy_padded,
@@ -28,6 +28,7 @@ from specheads.inference.graphed_round import (
 )
 from specheads.inference.static_cache import StaticTreeCache, write_tree_mask
 from specheads.inference.tree import build_tree_buffers
+from specheads.inference.tree_verifier import TreeVerifier
 
 from .conftest import TINY_PROMPT, greedy_continuation, hf_greedy, sharpen_attention
 
