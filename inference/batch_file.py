@@ -33,6 +33,7 @@ def generate_file(
     seed: int = 0,
     constraint: Any = None,
     show_progress: bool = True,
+    batching: bool | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Answer `prompts` into the JSONL file `out` ({"id", "category", "prompt", "answer", "new_tokens", "tau",
@@ -44,6 +45,8 @@ def generate_file(
         max_batch: prompts decoded together at most.
         seed: sampled answers: prompt i draws from a generator seeded `seed + i`.
         constraint: an `IndexConstraint` (JSON schema / regex) every answer follows (a fresh copy each).
+        batching: `serial_engine.engine_for`'s: None (auto: batched, but one prompt at a time on CUDA, on the fast
+            path, and for hybrid targets), True or False.
         **options: `generate`'s decoding options (max_new_tokens, do_sample, temperature, stop_strings, ...).
     """
     if not isinstance(max_batch, int) or max_batch < 1:
@@ -57,7 +60,7 @@ def generate_file(
     written = done_ids(out)
     todo = deque((index, p) for index, p in enumerate(prompts) if p.prompt_id not in written)
     already = len(prompts) - len(todo)  # answered by an earlier run
-    engine = engine_for(lm)  # a hybrid target's prompts: one after another (inference/serial_engine.py)
+    engine = engine_for(lm, batching)  # on CUDA and for hybrids: one after another (inference/serial_engine.py)
     asked: dict[int, Prompt] = {}  # id(request) -> its prompt
     start, tokens, forwards, answered = time.perf_counter(), 0, 0, 0
     bar = tqdm(total=len(prompts), initial=already, desc="generate", unit="prompt",

@@ -226,11 +226,12 @@ class FastPathRunner:
 def use_fast_path(
     requested: bool | None,
     target: PreTrainedModel,
-    batch_size: int,
     batched: bool | None,
     needed_positions: int,
 ) -> bool:
-    """Whether `generate` takes the fast path: None = when the target is on CUDA and batch size is 1.
+    """Whether `generate` takes the fast path: None = when the target is on CUDA (several prompts: one after another,
+    unless `batched=True`; a batched round runs eagerly: 76-185 ms for 1-16 rows of a 1B-shape Llama on an H200,
+    against 4.8 ms for a fast-path round, session 48).
 
     Unsupported (raises for `requested=True`, falls back for None): `batched=True`, and sliding-window targets
     whose window could be reached (prompt + max_new_tokens + tree nodes >= window).
@@ -246,7 +247,7 @@ def use_fast_path(
     elif verifies_chains(target):
         reason = "the target's recurrent / convolution states are verified path by path on the eager path only"
     if requested is None:
-        return reason is None and batch_size == 1 and target.device.type == "cuda"
+        return reason is None and target.device.type == "cuda"
     if requested and reason is not None:
         raise ValueError(f"fast_path=True is not available: {reason}; pass fast_path=False")
     return bool(requested)
@@ -262,7 +263,7 @@ def fast_path_runner(
 ) -> FastPathRunner | None:
     """The runner for this `generate` call, or None for the normal path. Reuses `previous` when it fits."""
     needed = max(p.shape[0] for p in prompts) + max_new_tokens + tree_reserve(lm.drafter)
-    if not use_fast_path(requested, lm.target, len(prompts), batched, needed):
+    if not use_fast_path(requested, lm.target, batched, needed):
         return None
     target = lm.target
     if (

@@ -367,10 +367,11 @@ class SpeculativeLM(CpuKernels):
                 then holds this call's sequence (inference/prompt_cache.py). On the fast path, rounds run the per-phase
                 loop (the whole-round graph does not hand back each round's features).
             acceptance: "exact" (lossless) or "typical" (Medusa's, lossy, sampling only).
-            batched: for B > 1, verify all rows in one target forward (the default) or, with False, run the rows
-                one after another (the reference scheme).
+            batched: for B > 1, verify all rows in one target forward or, with False, run the rows one after
+                another (the reference scheme). None (default): batched, except where the fast path runs (CUDA),
+                whose rows go one after another: batched rounds run eagerly, 15x a fast-path round on an H200.
             fast_path: run rows on a static KV cache with fixed-shape tree verification, captured as a CUDA
-                graph on CUDA (inference/fast_path.py). None: on for a CUDA target and batch size 1 (not for
+                graph on CUDA (inference/fast_path.py). None: on for a CUDA target unless batched=True (not for
                 sliding-window targets whose window could be reached); True forces it (also on CPU); False: off.
             prediction: token ids every row's answer is expected to resemble (OpenAI's Predicted Outputs: the text
                 being edited): drafted from like the context (`lookup.with_prediction`); the output is unchanged.
@@ -420,17 +421,11 @@ class SpeculativeLM(CpuKernels):
         can_batch = hasattr(self.drafter, "fork") and not self.verifies_chains  # chains: row by row
         if prompt_cache is not None:
             check_prompt_cache_call(prompt_cache, len(prompts), batched)
-        runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
+        runner, row_drafter = self.fast_path_for(fast_path, prompts, max_new_tokens, batched)
         stats["fast_path"] = runner is not None
         if prediction is not None and runner is not None:
             raise ValueError("prediction= is drafted from on the eager path only: pass fast_path=False with it")
         check_prediction(prediction, self.heads.config.vocab_size)
-        if runner is not None:
-            self._fast_runner = runner  # kept across calls: its static cache and CUDA graphs are reused
-            runner.graphed_prefill = self.graphed_prefill
-            row_drafter = runner.use_drafter(self.drafter)
-        else:
-            row_drafter = self.drafter
         if batched is None:
             batched = len(prompts) > 1 and can_batch and runner is None and not inputs
         if batched and not can_batch:
@@ -463,6 +458,19 @@ class SpeculativeLM(CpuKernels):
         if not return_dict_in_generate:
             return sequences
         return generate_output(sequences, recorders or [], output_scores, output_logits)
+
+    def fast_path_for(
+        self, fast_path: bool | None, prompts: list[torch.Tensor], max_new_tokens: int, batched: bool | None = False,
+    ) -> tuple[FastPathRunner | None, Drafter]:
+        """(the fast path's runner, the drafter its rows draft with) for these (n,) prompts, or (None, self.drafter)
+        for the normal path (`fast_path`: as `generate`'s). The runner is kept across calls: its static cache and CUDA
+        graphs are reused."""
+        runner = fast_path_runner(self, fast_path, prompts, max_new_tokens, batched, self._fast_runner)
+        if runner is None:
+            return None, self.drafter
+        self._fast_runner = runner
+        runner.graphed_prefill = self.graphed_prefill
+        return runner, runner.use_drafter(self.drafter)
 
     def batch_request(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **options: Any) -> BatchRequest:
         """One prompt as a request for a `BatchEngine` (continuous batching), checked as `generate` checks it:

@@ -12,7 +12,8 @@ distribution. Each answer carries `specheads` statistics (tau, reused prompt tok
 
 Concurrent requests are batched continuously (`ServingLoop`, inference/serving_loop.py): a request that arrives
 while others are generating joins their batch at the next round, and one target forward verifies every row's tree
-(up to `max_batch` rows; the others wait for a row to end). Each answer is still exactly its own prompt's. The
+(up to `max_batch` rows; the others wait for a row to end; on CUDA requests run one at a time on the fast path,
+`batching`). Each answer is still exactly its own prompt's. The
 target's cache is kept between requests in a `PromptCachePool`: a chat client re-sends the whole conversation every
 turn, and only the part the previous turn did not leave in a slot runs through the target.
 """
@@ -93,13 +94,16 @@ class CompletionService:
         responses_dir: also keep them as files in this folder, across restarts (None: in memory only).
         record: append every answered request to this JSONL file as training data: chat requests as conversations,
             completions as prompt-completion records (inference/traffic_recorder.py; None: nothing is kept).
+        batching: None (auto): concurrent requests batched, except on CUDA (one at a time on the fast path, which is
+            faster there: inference/serial_engine.py) and for hybrid targets; True: batched; False: one at a time.
     """
 
     def __init__(self, lm: Any, model_name: str, defaults: dict[str, Any] | None = None, cache_slots: int = 4,
                  chat_template: str | None = None, api_key: str | None = None, max_batch: int = 8,
                  processor: Any = None, chat_template_kwargs: dict[str, Any] | None = None,
                  tool_parser: str | None = "auto", reasoning_parser: str | None = "auto",
-                 responses_store: int = 1000, responses_dir: str | None = None, record: str | None = None) -> None:
+                 responses_store: int = 1000, responses_dir: str | None = None, record: str | None = None,
+                 batching: bool | None = None) -> None:
         if lm.tokenizer is None:
             raise ValueError("specheads serve needs the SpeculativeLM's tokenizer (SpeculativeLM(..., tokenizer=...))")
         self.lm, self.tokenizer, self.model_name = lm, lm.tokenizer, model_name
@@ -112,7 +116,7 @@ class CompletionService:
         self.tool_parser = None if tool_parser is None else make_parser(tool_parser)
         reasoning_parser = detect_reasoning_parser(template) if reasoning_parser == "auto" else reasoning_parser
         self.reasoning_parser = None if reasoning_parser is None else make_reasoning_parser(reasoning_parser)
-        self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots))
+        self.loop = ServingLoop(lm, max_batch, PromptCachePool(cache_slots), batching)
         self.api_key = api_key
         self.responses = ResponseStore(responses_store, responses_dir)
         self.recorder = None if record is None else TrafficRecorder(record)

@@ -1,5 +1,6 @@
 """A `BatchEngine` driven by one background thread, for callers on many threads (the server's clients); for a hybrid
-target, whose rows run one at a time, a `SerialEngine` (inference/serial_engine.py).
+target, whose rows run one at a time, and on CUDA, where they run on the fast path, a `SerialEngine`
+(inference/serial_engine.py).
 
 Callers `submit` requests from any thread and wait on the returned `Ticket`. The loop thread lets waiting requests
 join the running batch before each round (up to `max_batch` rows), runs the round, and wakes the callers whose
@@ -74,13 +75,16 @@ class ServingLoop:
         max_batch: rows generated together at most; further requests wait for a row to end.
         pool: prompt caches kept between requests (multi-turn chat): a request without its own `prompt_cache` takes
             the pool's slot for its prompt when it joins (on the loop thread, so the pool needs no lock).
+        batching: `engine_for`'s: None (auto: batched, but one request at a time on CUDA, on the fast path, and for
+            hybrid targets), True or False.
     """
 
-    def __init__(self, lm: Any, max_batch: int = 8, pool: PromptCachePool | None = None) -> None:
+    def __init__(self, lm: Any, max_batch: int = 8, pool: PromptCachePool | None = None,
+                 batching: bool | None = None) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r}: expected an integer >= 1")
-        self.lm, self.max_batch, self.pool = lm, max_batch, pool
-        self.engine = engine_for(lm, isolate_errors=True)
+        self.lm, self.max_batch, self.pool, self.batching = lm, max_batch, pool, batching
+        self.engine = engine_for(lm, batching, isolate_errors=True)
         # lifetime totals for monitoring (`metrics`); written by the loop thread only
         self.totals = dict.fromkeys(COUNTERS, 0)
         self.accepted_by_depth: dict[str, int] = {}  # "d" -> rounds whose d-th drafted token was accepted
@@ -157,7 +161,7 @@ class ServingLoop:
             for ticket in self._running.values():
                 ticket._end(err)
             self._running = {}
-            self.engine = engine_for(self.lm, isolate_errors=True)
+            self.engine = engine_for(self.lm, self.batching, isolate_errors=True)
             return
         self.totals["batched_forwards"] += self.engine.stats["batched_forwards"] - forwards_before
         for request in ended:

@@ -30,6 +30,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "chose for SmolLM2 on 2 threads)")
     parser.add_argument("--lookup-tokens", type=int, default=10)
     parser.add_argument("--lookup-max-tokens", type=int, default=40)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a lent GPU: bf16 and the fast path; give "
+                        "--tree 5,8,24 --lookup-tokens 0 there, the trees its CUDA graphs take)")
 
 
 def load_lm_and_prompts(args: argparse.Namespace, **lm_options: Any) -> tuple[SpeculativeLM, dict[str, str],
@@ -37,7 +39,8 @@ def load_lm_and_prompts(args: argparse.Namespace, **lm_options: Any) -> tuple[Sp
     """(the SpeculativeLM on its default CPU kernels, the kernels, the (n,) prompt ids on its device), threads set."""
     torch.set_num_threads(args.threads)
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
-                                      lookup_max_tokens=args.lookup_max_tokens or None, **lm_options)
+                                      lookup_max_tokens=args.lookup_max_tokens or None,
+                                      device=getattr(args, "device", "cpu"), **lm_options)
     depth, top_k, nodes, *pruning = args.tree.split(",")
     lm.configure_tree(tree_depth=int(depth), tree_top_k=int(top_k), tree_num_nodes=int(nodes),
                       tree_stop_prob=float(pruning[0]) if pruning else None,

@@ -10,7 +10,9 @@ server do; every side answers the same prompts in the same process, one after th
 - `loop_batch_1`: the serving loop with `max_batch=1` (the batching machinery, one row at a time);
 - `loop_batch_N`: the serving loop with `max_batch=clients`: requests join the running batch between rounds;
 - `plain_loop_batch_N`: the same loop drafting nothing (each round one plain step of every row): plain continuous
-  batching on the same machinery, the honest baseline for concurrent clients.
+  batching on the same machinery, the honest baseline for concurrent clients;
+- with `--device cuda`, `loop_auto_N`: the loop as `serve` runs it there by default (`batching=None`: one request at
+  a time on the fast path), against the batching sides above (`batching=True`).
 Reported: total new tokens per second over the run, the mean and longest seconds per request (queueing included), and the tau of each side;
 greedy answers are checked identical across the sides (the run fails if not).
 """
@@ -115,10 +117,13 @@ def main() -> int:
     plain = SpeculativeLM(lm.target, lm.heads)  # the same target, its CPU kernels included; no drafting
     plain.drafter, plain.certified_argmax = PlainDrafter(lm.target.device), lm.certified_argmax
     results, reference = {}, None
-    sides = [("one_at_a_time", None, lm), ("target_generate", None, None), ("loop_batch_1", 1, lm), (f"loop_batch_{args.clients}", args.clients, lm),
-             (f"plain_loop_batch_{args.clients}", args.clients, plain)]
-    for name, max_batch, model in sides:
-        loop = None if max_batch is None else ServingLoop(model, max_batch)
+    sides = [("one_at_a_time", None, lm, None), ("target_generate", None, None, None), ("loop_batch_1", 1, lm, True),
+             (f"loop_batch_{args.clients}", args.clients, lm, True),
+             (f"plain_loop_batch_{args.clients}", args.clients, plain, True)]
+    if lm.target.device.type == "cuda":  # what serve does there by default (on the CPU: loop_batch_N's batching)
+        sides.append((f"loop_auto_{args.clients}", args.clients, lm, None))
+    for name, max_batch, model, batching in sides:
+        loop = None if max_batch is None else ServingLoop(model, max_batch, batching=batching)
         answer = through(loop) if loop is not None else one_at_a_time if model is not None else plain_generate
         results[name], answers = run_clients(prompts, args.clients, answer)
         if loop is not None:

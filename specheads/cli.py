@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+BATCHING = {"auto": None, "on": True, "off": False}  # --batching -> serial_engine.engine_for's batching=
+
 
 def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     """The model, decoding and CPU-kernel options `generate`, `chat` and `serve` share."""
@@ -108,6 +110,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "the target's processor makes the prompt)")
     p.add_argument("--out", default=None, help="with --prompts: the answers' JSONL file (required)")
     p.add_argument("--max-batch", type=int, default=8, help="with --prompts: prompts decoded together (default: 8)")
+    p.add_argument("--batching", choices=["auto", "on", "off"], default="auto",
+                   help="with --prompts: decode up to --max-batch prompts together (on) or one after another (off); "
+                   "auto: together, except on CUDA (one at a time on the fast path, faster there) and for hybrids")
     p.add_argument("--limit", type=int, default=None, help="with --prompts: the first N prompts only")
     constraint = p.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
@@ -156,6 +161,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="requests generated together at most (continuous batching: one target forward verifies "
                         "every row's tree; default: 8; 1: one at a time)")
+    p.add_argument("--batching", choices=["auto", "on", "off"], default="auto",
+                   help="concurrent requests batched (on) or answered one at a time (off); auto: batched, except on "
+                   "CUDA (one at a time on the fast path, faster there than eager batched rounds) and for hybrids")
     p.add_argument("--api-key", default=os.environ.get("SPECHEADS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every request (default: $SPECHEADS_API_KEY; unset: open)")
     p.add_argument("--tool-call-parser", default="auto",
@@ -188,6 +196,7 @@ def build_server(args: argparse.Namespace):
     """The HTTP server `specheads serve` runs (not yet serving)."""
     from specheads.inference.chat import read_chat_template
     from specheads.inference.multimodal import image_processor_for
+    from specheads.inference.serial_engine import SerialEngine
     from specheads.inference.server import CompletionService, make_server
     from specheads.inference.tree import tree_spec
 
@@ -199,7 +208,7 @@ def build_server(args: argparse.Namespace):
                                 args.api_key, args.max_batch, processor, args.chat_template_kwargs,
                                 None if args.tool_call_parser == "none" else args.tool_call_parser,
                                 None if args.reasoning_parser == "none" else args.reasoning_parser,
-                                args.responses_store, args.responses_dir, args.record)
+                                args.responses_store, args.responses_dir, args.record, BATCHING[args.batching])
     service.warm_up()
     server = make_server(service, args.host, args.port, quiet=args.quiet)
     host, port = server.server_address[:2]
@@ -211,8 +220,11 @@ def build_server(args: argparse.Namespace):
     tools = f"; tool calls read as {service.tool_parser.name}" if service.tool_parser else ""
     tools += f"; reasoning read as {service.reasoning_parser.name}" if service.reasoning_parser else ""
     tools += f"; answers recorded to {args.record}" if args.record else ""
+    serial = isinstance(service.loop.engine, SerialEngine)
+    batching = "requests one at a time" if serial else f"requests in batches of up to {args.max_batch}"
     print(f"[specheads] serving {service.model_name!r} at http://{host}:{port}/v1 (OpenAI API; tree "
-          f"{tree_spec(lm.tree_description())}; {', '.join(f'{k}={v}' for k, v in kernels.items())}{budget}{tools})",
+          f"{tree_spec(lm.tree_description())}; {batching}; {', '.join(f'{k}={v}' for k, v in kernels.items())}{budget}"
+          f"{tools})",
           file=sys.stderr, flush=True)
     return server
 
@@ -347,7 +359,8 @@ def run_generate_file(args: argparse.Namespace) -> int:
                                template_kwargs=args.chat_template_kwargs)
     constraint = constraint_from_options(lm.tokenizer, args.json_schema, args.regex)
     try:
-        totals = generate_file(lm, prompts, args.out, args.max_batch, args.seed, constraint, **_generate_options(args))
+        totals = generate_file(lm, prompts, args.out, args.max_batch, args.seed, constraint,
+                               batching=BATCHING[args.batching], **_generate_options(args))
     finally:  # an interrupted job keeps what it learned, as it keeps the answers written
         _save_learned(lm, args)
     print(f"[specheads] {totals['answered']} answers ({totals['skipped']} already in {args.out}), "

@@ -222,17 +222,25 @@ def test_generate_prompts_writes_the_learned_corpus_every_k_answers(stories260k_
     assert writes == [2, 3] and len(read_corpus_file(learned)) == 3
 
 
-def test_generate_prompts_file_samples_the_same_answers_whatever_the_batch(stories260k_eagle_dir, tmp_path, capfd):
+def test_generate_prompts_file_samples_the_same_answers_whatever_the_batch(stories260k_eagle_dir, tmp_path, capfd,
+                                                                          monkeypatch):
+    """--max-batch 1 and 4, and --batching off (one prompt at a time, as on CUDA by default): the same answers."""
+    import specheads.inference.batch_file as batch_file
+
+    engines = []
+    real_engine_for = batch_file.engine_for
+    monkeypatch.setattr(batch_file, "engine_for", lambda lm, batching: engines.append(batching) or real_engine_for(lm, batching))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(STORY_STARTS) + "\n")
     answers = {}
-    for batch in ("1", "4"):
-        out = tmp_path / f"out{batch}.jsonl"
+    for batch, batching in (("1", "auto"), ("4", "auto"), ("4", "off")):
+        out = tmp_path / f"out{batch}{batching}.jsonl"
         assert main(["generate", "--heads", str(stories260k_eagle_dir), "--prompts", str(prompts), "--out", str(out),
                      "--max-new-tokens", "20", "--max-batch", batch, "--do-sample", "--temperature", "1.0",
-                     "--seed", "3"]) == 0
-        answers[batch] = {r["id"]: r["answer"] for r in map(json.loads, out.read_text().splitlines())}
-    assert answers["1"] == answers["4"] and len(set(answers["1"].values())) == len(STORY_STARTS)
+                     "--seed", "3", "--batching", batching]) == 0
+        answers[batch + batching] = {r["id"]: r["answer"] for r in map(json.loads, out.read_text().splitlines())}
+    assert answers["1auto"] == answers["4auto"] == answers["4off"] and engines == [None, None, False]
+    assert len(set(answers["1auto"].values())) == len(STORY_STARTS)
     assert main(["generate", "--heads", str(stories260k_eagle_dir), "--prompts", str(prompts)]) == 2
     assert "needs --out" in capfd.readouterr().err
 

@@ -9,6 +9,8 @@ static-cache compaction must equal DynamicCache compaction, and `plain_greedy_st
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -402,23 +404,27 @@ def test_clear_errors_when_the_allocation_is_too_small(stories260k):
 
 
 def test_the_fast_path_switch(tiny_target_factory):
-    """None: on only for CUDA and batch 1; True on a reachable sliding window or with batched=True: clear error."""
+    """None: on only for CUDA, for any number of prompts unless batched=True; True on a reachable sliding window or
+    with batched=True: clear error."""
     llama = tiny_target_factory("llama")
-    assert use_fast_path(None, llama, 1, None, 100) is False  # CPU
-    assert use_fast_path(True, llama, 2, None, 100) is True
-    assert use_fast_path(False, llama, 1, None, 100) is False
+    assert use_fast_path(None, llama, None, 100) is False  # CPU
+    on_cuda = SimpleNamespace(config=llama.config, device=torch.device("cuda"))  # the decision only, nothing runs
+    assert use_fast_path(None, on_cuda, None, 100) is True
+    assert use_fast_path(None, on_cuda, True, 100) is False  # batched rows share forwards: the normal path
+    assert use_fast_path(True, llama, None, 100) is True
+    assert use_fast_path(False, llama, None, 100) is False
     with pytest.raises(ValueError, match="batched=True"):
-        use_fast_path(True, llama, 2, True, 100)
+        use_fast_path(True, llama, True, 100)
     with pytest.raises(ValueError, match="fast_path='yes'"):
-        use_fast_path("yes", llama, 1, None, 100)
+        use_fast_path("yes", llama, None, 100)
     windowed = tiny_target_factory("mistral", sliding_window=8)
     with pytest.raises(ValueError, match="sliding window"):
-        use_fast_path(True, windowed, 1, None, 40)
+        use_fast_path(True, windowed, None, 40)
     lm = SpeculativeLM(windowed, make_heads(windowed, "medusa"))
     with pytest.raises(ValueError, match="sliding window"):
         lm.generate(torch.tensor([TINY_PROMPT]), max_new_tokens=10, fast_path=True)
     assert (
-        use_fast_path(True, tiny_target_factory("mistral"), 1, None, 100) is True
+        use_fast_path(True, tiny_target_factory("mistral"), None, 100) is True
     )  # window 4096: never reached
 
 
