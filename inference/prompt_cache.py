@@ -15,9 +15,10 @@ same margin as tree verification itself (tested: identical to `target.generate` 
 Batch size 1 (not batched verification). On the dynamic-cache path the cache object is the conversation's own. On
 the static-shape fast path (GPU) the entries live in the `FastPathRunner`'s static cache, which every call on that
 `SpeculativeLM` writes: the `PromptCache` records which sequence the static cache held when it was stored
-(`StaticTreeCache.sequence_number`) and reuses nothing once another prompt has been written there (another
-conversation, a call without the cache). When the runner grows (a longer conversation than its cache holds), the
-shared entries are copied from the old static cache into the new one.
+(`StaticTreeCache.sequence_number`) and keeps a copy of its entries (`StaticTreeCache.snapshot`, a device copy of
+the held positions). While no other prompt has been written there the entries are used in place; after another
+conversation (the server answers its requests in turn on a GPU), or when the runner grew (a longer conversation than
+its cache holds), the shared entries are copied back into the runner's cache from the kept copy.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class PromptCache:
         self.checkpoints: list[tuple[int, list[LayerStates]]] = []
         self.cache: Cache | None = None  # the target's keys / values of those S positions (dynamic, or a runner's static)
         self.sequence_number: int | None = None  # a static cache's sequence_number when stored
+        self.snapshot: torch.Tensor | None = None  # a static cache's: a copy of the held positions' entries
         self.features: torch.Tensor | None = None  # (S, h) the heads' input features of those positions
         self._models: tuple[PreTrainedModel, PreTrainedModel] | None = None  # (target, heads) that filled it
         self.inputs_key: str | None = None  # `multimodal.inputs_fingerprint` of the images it holds (None: text)
@@ -83,7 +85,7 @@ class PromptCache:
 
     def reset(self) -> None:
         """Forget everything held (a new conversation)."""
-        self.tokens = self.cache = self.features = self.sequence_number = None
+        self.tokens = self.cache = self.features = self.sequence_number = self.snapshot = None
         self._models = self.inputs_key = None
         self.position_offset = self.last_call_start = 0
         self.checkpoints = []
@@ -142,16 +144,17 @@ class PromptCache:
             if not image_tokens or any(int(t) in image_tokens for t in prompt[shared:].tolist()):
                 shared = 0
         cache, features, sequence_number, checkpoints = self.cache, self.features, self.sequence_number, self.checkpoints
+        snapshot = self.snapshot
         self.reset()
-        if static_cache is not None:  # usable only if still this sequence's entries
-            if not isinstance(cache, StaticTreeCache) or sequence_number != cache.sequence_number:
+        if static_cache is not None:  # the entries in place if untouched since, else from the kept copy
+            if not isinstance(cache, StaticTreeCache):
                 shared = 0
-            elif cache is not static_cache:  # the fast path grew into a new cache: carry the shared entries over
-                storage = cache.storage
-                if storage is None or (storage.dtype, storage.device) != (target.dtype, target.device):
+            elif cache is not static_cache or sequence_number != cache.sequence_number:
+                # another sequence was written there since, or the fast path grew into a new cache
+                if snapshot is None or (snapshot.dtype, snapshot.device) != (target.dtype, target.device):
                     shared = 0
                 else:
-                    static_cache.copy_prefix(cache, shared)
+                    static_cache.copy_prefix(snapshot, shared)
                     cache = static_cache
         elif isinstance(cache, StaticTreeCache):  # stored by the fast path, taken by the dynamic path
             shared = 0
@@ -198,7 +201,7 @@ class PromptCache:
                 "cached positions (expected at least as many)"
             )
         if isinstance(cache, StaticTreeCache):
-            self.sequence_number = cache.sequence_number
+            self.sequence_number, self.snapshot = cache.sequence_number, cache.snapshot(length)
         else:
             crop_cache(cache, length)
         self.checkpoints = [c for c in self.checkpoints if c[0] <= length]  # `take` made them, for these tokens

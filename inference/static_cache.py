@@ -143,10 +143,17 @@ class StaticTreeCache(Cache):
                 "tree nodes): allocate a larger cache"
             )
 
-    def copy_prefix(self, source: StaticTreeCache, length: int) -> None:
+    def snapshot(self, length: int) -> torch.Tensor | None:
+        """A copy of slots [0, length) of every layer, (layers, 2, 1, kv_heads, length, head_dim) (None before the
+        first forward): a conversation's entries kept past the next sequence written here (`PromptCache`)."""
+        kv = self.storage
+        return None if kv is None else kv[..., :length, :].clone()
+
+    def copy_prefix(self, source: StaticTreeCache | torch.Tensor, length: int) -> None:
         """Copy slots [0, length) of every layer from `source` (a smaller cache of the same model, replaced by this
-        one): a sequence's entries survive the fast path's growth. Allocates the storage if needed."""
-        kv = source.storage
+        one, or a `snapshot`): a sequence's entries survive the fast path's growth and other sequences written here.
+        Allocates the storage if needed."""
+        kv = source if isinstance(source, torch.Tensor) else source.storage
         if kv is None or length == 0:
             return
         self.check_room(length)
