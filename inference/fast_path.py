@@ -190,14 +190,16 @@ class FastPathRunner:
             if held[0] is not self.cache:
                 raise ValueError("FastPathRunner.prefill: the held entries are not in this runner's cache")
             start = held[1].shape[0]
-            out = prefill_static(self.target, self.cache, prompt[start:], output_hidden_states=True, start=start,
-                                 position_offset=held_offset)
-            last_logits = out.logits[0, -1:]
-            features = torch.cat([held[1], self.select_features(out.hidden_states)[0]])
+            # a turn's new tokens after the kept conversation: padded and graphed as a prompt would be
+            if pads_prompt(self.graphed_prefill, self.use_graphs, prompt.shape[0] - start, self.capacity - start):
+                last_logits, new_features = self.graphed_prompts()(prompt[start:], start, held_offset)
+            else:
+                out = prefill_static(self.target, self.cache, prompt[start:], output_hidden_states=True, start=start,
+                                     position_offset=held_offset)
+                last_logits, new_features = out.logits[0, -1:], self.select_features(out.hidden_states)[0]
+            features = torch.cat([held[1], new_features])
         elif pads_prompt(self.graphed_prefill, self.use_graphs, prompt.shape[0], self.capacity):
-            if self.prompt_graphs is None:
-                self.prompt_graphs = GraphedPrefill(self.target, self.cache, self.select_features, self.use_graphs)
-            last_logits, features = self.prompt_graphs(prompt)
+            last_logits, features = self.graphed_prompts()(prompt)
         else:
             out = prefill_static(self.target, self.cache, prompt, output_hidden_states=True)
             last_logits, features = out.logits[0, -1:], self.select_features(out.hidden_states)[0]
@@ -205,6 +207,12 @@ class FastPathRunner:
         for verifier in self.verifiers.values():
             verifier.reset()
         return last_logits, features
+
+    def graphed_prompts(self) -> GraphedPrefill:
+        """The runner's `GraphedPrefill` (created on first use; its graphs captured per padded length)."""
+        if self.prompt_graphs is None:
+            self.prompt_graphs = GraphedPrefill(self.target, self.cache, self.select_features, self.use_graphs)
+        return self.prompt_graphs
 
     def verify(self, tokens: torch.Tensor, tree: TreeBuffers, prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify the (n,) tree padded to a fixed node count (a graph replay on CUDA).

@@ -64,15 +64,20 @@ class GraphedPrefill:
         self.verifiers: dict[int, TreeVerifier] = {}  # padded length -> its verifier (and graph)
         self.chains: dict[int, TreeBuffers] = {}  # padded length -> the chain of that many tokens (sliced per prompt)
 
-    def __call__(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write the (n,) prompt into slots [0, n); returns its last logits (1, V) and features (n, h) or None (copies:
-        the graph's outputs are overwritten by its next replay)."""
+    def __call__(
+        self, prompt: torch.Tensor, start: int = 0, position_offset: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write the (n,) prompt tokens into slots [start, start + n), each seeing the slots before `start` (a kept
+        conversation's first tokens, `PromptCache`; text positions `position_offset` from the slots) and the tokens
+        before it; returns the last one's logits (1, V) and the n tokens' features (n, h) or None (copies: the
+        graph's outputs are overwritten by its next replay)."""
         n = prompt.shape[0]
         slots = aligned_length(n)
-        if slots > self.cache.capacity:
+        if start + slots > self.cache.capacity:
             raise ValueError(
-                f"graphed_prefill pads the {n}-token prompt to {slots} slots, more than the cache's {self.cache.capacity}: "
-                f"allocate a capacity that is a multiple of {CAPACITY_ALIGN} (or leave graphed_prefill off)"
+                f"graphed_prefill pads the {n}-token prompt to {slots} slots from slot {start}, past the cache's "
+                f"{self.cache.capacity}: allocate a capacity that is a multiple of {CAPACITY_ALIGN} (or leave "
+                "graphed_prefill off)"
             )
         if slots not in self.verifiers:
             # only the last prompt token's logits are read: the lm_head projects that row alone where it can
@@ -81,10 +86,11 @@ class GraphedPrefill:
                                                  one_logits_row=one_row)
             self.chains[slots] = prompt_chain(slots, prompt.device, self.verifiers[slots].mask.dtype)
         verifier, chain = self.verifiers[slots], self.chains[slots]
-        # the first n tokens of the padded length's chain (views: no work per prompt); at prefix 0 the load rewrites
-        # every mask column a prompt can see ([0, N)), later columns stay hidden
+        # the first n tokens of the padded length's chain (views: no work per prompt). The load unmasks the columns
+        # [0, start + n) the tokens see; an earlier prompt at a later start unmasked columns past those: hide all first
         tree = TreeBuffers(chain.parents[:n], chain.depth[:n], chain.ancestors[:n, :n], chain.attention_bias[:n, :n])
-        verifier.load(prompt, tree, 0)
+        verifier.reset()
+        verifier.load(prompt, tree, start, position_offset)
         if verifier.logits_row is not None:
             verifier.logits_row.fill_(n - 1)
         self.cache.sequence_number += 1

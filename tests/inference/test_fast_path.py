@@ -362,6 +362,27 @@ def test_padded_prefill_projects_the_last_prompt_token_only(family, stories260k,
     assert verifiers[128].forward()[0].shape == (1, target.config.vocab_size)  # one row, not 128
 
 
+def test_padded_prefill_after_kept_entries(stories260k):
+    """A turn's new tokens after a kept conversation (`start` > 0): the graphed chain sees the slots before it, and
+    one prompt's graph at an earlier start sees none of what a later start left unmasked."""
+    from specheads.inference.static_cache import prefill_static
+
+    target = stories260k[0]
+    cache = StaticTreeCache(target, 256)
+    prefill = GraphedPrefill(target, cache, select_features=lambda hidden: hidden[-1])
+    ids = random_prompt(target, 150, 3)
+    full = target(ids, output_hidden_states=True)
+    for start, end in ((100, 150), (40, 90), (0, 30), (120, 140)):  # starts going down and up, one padded length
+        if start:
+            prefill_static(target, cache, ids[0, :start])  # the kept part, in place
+        logits, features = prefill(ids[0, start:end], start)
+        torch.testing.assert_close(logits, full.logits[0, end - 1 : end], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(features, full.hidden_states[-1][0, start:end], rtol=1e-4, atol=1e-4)
+    assert sorted(prefill.verifiers) == [64]
+    with pytest.raises(ValueError, match="pads the 50-token prompt to 64 slots from slot 200, past the cache's 256"):
+        prefill(ids[0, :50], 200)
+
+
 def test_default_prefill_on_the_cpu_stays_eager(stories260k):
     target = stories260k[0]
     lm = SpeculativeLM(target, make_heads(target, "eagle3"))
@@ -381,7 +402,7 @@ def test_padded_prefill_in_our_plain_decoding(family, stories260k, tiny_target_f
         ids = random_prompt(target, length, seed)
         assert torch.equal(decoder.generate(ids, 30), hf_greedy(target, ids, 30))
     assert sorted(decoder.prompt_graphs.verifiers) == [64, 128, 192]
-    with pytest.raises(ValueError, match="pads the 70-token prompt to 128 slots, more than the cache's 100"):
+    with pytest.raises(ValueError, match="pads the 70-token prompt to 128 slots from slot 0, past the cache's 100"):
         StaticGreedyDecoder(target, capacity=100, graphed_prefill=True).generate(random_prompt(target, 70, 0), 20)
 
 

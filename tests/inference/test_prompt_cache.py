@@ -216,6 +216,22 @@ def test_the_fast_path_restores_its_kept_copy_once_another_prompt_was_written(ti
     assert lm.last_stats["reused_prompt_tokens"] == 0  # static entries are not handed to the dynamic path
 
 
+@pytest.mark.parametrize("head_type", ["eagle3", "medusa"])
+def test_each_turns_new_tokens_run_through_the_padded_prompt_graph(tiny_target_factory, head_type):
+    """With the graphed prompt forward (the CUDA default, forced here) a turn's new tokens after the kept conversation
+    run as a padded chain too: three turns identical to `generate`, each reusing the previous one."""
+    target = tiny_target_factory("llama")
+    lm = SpeculativeLM(target, make_heads(target, head_type), graphed_prefill=True)
+    cache, ids = PromptCache(), torch.tensor([TINY_PROMPT])
+    for turn in range(3):
+        held = len(cache)
+        out = lm.generate(ids, max_new_tokens=16, prompt_cache=cache, fast_path=True)
+        assert torch.equal(out, hf_greedy(target, ids, 16)), f"turn {turn}"
+        assert lm.last_stats["reused_prompt_tokens"] == held and (held > 0) == (turn > 0)
+        ids = torch.cat([out, torch.tensor([FOLLOW_UPS[turn % len(FOLLOW_UPS)]])], dim=1)
+    assert sorted(lm._fast_runner.prompt_graphs.verifiers) == [64]  # the first prompt and both turns' new tokens
+
+
 def test_the_fast_path_carries_the_conversation_into_a_larger_cache(tiny_target_factory):
     """A turn that needs more slots than the runner's static cache holds gets a new, larger runner: the shared
     entries are copied over (reused, identical), and the old cache's copy is checked like any other."""
