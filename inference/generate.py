@@ -364,8 +364,7 @@ class SpeculativeLM(CpuKernels):
             streamer: a transformers `TextStreamer` / `TextIteratorStreamer` (batch size 1).
             prompt_cache: a `PromptCache` kept across calls (multi-turn chat, batch size 1): the target runs only
                 the prompt's tokens after the longest prefix the cache holds from the previous call, and the cache
-                then holds this call's sequence (inference/prompt_cache.py). On the fast path, rounds run the per-phase
-                loop (the whole-round graph does not hand back each round's features).
+                then holds this call's sequence (inference/prompt_cache.py).
             acceptance: "exact" (lossless) or "typical" (Medusa's, lossy, sampling only).
             batched: for B > 1, verify all rows in one target forward or, with False, run the rows one after
                 another (the reference scheme). None (default): batched, except where the fast path runs (CUDA),
@@ -541,7 +540,7 @@ class SpeculativeLM(CpuKernels):
         constrain_drafts(drafter, context, self.heads.config.vocab_size)  # processors that ban: allowed drafts only
         graphed = None
         if (isinstance(verifier, FastPathRunner) and not params.do_sample and acceptance == "exact" and context is None
-                and recorder is None and prompt_cache is None and not verifier.position_offset):
+                and recorder is None and not verifier.position_offset):
             wanted = verifier.use_graphs if self.graphed_rounds is None else self.graphed_rounds
             graphed = verifier.graphed_round(drafter) if wanted else None
         if graphed is not None and not done:
@@ -549,6 +548,8 @@ class SpeculativeLM(CpuKernels):
             graphed.start(features, next_tokens, prefix_length)  # drafts the first tree
             while not done:
                 accepted_tokens = graphed.step()  # the (L+1) accepted tokens: L drafted + the bonus
+                if prompt_cache is not None:  # the path's (L+1, h) features, as the per-phase loop keeps them
+                    committed_features.append(graphed.path_features(len(accepted_tokens)))
                 stats["target_forwards"] += 1
                 stats["rounds"] += 1
                 stats["accepted_counts"].append(len(accepted_tokens) - 1)

@@ -250,6 +250,11 @@ class GraphedGreedyRound:
         self.prefix.fill_(prefix_length)
         self.prefix_length = prefix_length
 
+    def path_features(self, count: int) -> torch.Tensor:
+        """(count, w) copy of the last round's accepted path's features (its root and accepted nodes; `count` = the
+        tokens `step` returned): what a `PromptCache` keeps of the round. No host sync."""
+        return self.drafter.features[:count].clone()
+
     @torch.no_grad()
     def step(self) -> list[int]:
         """One round (a graph replay on CUDA); returns the accepted tokens (L drafted + the bonus): one host read."""

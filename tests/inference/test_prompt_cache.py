@@ -216,6 +216,22 @@ def test_the_fast_path_restores_its_kept_copy_once_another_prompt_was_written(ti
     assert lm.last_stats["reused_prompt_tokens"] == 0  # static entries are not handed to the dynamic path
 
 
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_the_whole_round_graph_keeps_the_conversation(tiny_target_factory, head_type):
+    """The whole-round graph (run eagerly here) hands each round's path features to the cache: three turns identical
+    to `generate`, each reusing the previous one, and the rounds ran as whole rounds."""
+    target = tiny_target_factory("qwen2")
+    lm = SpeculativeLM(target, make_heads(target, head_type), graphed_rounds=True)
+    held = 0
+    for turn, (_, cache, stats) in enumerate(conversation(lm, target, torch.tensor([TINY_PROMPT]), 3, 24, True)):
+        if turn:
+            assert stats["reused_prompt_tokens"] == held > 0
+        held = len(cache)
+        round_ = lm._fast_runner.greedy_round
+        assert round_ is not None and round_.prefix_length == cache.cache.committed_length  # it ran this turn
+        assert cache.features.shape[0] == held
+
+
 @pytest.mark.parametrize("head_type", ["eagle3", "medusa"])
 def test_each_turns_new_tokens_run_through_the_padded_prompt_graph(tiny_target_factory, head_type):
     """With the graphed prompt forward (the CUDA default, forced here) a turn's new tokens after the kept conversation
