@@ -190,8 +190,11 @@ class FastPathRunner:
             if held[0] is not self.cache:
                 raise ValueError("FastPathRunner.prefill: the held entries are not in this runner's cache")
             start = held[1].shape[0]
-            # a turn's new tokens after the kept conversation: padded and graphed as a prompt would be
-            if pads_prompt(self.graphed_prefill, self.use_graphs, prompt.shape[0] - start, self.capacity - start):
+            # a turn's new tokens after the kept conversation: padded and graphed as a prompt would be, where the
+            # padding fits the cache (else eagerly)
+            suffix = prompt.shape[0] - start
+            if (pads_prompt(self.graphed_prefill, self.use_graphs, suffix, self.capacity - start)
+                    and start + aligned_length(suffix) <= self.capacity):
                 last_logits, new_features = self.graphed_prompts()(prompt[start:], start, held_offset)
             else:
                 out = prefill_static(self.target, self.cache, prompt[start:], output_hidden_states=True, start=start,

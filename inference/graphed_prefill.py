@@ -41,9 +41,9 @@ class GraphedPrefill:
     """The prompt's forward at a fixed shape: padded to a multiple of `CAPACITY_ALIGN` tokens, so that a few CUDA
     graphs (one per padded length, captured on first use) replace an eager forward of every prompt length.
 
-    The prompt is loaded as a chain into a `TreeVerifier` of that many slots at prefix 0: its tokens see the ones
-    before them, padding tokens only themselves, and the padding's cache entries (slots n .. N-1, beyond the committed
-    prompt) stay hidden until later tokens overwrite them, as a padded tree's do. On by default on CUDA for prompts
+    The prompt is loaded as a chain into a `TreeVerifier` of that many slots at its start slot (0, or after a kept
+    conversation's entries): its tokens see the slots before them, padding tokens only themselves, and the padding's
+    cache entries (beyond the committed prompt) stay hidden until later tokens overwrite them, as a padded tree's do. On by default on CUDA for prompts
     up to `GRAPHED_PREFILL_MAX_TOKENS` (`graphed_prefill=None`, `pads_prompt`); `graphed_prefill=True` pads every
     prompt, also on the CPU, where it runs eagerly (the same outputs, more rows computed: how it is tested).
 

@@ -248,6 +248,21 @@ def test_each_turns_new_tokens_run_through_the_padded_prompt_graph(tiny_target_f
     assert sorted(lm._fast_runner.prompt_graphs.verifiers) == [64]  # the first prompt and both turns' new tokens
 
 
+def test_new_tokens_whose_padding_would_not_fit_run_eagerly(tiny_target_factory):
+    """With every prompt padded (graphed_prefill=True), a turn whose few new tokens, padded to 64 slots after the
+    kept conversation, would pass the end of the runner's cache runs them eagerly instead of failing."""
+    target = tiny_target_factory("llama")
+    lm = SpeculativeLM(target, make_heads(target, "eagle"), graphed_prefill=True)  # a small tree: little reserve
+    cache = PromptCache()
+    out = lm.generate(torch.tensor([TINY_PROMPT]), max_new_tokens=40, prompt_cache=cache, fast_path=True)
+    runner, held = lm._fast_runner, len(cache)
+    ids = torch.cat([out, torch.tensor([[8]])], dim=1)
+    assert held + 64 > runner.capacity >= ids.shape[1] + 4 + runner.reserve  # the same runner, no room for padding
+    again = lm.generate(ids, max_new_tokens=4, prompt_cache=cache, fast_path=True)
+    assert lm._fast_runner is runner and lm.last_stats["reused_prompt_tokens"] == held
+    assert torch.equal(again, hf_greedy(target, ids, 4))
+
+
 def test_the_fast_path_carries_the_conversation_into_a_larger_cache(tiny_target_factory):
     """A turn that needs more slots than the runner's static cache holds gets a new, larger runner: the shared
     entries are copied over (reused, identical), and the old cache's copy is checked like any other."""
