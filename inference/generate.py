@@ -66,7 +66,7 @@ from specheads.inference.sampling import SamplingParams, choose_token
 from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder, generate_output
 from specheads.inference.stopping import StopChecker, emit_tokens
-from specheads.inference.target_support import check_tree_verification, verifies_chains
+from specheads.inference.target_support import check_one_device, check_tree_verification, verifies_chains
 from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
 from specheads.inference.tree_description import describe_tree
 from specheads.inference.verify import DynamicTreeVerifier
@@ -145,6 +145,7 @@ class SpeculativeLM(CpuKernels):
         if not isinstance(heads, DraftHeads):
             raise TypeError(f"heads must be a specheads DraftHeads, got {type(heads).__name__}")
         check_tree_verification(target, chains=True)  # ALiBi, recurrent layers, ...: refused by name, never inexact
+        check_one_device(target)  # a device_map over several devices: refused by name
         heads.attach_target(target)  # raises when heads and target do not match
         self.target, self.heads, self.tokenizer = target.eval(), heads.eval(), tokenizer
         self.verifies_chains = verifies_chains(target)  # a hybrid: paths as chains (inference/chain_verify.py)

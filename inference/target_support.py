@@ -110,6 +110,18 @@ def check_tree_verification(target: PreTrainedModel, chains: bool = False) -> No
         raise ValueError(f"this target cannot be served with exact speculative decoding: {problem}")
 
 
+def check_one_device(target: PreTrainedModel) -> None:
+    """Raise a ValueError naming the devices when `target` is spread over several (a `device_map`, e.g. "auto" over
+    two GPUs, or CPU / disk offload): the engine keeps the target's caches, its features and the heads on one device."""
+    placed = getattr(unwrapped(target), "hf_device_map", None) or {}
+    devices = sorted({str(device) for device in placed.values()})
+    if len(devices) > 1:
+        raise ValueError(
+            f"the target is spread over {len(devices)} devices ({', '.join(devices)}: its device_map); speculative "
+            "decoding here runs the target, its caches and the heads on one device: load the target onto one "
+            "(device='cuda:0', or SpeculativeLM.from_pretrained(..., device=...))")
+
+
 def context_limit(target: PreTrainedModel) -> tuple[int | None, str]:
     """(the most positions a generation may reach, what that limit is), (None, "") for no limit.
 

@@ -158,6 +158,16 @@ def test_targets_that_cannot_verify_trees_are_refused(tiny_target_factory, famil
         SpeculativeLM(target, heads)
 
 
+def test_a_target_spread_over_several_devices_is_refused(tiny_target_factory):
+    """A device_map over several devices (two GPUs, or CPU / disk offload) is refused by name; one device is fine."""
+    target = tiny_target_factory("llama")
+    target.hf_device_map = {"": 0}
+    SpeculativeLM(target, make_heads(target, "eagle3"))
+    target.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": "cpu"}
+    with pytest.raises(ValueError, match=r"spread over 3 devices \(0, 1, cpu: its device_map\).*onto one"):
+        SpeculativeLM(target, make_heads(target, "eagle3"))
+
+
 def test_falcon_with_rotary_positions_is_served(tiny_target_factory):
     target = tiny_target_factory("falcon")  # alibi=False: rotary embeddings from position_ids
     lm = SpeculativeLM(target, make_heads(target, "eagle3"))
