@@ -8,6 +8,7 @@ the target's own.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,7 @@ def test_targets_that_cannot_verify_trees_are_refused(tiny_target_factory, famil
 
 def test_a_target_spread_over_several_devices_is_refused(tiny_target_factory):
     """A device_map over several devices (two GPUs, or CPU / disk offload) is refused by name; one device is fine."""
-    target = tiny_target_factory("llama")
+    target = copy.deepcopy(tiny_target_factory("llama"))  # the factory's models are shared: not this attribute
     target.hf_device_map = {"": 0}
     SpeculativeLM(target, make_heads(target, "eagle3"))
     target.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": "cpu"}
