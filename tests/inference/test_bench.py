@@ -420,6 +420,18 @@ def test_gpu_tree_sweep_runs_trees_and_prefills_against_our_plain_decoding(tmp_p
         assert variant["prompts"] == 2 and variant["identical"] == 2 and variant["tau"] >= 1
         assert variant["speedup_vs_static"] > 0
     assert set(results["plain"]) == {"auto", "on"} and results["environment"]["dtype"] == "float32"
+    other = tmp_path / "other_heads"  # --heads A,B: both on the one target, side by side
+    target, _ = load_target("stories260K")
+    torch.manual_seed(1)
+    create_heads(target, "eagle", tree_depth=3, tree_top_k=2, tree_num_nodes=4).save_pretrained(other)
+    monkeypatch.setattr(sys, "argv", [
+        str(script), "--device", "cpu", "--target", "stories260K", "--heads", f"{eagle_heads_dir},{other}",
+        "--prompts", str(prompts), "--max-new-tokens", "8", "--out", str(out), "3,2,4",
+    ])
+    runpy.run_path(str(script), run_name="__main__")
+    results = json.loads(out.read_text())["variants"]
+    assert set(results) == {f"3,2,4 prefill auto (heads {h})" for h in (eagle_heads_dir, other)}
+    assert all(r["prompts"] == 2 and r["identical"] == 2 for r in results.values())
     monkeypatch.setattr(sys, "argv", [str(script), "--graphed-prefill", "sometimes", "3,2,4"])
     with pytest.raises(SystemExit, match="--graphed-prefill 'sometimes': expected a comma list of"):
         runpy.run_path(str(script), run_name="__main__")
