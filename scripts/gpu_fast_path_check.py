@@ -8,6 +8,8 @@ Sections (each runs even if an earlier one failed; failures are printed and reco
      padded, graphed prompt forward, the EAGLE-3 heads also with it forced on and off, and a drafter that
      knows the greedy continuation: real acceptance, KV compaction), our plain decoding with and without the
      graphed prompt forward, vs target.generate. Any difference is a FAILURE (exit code 1).
+  1b. conversations on the fast path, fp32: two prompt-cache conversations taking turns (restored from their kept
+     copies), turns through the prompt graphs and whole-round graphs, and requests one at a time (`SerialEngine`).
   2. the same in bf16: differences are REPORTED, not failures (bf16 kernels may legitimately differ between a
      static-cache forward and transformers' dynamic-cache generate).
   3. timing, a random Llama of 1B shape in bf16: one verification forward vs tree size (1..64 nodes), eager vs
@@ -36,6 +38,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specheads import DraftModelHeads, SpeculativeLM, create_heads, early_exit_model, load_target
 from specheads.inference.fast_path import StaticGreedyDecoder, plain_greedy_static
+from specheads.inference.prompt_cache import PromptCache
+from specheads.inference.serial_engine import SerialEngine
 from specheads.inference.static_cache import StaticTreeCache, prefill_static
 from specheads.inference.static_drafting import StaticEagleDrafter
 from specheads.inference.tree import TreeBuffers, build_tree_buffers
@@ -191,6 +195,47 @@ def identity_section(dtype: torch.dtype, max_new_tokens: int = 64) -> dict[str, 
         n for n, v in prefill_decoder.prompt_graphs.verifiers.items() if v.graph is not None
     )
     return results
+
+
+def conversation_section(device: str = "cuda", max_new_tokens: int = 24) -> dict[str, Any]:
+    """Conversations and queued requests on the fast path in fp32, against `target.generate` on the whole sequence:
+    two `PromptCache` conversations taking turns (each overwrites the other's entries in the runner's cache: restored
+    from the kept copy), each turn's new tokens through the padded prompt graphs and the greedy rounds as whole-round
+    graphs; then three requests answered one at a time by a `SerialEngine` (what `serve` does on CUDA). Runs on the
+    CPU too (eagerly: the unit test)."""
+    target, tokenizer = load_target("stories260K", dtype=torch.float32, device=device)
+    torch.manual_seed(0)
+    lm = SpeculativeLM(target, create_heads(target, "eagle3"), graphed_rounds=True, graphed_prefill=True)
+    follow = tokenizer(" Then", add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+    caches = [PromptCache(), PromptCache()]
+    ids = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in PROMPTS[:2]]
+    turns = []
+    for turn in range(3):
+        for who in (0, 1):
+            held = len(caches[who])
+            out = lm.generate(ids[who], max_new_tokens=max_new_tokens, prompt_cache=caches[who], fast_path=True)
+            expected = target.generate(ids[who], max_new_tokens=max_new_tokens, do_sample=False)
+            turns.append({"conversation": who, "turn": turn, "held": held,
+                          "reused": lm.last_stats["reused_prompt_tokens"],
+                          "first_difference": first_difference(out, expected)})
+            ids[who] = torch.cat([out, follow], dim=1)
+    runner = lm._fast_runner
+    engine = SerialEngine(lm, fast_path=True)
+    prompts = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in PROMPTS]
+    requests = [lm.batch_request(p, max_new_tokens=max_new_tokens) for p in prompts]
+    engine.add(requests)
+    while engine.occupied:
+        engine.step()
+    served = [request.new_tokens == target.generate(p, max_new_tokens=max_new_tokens, do_sample=False)[
+        0, p.shape[1]:].tolist() for request, p in zip(requests, prompts)]
+    return {
+        "turns": turns,
+        "identical": all(t["first_difference"] is None for t in turns) and all(served),
+        "reused_every_later_turn": all(t["reused"] == t["held"] > 0 for t in turns if t["turn"] > 0),
+        "serial_requests_identical": served,
+        "round_graph_captured": runner.greedy_round is not None and runner.greedy_round.graph is not None,
+        "prompt_graphs_captured": sorted(n for n, v in runner.prompt_graphs.verifiers.items() if v.graph is not None),
+    }
 
 
 def build_one_b() -> torch.nn.Module:
@@ -359,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             if not entry["identical"]:
                 report["failures"].append(f"identity_stories260K_fp32.{check}")
+    chat = run_section(report, "conversations_stories260K_fp32", conversation_section)
+    if isinstance(chat, dict) and "error" not in chat:
+        print(f"        {({k: v for k, v in chat.items() if k != 'turns'})}")
+        if not (chat["identical"] and chat["reused_every_later_turn"]):
+            report["failures"].append("conversations_stories260K_fp32")
     bf16 = run_section(report, "identity_stories260K_bf16", lambda: identity_section(torch.bfloat16))
     if isinstance(bf16, dict) and "error" not in bf16:
         for check, entry in bf16.items():

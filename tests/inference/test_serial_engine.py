@@ -118,3 +118,19 @@ def test_serve_batching_off_builds_a_one_at_a_time_server(stories260k_eagle_dir,
             server.RequestHandlerClass.service.close()
         said = capfd.readouterr().err
         assert ("requests one at a time" in said) is serial and ("batches of up to 8" in said) is not serial
+
+
+def test_the_gpu_checks_conversation_section_passes_on_the_cpu():
+    """scripts/gpu_fast_path_check.py's conversation section (what the next GPU call checks) run eagerly here:
+    conversations taking turns restore their kept copies, and queued requests equal `generate`."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "scripts" / "gpu_fast_path_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_fast_path_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    result = check.conversation_section("cpu", max_new_tokens=12)
+    assert result["identical"] and result["reused_every_later_turn"] and len(result["turns"]) == 6
+    assert result["serial_requests_identical"] == [True, True, True]
+    assert result["round_graph_captured"] is False and result["prompt_graphs_captured"] == []  # no graphs on a CPU
