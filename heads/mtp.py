@@ -260,14 +260,16 @@ class MtpHeads(TargetRowsDraftVocab, DraftHeads):
     def logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
         """(..., V) logits of the MTP layer's outputs through the target's lm_head (with its muP scaling when it has
         one, as transformers' MtpModel applies it)."""
-        hidden = predicted_features if self.logits_divisor is None else predicted_features / self.logits_divisor
         lm_head = self.target_parts.lm_head
-        return lm_head(hidden.to(lm_head.weight.dtype))[..., : self.config.vocab_size]
+        return lm_head(self.lm_head_input(predicted_features).to(lm_head.weight.dtype))[..., : self.config.vocab_size]
+
+    def lm_head_input(self, predicted_features: torch.Tensor) -> torch.Tensor:
+        """What the lm_head reads: the MTP layer's outputs, divided by the muP width multiplier where there is one."""
+        return predicted_features if self.logits_divisor is None else predicted_features / self.logits_divisor
 
     def draft_logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary: the whole one (`logits`), or with `eagle_draft_vocab_size` the lm_head's
         rows of the `d2t` ids only (a 248K-token vocabulary's projection is most of a Qwen3.5 MTP step's cost)."""
         if self.d2t is None:
             return self.logits(predicted_features)
-        hidden = predicted_features if self.logits_divisor is None else predicted_features / self.logits_divisor
-        return super().draft_logits(hidden)
+        return super().draft_logits(self.lm_head_input(predicted_features))

@@ -30,6 +30,7 @@ from specheads.inference.fast_path import StaticGreedyDecoder, aligned_length
 from specheads.inference.generate import SpeculativeLM
 from specheads.inference.generate_inputs import eos_ids
 from specheads.inference.gqa_attention import CPU_ATTENTION_CHOICES, GQA_ATTENTION
+from specheads.inference.graphed_prefill import pads_prompt
 from specheads.inference.int8_linear import DRAFT_LINEAR_CHOICES, Int8Linear
 from specheads.inference.json_object import JsonObjectIndex
 from specheads.inference.lookup import check_lookup_settings
@@ -139,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _timed(fn) -> tuple[Any, float]:
+def timed(fn) -> tuple[Any, float]:
+    """(fn(), seconds), the device synchronised before the clock is read."""
     start = time.perf_counter()
     result = fn()
     if torch.cuda.is_available():
@@ -196,16 +198,18 @@ def run_prompt(
         gen_kwargs.update({k: v for k, v in options.items() if v is not None})  # unset: the generation config
     if constraint is not None and isinstance(constraint.index, JsonObjectIndex):  # its states learned beforehand
         target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs, **constrained(), **images)
-    baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs,
+    baseline, base_s = timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs,
                                                       **constrained(), **images))
     fast_path = SWITCH[getattr(args, "fast_path", "auto")]
     if images and fast_path is True:
         fast_path = None  # the fast path takes text prompts only
-    timed_static = static_decoder is not None and not sample and constraint is None and not images
-    if timed_static and static_first:
-        static, static_s = _timed(lambda: static_decoder.generate(ids, args.max_new_tokens))
-    spec, spec_s = _timed(lambda: lm.generate(ids, fast_path=fast_path, **constrained(), **images,
-                                              **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"}))
+    runs = {"spec": lambda: lm.generate(ids, fast_path=fast_path, **constrained(), **images,
+                                        **{k: v for k, v in gen_kwargs.items() if k != "pad_token_id"})}
+    if static_decoder is not None and not sample and constraint is None and not images:
+        runs["static"] = lambda: static_decoder.generate(ids, args.max_new_tokens)
+    order = ["static", "spec"] if static_first else ["spec", "static"]
+    measured = {name: timed(runs[name]) for name in order if name in runs}
+    spec, spec_s = measured["spec"]
     stats = lm.last_stats
     if outputs is not None:
         outputs["baseline"] = baseline
@@ -219,9 +223,8 @@ def run_prompt(
         "tokens_per_second": spec_new / spec_s, "baseline_tokens_per_second": base_new / base_s,
     }
     row["speedup"] = row["tokens_per_second"] / row["baseline_tokens_per_second"]
-    if timed_static:
-        if not static_first:
-            static, static_s = _timed(lambda: static_decoder.generate(ids, args.max_new_tokens))
+    if "static" in measured:
+        static, static_s = measured["static"]
         row["static_baseline_tokens"] = static.shape[1] - ids.shape[1]
         row["static_baseline_seconds"] = static_s
         row["static_baseline_prefill_seconds"] = static_decoder.last_prefill_seconds
@@ -251,7 +254,7 @@ def run_prompt(
     # transformers refuses assisted generation (prompt lookup included) on stateful targets (Qwen3.5, Mamba-2 hybrids)
     assists = not getattr(type(unwrapped(target)), "_is_stateful", False)
     if args.prompt_lookup and not sample and assists:
-        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **images,
+        out, s = timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **images,
                                                 prompt_lookup_num_tokens=args.prompt_lookup, **gen_kwargs, **constrained()))
         row["prompt_lookup_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
     # transformers' assisted generation: with --assistant's draft model, else with --early-exit-layers' own layers, or
@@ -261,7 +264,7 @@ def run_prompt(
                 else {"assistant_early_exit": early_exit} if early_exit is not None
                 else {"use_mtp": True} if getattr(args, "mtp", None) else None)
     if assisted is not None and not images and assists:  # (a text draft model cannot read the images)
-        out, s = _timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **assisted, **gen_kwargs,
+        out, s = timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **assisted, **gen_kwargs,
                                                 **constrained()))
         row["assisted_tokens_per_second"] = (out.shape[1] - ids.shape[1]) / s
     return row
@@ -297,8 +300,8 @@ def run_batch(lm: SpeculativeLM, prompts: list[Prompt], mode: str, args: argpars
     if sample:
         chosen = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         options.update({k: v for k, v in chosen.items() if v is not None})
-    baseline, base_s = _timed(lambda: target.generate(ids, attention_mask=mask, **options))
-    spec, spec_s = _timed(lambda: lm.generate(ids, attention_mask=mask, batched=True, **options))
+    baseline, base_s = timed(lambda: target.generate(ids, attention_mask=mask, **options))
+    spec, spec_s = timed(lambda: lm.generate(ids, attention_mask=mask, batched=True, **options))
     stats = lm.last_stats
     eos = set(eos_ids(None, target.generation_config))
     base_new = sum(answer_lengths(baseline[:, width:], eos))
@@ -451,13 +454,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                              graphed_prefill=lm.graphed_prefill)
     # Warm-up, not recorded: the longest prompt, so the fast path sizes its static cache and captures once.
     run_prompt(lm, max(prompts, key=lambda p: p.input_ids.shape[-1]), "greedy", args, None, static_decoder, constraint)
-    # and, where prompts are padded, one of each padded length: every prompt graph is captured before timing
-    if lm.graphed_prefill or (lm.graphed_prefill is None and lm.target.device.type == "cuda"):
-        for prompt in {aligned_length(p.input_ids.shape[-1]): p for p in prompts}.values():
-            lm.generate(prompt.input_ids.to(lm.target.device), max_new_tokens=2,
-                        fast_path=SWITCH[getattr(args, "fast_path", "auto")])
-            if static_decoder is not None:
-                static_decoder.generate(prompt.input_ids.to(lm.target.device), 2)
+    # and one prompt of each padded length the prompt graphs take (`pads_prompt`): every one captured before timing
+    on_cuda, lengths = lm.target.device.type == "cuda", [p.input_ids.shape[-1] for p in prompts]
+    padded = {aligned_length(n): p for n, p in zip(lengths, prompts)
+              if pads_prompt(lm.graphed_prefill, on_cuda, n, aligned_length(n + args.max_new_tokens))}
+    for prompt in padded.values():
+        lm.generate(prompt.input_ids.to(lm.target.device), max_new_tokens=2,
+                    fast_path=SWITCH[getattr(args, "fast_path", "auto")])
+        if static_decoder is not None:
+            static_decoder.generate(prompt.input_ids.to(lm.target.device), 2)
     rows = []
     batch_size = getattr(args, "batch_size", 1)
     if batch_size > 1:

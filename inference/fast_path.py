@@ -192,9 +192,8 @@ class FastPathRunner:
             start = held[1].shape[0]
             # a turn's new tokens after the kept conversation: padded and graphed as a prompt would be, where the
             # padding fits the cache (else eagerly)
-            suffix = prompt.shape[0] - start
-            if (pads_prompt(self.graphed_prefill, self.use_graphs, suffix, self.capacity - start)
-                    and start + aligned_length(suffix) <= self.capacity):
+            suffix, room = prompt.shape[0] - start, self.capacity - start
+            if pads_prompt(self.graphed_prefill, self.use_graphs, suffix, room) and aligned_length(suffix) <= room:
                 last_logits, new_features = self.graphed_prompts()(prompt[start:], start, held_offset)
             else:
                 out = prefill_static(self.target, self.cache, prompt[start:], output_hidden_states=True, start=start,
@@ -333,8 +332,8 @@ class StaticGreedyDecoder:
         self.capture_failed = False
         self.last_prefill_seconds = 0.0  # the last `generate`'s prompt forward, up to its first token on the host
         self.graphed_prefill = graphed_prefill
-        # its graphs are captured on first use, one per padded length
-        self.prompt_graphs = GraphedPrefill(target, self.cache, None, self.use_graph) if graphed_prefill is not False else None
+        # its graphs are captured on first use, one per padded length (`pads_prompt` says which prompts use it)
+        self.prompt_graphs = GraphedPrefill(target, self.cache, None, self.use_graph)
 
     @property
     def capacity(self) -> int:
@@ -406,7 +405,7 @@ class StaticGreedyDecoder:
         # Prefill (eager: prompt lengths vary), then the first token comes from its last logits. Reading it waits
         # for the prefill (as the speculative path's first token does), so `last_prefill_seconds` is its real time.
         prefill_start = time.perf_counter()
-        if self.prompt_graphs is not None and pads_prompt(self.graphed_prefill, self.use_graph, n, self.cache.capacity):
+        if pads_prompt(self.graphed_prefill, self.use_graph, n, self.cache.capacity):
             last_logits = self.prompt_graphs(prompt)[0]  # (1, V)
         else:
             last_logits = prefill_static(self.target, self.cache, prompt).logits[0, -1:]

@@ -438,10 +438,7 @@ class SpeculativeLM(CpuKernels):
             rows = generate_batched(self, prompts, max_new_tokens, params, eos, acceptance, stats, stops, recorders,
                                     prediction)
         else:
-            verifier_class = ChainVerifier if self.verifies_chains else DynamicTreeVerifier
-            verifier = runner if runner is not None else verifier_class(
-                self.target, self.heads.select_features, argmax=None if params.reads_sequence else self.certified_argmax
-            )
+            verifier = runner if runner is not None else self.eager_verifier(params)
             rows = []
             for row, prompt in enumerate(prompts):
                 if streamer is not None:
@@ -471,6 +468,13 @@ class SpeculativeLM(CpuKernels):
         self._fast_runner = runner
         runner.graphed_prefill = self.graphed_prefill
         return runner, runner.use_drafter(self.drafter)
+
+    def eager_verifier(self, params: SamplingParams) -> DynamicTreeVerifier:
+        """The normal path's verifier for one row: a `DynamicTreeVerifier`, or a `ChainVerifier` on a hybrid target;
+        greedy verification scored by `certified_argmax` (when set) unless the sampling params read the sequence."""
+        verifier_class = ChainVerifier if self.verifies_chains else DynamicTreeVerifier
+        argmax = None if params.reads_sequence else self.certified_argmax
+        return verifier_class(self.target, self.heads.select_features, argmax=argmax)
 
     def batch_request(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **options: Any) -> BatchRequest:
         """One prompt as a request for a `BatchEngine` (continuous batching), checked as `generate` checks it:

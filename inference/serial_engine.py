@@ -19,8 +19,7 @@ from typing import Any
 
 from specheads.inference.batch_request import BatchRequest
 from specheads.inference.batched import BatchEngine
-from specheads.inference.chain_verify import CHAINS_ONLY, ChainVerifier
-from specheads.inference.verify import DynamicTreeVerifier
+from specheads.inference.chain_verify import CHAINS_ONLY
 
 
 class StopWhenCancelled:
@@ -91,9 +90,7 @@ class SerialEngine:
         # the fast path where `generate` would take it (CUDA; predictions are drafted from on the eager path only)
         fast_path = False if request.prediction else self.fast_path
         runner, drafter = lm.fast_path_for(fast_path, [request.prompt], request.max_new_tokens)
-        argmax = None if request.params.reads_sequence else lm.certified_argmax
-        verifier_class = ChainVerifier if lm.verifies_chains else DynamicTreeVerifier
-        verifier = runner if runner is not None else verifier_class(lm.target, lm.heads.select_features, argmax=argmax)
+        verifier = runner if runner is not None else lm.eager_verifier(request.params)
         if request.streamer is not None:
             request.streamer.put(request.prompt.cpu())
         stop: Any = StopWhenCancelled(request)

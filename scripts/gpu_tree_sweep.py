@@ -21,24 +21,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
+from functools import partial
 
 import torch
 
 from specheads import SpeculativeLM, load_heads
-from specheads.inference.bench import SWITCH, environment
+from specheads.inference.bench import SWITCH, environment, timed
 from specheads.inference.fast_path import StaticGreedyDecoder, aligned_length
 from specheads.inference.prompts import read_prompts, tokenize_prompts
 from specheads.inference.tree import parse_eagle_tree
-
-
-def timed(fn, *args, **kwargs):
-    """(fn(*args, **kwargs), seconds), the device synchronised before the clock is read."""
-    start = time.perf_counter()
-    result = fn(*args, **kwargs)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return result, time.perf_counter() - start
 
 
 def main() -> None:
@@ -92,14 +83,14 @@ def main() -> None:
         ids = prompt.input_ids.to(target.device)
         for prefill in prefills if number % 2 else prefills[::-1]:  # neither setting always first
             decoder = statics[prefill]
-            reference, static_s = timed(decoder.generate, ids, args.max_new_tokens)
+            reference, static_s = timed(partial(decoder.generate, ids, args.max_new_tokens))
             static_tokens = reference.shape[1] - ids.shape[1]
             static_rows[prefill].append({"tokens": static_tokens, "seconds": static_s,
                                          "prefill_seconds": decoder.last_prefill_seconds})
             pairs = list(itertools.product(heads_list, trees))
             for heads, spec in pairs if number % 2 else pairs[::-1]:
                 one = variants[(heads, spec, prefill)]
-                out, seconds = timed(one.generate, ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+                out, seconds = timed(partial(one.generate, ids, max_new_tokens=args.max_new_tokens, do_sample=False))
                 identical = torch.equal(out.cpu(), reference.cpu())
                 if not identical and target.dtype == torch.float32:
                     raise RuntimeError(f"tree {spec} of {heads} (graphed prefill {prefill}) differs from our plain "
