@@ -161,7 +161,8 @@ def _configure_tree(
     if tree == "auto":
         # Tuned at the measured length: small trees that stop drafting early win at 128 tokens by ~5% (README),
         # a gap that shorter or fewer calibration answers could not tell from noise.
-        report = autotune_tree(lm, calibration, max_new_tokens=max(1, min(max_new_tokens, CALIBRATION_MAX_TOKENS)))
+        report = autotune_tree(lm, calibration, max_new_tokens=max(1, min(max_new_tokens, CALIBRATION_MAX_TOKENS)),
+                               progress=True)
         print(f"[specheads bench] --tree auto chose {report['chosen']}")
         return report
     lm.configure_tree(**tree_options(tree))

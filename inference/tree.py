@@ -211,12 +211,15 @@ def load_static_tree(name_or_path: str) -> StaticTree:
 
 
 def parse_eagle_tree(spec: str) -> dict[str, Any]:
-    """'depth,top_k,nodes[,stop_prob[,min_prob]]' -> `SpeculativeLM.configure_tree` keyword arguments."""
+    """'depth,top_k,nodes[,stop_prob[,min_prob]]' -> `SpeculativeLM.configure_tree` keyword arguments: the whole
+    tree, so stop_prob and min_prob left out are 0 (no pruning), not the heads' default (on a CPU that is their
+    `cpu_tree`'s, tuned for another shape: `--tree 8,10,60` would have been pruned there and not on a GPU)."""
     parts = spec.split(",")
     try:
         if not 3 <= len(parts) <= 5:
             raise ValueError
-        values: dict[str, Any] = {"tree_depth": int(parts[0]), "tree_top_k": int(parts[1]), "tree_num_nodes": int(parts[2])}
+        values: dict[str, Any] = {"tree_depth": int(parts[0]), "tree_top_k": int(parts[1]), "tree_num_nodes": int(parts[2]),
+                                  "tree_stop_prob": 0.0, "tree_min_prob": 0.0}
         for name, text in zip(("tree_stop_prob", "tree_min_prob"), parts[3:]):
             values[name] = float(text)
     except ValueError:

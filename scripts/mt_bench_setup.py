@@ -15,6 +15,7 @@ import torch
 
 from specheads import SpeculativeLM
 from specheads.inference.prompts import read_prompts, tokenize_prompts
+from specheads.inference.tree import parse_eagle_tree
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -41,10 +42,7 @@ def load_lm_and_prompts(args: argparse.Namespace, **lm_options: Any) -> tuple[Sp
     lm = SpeculativeLM.from_pretrained(target=args.target, heads=args.heads, lookup_tokens=args.lookup_tokens,
                                       lookup_max_tokens=args.lookup_max_tokens or None,
                                       device=getattr(args, "device", "cpu"), **lm_options)
-    depth, top_k, nodes, *pruning = args.tree.split(",")
-    lm.configure_tree(tree_depth=int(depth), tree_top_k=int(top_k), tree_num_nodes=int(nodes),
-                      tree_stop_prob=float(pruning[0]) if pruning else None,
-                      tree_min_prob=float(pruning[1]) if len(pruning) > 1 else None)
+    lm.configure_tree(**parse_eagle_tree(args.tree))
     kernels = lm.use_cpu_kernels()
     rows = read_prompts(args.prompt_file, per_category=max(args.prompts // 8, 1), limit=args.prompts)
     prompts = [p.input_ids[0].to(lm.target.device) for p in tokenize_prompts(rows, lm.tokenizer)]

@@ -53,7 +53,8 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
                    "certified error bounds (same output, cheaper verification); 'auto' (default): bf16 where it applies")
     p.add_argument("--tree", default=None, metavar="SPEC",
                    help="the draft tree: depth,top_k,nodes[,stop_prob[,min_prob]] for EAGLE / EAGLE-3 heads (e.g. "
-                        "4,4,8,0.2,0.03, small trees for CPUs), a static tree's name or path for Medusa heads; default: "
+                        "4,4,8,0.2,0.03, small trees for CPUs; stop_prob and min_prob left out are 0: no pruning), a "
+                        "static tree's name or path for Medusa heads; default: "
                         "the heads' own for the device (on a CPU their config's cpu_tree, if any; `bench --tree auto "
                         "--save-tree DIR` writes a tuned one into a copy)")
     p.add_argument("--lookup-tokens", type=int, default=0,

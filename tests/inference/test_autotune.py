@@ -96,3 +96,34 @@ def test_autotune_interleaves_candidates_per_prompt_on_the_normal_path(tiny_llam
     fake = {t["tree"]["nodes"]: t for t in report["trials"]}
     assert report["chosen"]["nodes"] == min(nodes) == min(fake, key=lambda n: 1 / fake[n]["tokens_per_second"])
     assert lm.tree_description() == report["chosen"]
+
+
+def test_autotune_shows_its_progress_when_asked(tiny_llama, capsys):
+    """`progress=True` (what `bench --tree auto` passes: the calibration takes minutes on a CPU) counts the timed runs,
+    trees x prompts, on stderr; the default stays quiet (tests, library calls)."""
+    lm = SpeculativeLM(tiny_llama, create_heads(tiny_llama, "eagle"))
+    calibration = [torch.tensor([TINY_PROMPT]), torch.tensor([TINY_PROMPT[:3]])]
+    autotune.autotune_tree(lm, calibration, max_new_tokens=4)
+    assert "tree auto" not in capsys.readouterr().err
+    report = autotune.autotune_tree(lm, calibration, max_new_tokens=4, progress=True)
+    runs = len(report["trials"]) * len(calibration)
+    last_line = capsys.readouterr().err.split("\r")[-1]  # the bar's final state
+    assert f"tree auto ({len(report['trials'])} trees)" in last_line and f"{runs}/{runs}" in last_line
+
+
+def test_candidates_are_the_trees_they_name_whatever_the_heads_default_pruning(tiny_llama):
+    """Heads whose CPU default prunes (`cpu_tree`'s stop / min probabilities, as the committed SmolLM2 heads') do not
+    lend that pruning to the candidates that give none: each trial's tree is its candidate, unpruned where it names
+    no pruning (before, every CPU candidate of those heads ran pruned at 0.2 / 0.03)."""
+    heads = create_heads(tiny_llama, "eagle", cpu_tree={"tree_depth": 3, "tree_top_k": 2, "tree_num_nodes": 4,
+                                                        "tree_stop_prob": 0.2, "tree_min_prob": 0.03})
+    lm = SpeculativeLM(tiny_llama, heads)
+    assert lm.tree_description()["stop_prob"] == 0.2  # the CPU default
+    report = autotune.autotune_tree(lm, [torch.tensor([TINY_PROMPT])], max_new_tokens=4)
+    for trial in report["trials"]:
+        candidate, tree = trial["candidate"], trial["tree"]
+        assert (tree["depth"], tree["top_k"], tree["nodes"]) == (
+            candidate["tree_depth"], candidate["tree_top_k"], candidate["tree_num_nodes"])
+        assert (tree["stop_prob"], tree["min_prob"]) == (
+            candidate.get("tree_stop_prob", 0.0), candidate.get("tree_min_prob", 0.0)), trial
+    assert any("tree_stop_prob" not in t["candidate"] for t in report["trials"])

@@ -353,8 +353,11 @@ def test_calibration_prompts_spread_over_categories_first():
 def test_eagle_tree_specs_parse_with_optional_probabilities():
     from specheads.inference.tree import parse_eagle_tree
 
-    assert parse_eagle_tree("5,8,24") == {"tree_depth": 5, "tree_top_k": 8, "tree_num_nodes": 24}
-    assert parse_eagle_tree("6,6,16,0.05") == {"tree_depth": 6, "tree_top_k": 6, "tree_num_nodes": 16, "tree_stop_prob": 0.05}
+    # left out, the probabilities are 0 (no pruning), whatever the heads' default pruning is
+    assert parse_eagle_tree("5,8,24") == {"tree_depth": 5, "tree_top_k": 8, "tree_num_nodes": 24, "tree_stop_prob": 0.0,
+                                          "tree_min_prob": 0.0}
+    assert parse_eagle_tree("6,6,16,0.05") == {"tree_depth": 6, "tree_top_k": 6, "tree_num_nodes": 16,
+                                               "tree_stop_prob": 0.05, "tree_min_prob": 0.0}
     assert parse_eagle_tree("6,6,16,0,0.03")["tree_min_prob"] == 0.03
     for bad in ("5,8", "5,8,24,0.1,0.1,0.1", "5,x,24", "5,8,24,high"):
         with pytest.raises(ValueError, match=rf"--tree '{bad}': expected depth,top_k,nodes\[,stop_prob\[,min_prob\]\]"):
