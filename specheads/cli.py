@@ -496,7 +496,7 @@ def _dispatch(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="specheads", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="main job on the embedded target: data -> train -> benchmark")
+    demo = sub.add_parser("demo", help="main job on the embedded target: data -> features -> train -> benchmark")
     demo.add_argument("--out", default="demo_out", help="output folder (heads/ and results.json)")
     demo.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
 
