@@ -1,15 +1,15 @@
-"""`specheads demo`: on the embedded stories260K target, data -> train -> benchmark, in minutes on a CPU.
+"""`specheads demo`: on the embedded stories260K target, data -> features -> train -> benchmark, in minutes on a CPU.
 
 1. The target writes its own training stories (batched sampling from short seed openings).
 2. Its features of every story are dumped once (`specheads data dump-features`): the heads read them for ~9 epochs,
-   and reading a dump costs less than running the target inside every step (2 CPU threads: 1.2 -> 0.85 s a step,
+   and reading a dump costs less than running the target inside every step (2 CPU threads: 1.2 -> 0.83 s a step,
    the same metrics; session 49).
 3. EAGLE heads train on them (the same loop as `specheads train`, `feature_mode=offline`).
 4. Benchmark in the same run: for each prompt, plain greedy `target.generate` and speculative
    `SpeculativeLM.generate` alternate; the outputs must be identical.
 
 Writes DIR/heads/ (a Hub-ready checkpoint), DIR/results.json, and prints a small table; DIR/features/ (the dump,
-138 MB) can be deleted afterwards.
+137 MiB) can be deleted afterwards.
 """
 
 from __future__ import annotations
