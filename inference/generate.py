@@ -18,12 +18,8 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specheads.heads.base import DraftHeads
-from specheads.heads.dflash import DFlashHeads
-from specheads.heads.draft_model import DraftModelHeads, check_drafting_source, draft_model_heads
-from specheads.heads.eagle import EagleHeads
-from specheads.heads.eagle3 import Eagle3Heads
+from specheads.heads.draft_model import check_drafting_source, draft_model_heads
 from specheads.heads.loading import load_heads
-from specheads.heads.medusa import MedusaHeads
 from specheads.heads.mtp import MtpHeads
 from specheads.inference.accept import accept_greedy, accept_tree
 from specheads.inference.batch_request import (
@@ -34,15 +30,11 @@ from specheads.inference.batch_request import (
 )
 from specheads.inference.batched import generate_batched
 from specheads.inference.certified_argmax import CertifiedArgmax
-from specheads.inference.chain_verify import CHAINS_ONLY, ChainVerifier, chain_shape, chain_static_tree
+from specheads.inference.chain_verify import CHAINS_ONLY, ChainVerifier
 from specheads.inference.corpus_lookup import CorpusLookup, corpus_for_target
 from specheads.inference.cpu_kernels import CpuKernels
-from specheads.inference.dflash_drafting import DFlashDrafter
-from specheads.inference.draft_model_drafting import DraftModelDrafter
 from specheads.inference.drafting import (
     Drafter,
-    EagleDrafter,
-    MedusaDrafter,
     constrain_drafts,
     start_sequence,
 )
@@ -57,9 +49,9 @@ from specheads.inference.generate_inputs import (
     settings_and_inputs,
     split_prompts,
 )
+from specheads.inference.heads_drafter import heads_drafter
 from specheads.inference.lookup import LookupDrafter, check_lookup_settings, with_prediction
 from specheads.inference.multimodal import check_prompt_inputs_call
-from specheads.inference.parallel_drafting import ParallelDrafter
 from specheads.inference.prompt_cache import PromptCache, check_prompt_cache_call
 from specheads.inference.round_budget import AutoRoundBudget, calibrate_verification_ms, selectable_nodes
 from specheads.inference.sampling import SamplingParams, choose_token
@@ -67,7 +59,7 @@ from specheads.inference.sequence_processors import SequenceContext
 from specheads.inference.step_scores import StepRecorder, generate_output
 from specheads.inference.stopping import StopChecker, emit_tokens
 from specheads.inference.target_support import check_one_device, check_tree_verification, verifies_chains
-from specheads.inference.tree import StaticTree, load_static_tree, truncate_static_tree
+from specheads.inference.tree import StaticTree
 from specheads.inference.tree_description import describe_tree
 from specheads.inference.verify import DynamicTreeVerifier
 from specheads.targets import load_target
@@ -174,29 +166,10 @@ class SpeculativeLM(CpuKernels):
         default for the target's device, `HeadsConfig.tree_defaults`).
 
         The prompt-lookup branch (`configure_lookup`) stays as it was."""
-        heads = self.heads
-        defaults = heads.config.tree_defaults(self.target.device.type)  # `cpu_tree` in place on a CPU target
         lookup = getattr(self, "drafter", None)  # None on the first call (from __init__)
-        if isinstance(heads, MedusaHeads):
-            static = tree if isinstance(tree, StaticTree) else load_static_tree(tree or defaults["static_tree"])
-            if tree is None and static.max_depth > heads.config.num_heads:
-                static = truncate_static_tree(static, heads.config.num_heads)  # the default tree, cut to the heads we have
-            static = chain_static_tree(static, tree is None) if self.verifies_chains else static
-            self.drafter: Drafter = MedusaDrafter(heads, static, dtype=self.target.dtype)
-        elif isinstance(heads, (EagleHeads, Eagle3Heads, DraftModelHeads, MtpHeads, DFlashHeads)):
-            if tree is not None:
-                raise ValueError(f"{heads.config.head_type} drafting makes dynamic trees: use tree_depth / tree_top_k / "
-                                 "tree_num_nodes (/ tree_stop_prob / tree_min_prob), not tree")
-            parallel = isinstance(heads, Eagle3Heads) and heads.config.parallel_depth  # P-EAGLE: one forward a round
-            drafter_class = (DraftModelDrafter if isinstance(heads, DraftModelHeads) else ParallelDrafter if parallel
-                             else DFlashDrafter if isinstance(heads, DFlashHeads) else EagleDrafter)
-            given = dict(depth=tree_depth, top_k=tree_top_k, num_nodes=tree_num_nodes, stop_prob=tree_stop_prob,
-                         min_prob=tree_min_prob)  # None: the default's `tree_<name>`
-            shape = {name: defaults[f"tree_{name}"] if value is None else value for name, value in given.items()}
-            shape = chain_shape(shape, tree_top_k) if self.verifies_chains else shape
-            self.drafter = drafter_class(heads, **shape, dtype=self.target.dtype)
-        else:
-            raise TypeError(f"no drafter for head type {heads.config.head_type!r}")
+        self.drafter: Drafter = heads_drafter(
+            self.heads, self.target.device.type, self.target.dtype, self.verifies_chains, tree, tree_depth, tree_top_k,
+            tree_num_nodes, tree_stop_prob, tree_min_prob)
         if isinstance(lookup, LookupDrafter):  # prompt lookup stays on, around the new heads' drafter
             self.drafter = lookup.around(self.drafter)
 
