@@ -27,7 +27,7 @@ Pending tokens pile up while rounds stop short of their row's end. Once `max_pen
 verifies the root and the tree's first draft only (one row): accepted, that short chain is whole, so the state after
 it is kept and the pending tokens are committed (two tokens emitted); rejected, the root joins the pending tokens and
 the next round tries again. Against verifying the root alone (certain, one token): the same taus within 1%, on a
-Qwen3.5-like shape with oracle chains (scripts/hybrid_chain_bench.py; README, Results, "Hybrid targets").
+Qwen3.5-like shape with oracle chains (scripts/hybrid_chain_bench.py; docs/results.md, "Hybrid targets").
 
 Only the eager path verifies them (`SpeculativeLM.generate`, one sequence at a time; the server's requests one after
 another, inference/serial_engine.py); several sequences batched into one forward and the GPU fast path refuse these

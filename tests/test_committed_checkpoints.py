@@ -36,7 +36,7 @@ def test_committed_heads_load_and_fit_the_budget(name, head_type, steps, min_acc
     metrics = json.loads((folder / "training_metrics.json").read_text())
     assert metrics["steps"] == steps and metrics["acc_depth1"] > min_acc
     assert "How these heads were trained" in (folder / "README.md").read_text()
-    # a CPU target drafts the small tree measured fastest there (README Results, "Default tree on a CPU")
+    # a CPU target drafts the small tree measured fastest there (docs/results.md, "Default tree on a CPU")
     assert config.tree_defaults("cpu") == {"tree_depth": 4, "tree_top_k": 4, "tree_num_nodes": 8, "tree_stop_prob": 0.2,
                                            "tree_min_prob": 0.03, "static_tree": config.static_tree}
     assert (config.tree_defaults("cuda")["tree_depth"], config.tree_defaults("cuda")["tree_num_nodes"]) == (5, 24)

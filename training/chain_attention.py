@@ -7,7 +7,7 @@ the recipe's 7 steps cost 28 n x n blocks of products (and as many in backward),
 grouped keys and values for SDPA. Chain attention scores the n step-0 keys (one n x n block, causal) and the i
 own-chain keys (one product per key, elementwise), takes one softmax over the n + i, and sums the values the same
 way: 7 blocks for the 7 steps. The probabilities are materialised ((B, H, n, n + i) per step, kept for backward),
-which flash-style SDPA kernels avoid; measured on the CPU only (README), hence `loss.ttt_attention=auto` picks it on
+which flash-style SDPA kernels avoid; measured on the CPU only (docs/training.md), hence `loss.ttt_attention=auto` picks it on
 the CPU and keeps the dense mask elsewhere.
 
 It is an attention function registered with transformers' `AttentionInterface` (the documented way to add one;

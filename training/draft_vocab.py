@@ -160,7 +160,7 @@ def eagle3_heads_with_wider_vocab(heads: Any, target: Any, draft_to_target: torc
     The heads' own draft tokens keep their trained lm_head rows; each new token's row starts from the target's
     lm_head row, as fresh heads' rows do (`init_lm_head_from_target`). Those rows are not yet in the trained rows'
     scale, so the widened heads draft worse until they are trained (with `init_heads=` and
-    `head.options.draft_vocab_size=` the new size): session 22 saw 96 CPU steps repair such heads (README).
+    `head.options.draft_vocab_size=` the new size): session 22 saw 96 CPU steps repair such heads (docs/training.md).
 
     Raises:
         ValueError: `heads` are not EAGLE-3 heads, or `draft_to_target` does not hold all of their draft tokens, or
