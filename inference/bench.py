@@ -159,8 +159,9 @@ def _configure_tree(
     if tree is None:
         return None
     if tree == "auto":
-        # Tuned at the measured length: small trees that stop drafting early win at 128 tokens by ~5% (docs/RESULTS_HISTORY.md, session 14),
-        # a gap that shorter or fewer calibration answers could not tell from noise.
+        # Tuned at the measured length: small trees that stop drafting early win at 128 tokens by ~5%
+        # (docs/RESULTS_HISTORY.md, session 14), a gap that shorter or fewer calibration answers could not tell
+        # from noise.
         report = autotune_tree(lm, calibration, max_new_tokens=max(1, min(max_new_tokens, CALIBRATION_MAX_TOKENS)),
                                progress=True)
         print(f"[specheads bench] --tree auto chose {report['chosen']}")

@@ -197,12 +197,12 @@ class SpeculativeLM(CpuKernels):
         check_lookup_settings(lookup_tokens, lookup_max_ngram, lookup_max_tokens, corpus_tokens)
         if lookup_corpus is not None:
             lookup_corpus = corpus_for_target(lookup_corpus, self.target.get_input_embeddings().num_embeddings)
-        heads_drafter = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter
+        inner = self.drafter.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter  # lookup's host
         self.drafter = (
-            LookupDrafter(heads_drafter, lookup_tokens, lookup_max_ngram, max_tokens=lookup_max_tokens,
+            LookupDrafter(inner, lookup_tokens, lookup_max_ngram, max_tokens=lookup_max_tokens,
                           corpus=lookup_corpus, corpus_tokens=corpus_tokens)
             if lookup_tokens or lookup_corpus is not None
-            else heads_drafter
+            else inner
         )
 
     def tree_description(self) -> dict[str, Any]:
